@@ -1,0 +1,317 @@
+"""The wire contract: every message that crosses Redis, and every key name.
+
+msgpack everywhere. Each message is a dataclass with `to_wire()` (bytes) and
+`from_wire(bytes)`; the payload carries the protocol version and the message
+kind, so a receiver rejects what it does not understand instead of guessing.
+
+Flow (see docs/architecture.md):
+  gateway  --SubmitRequest/CancelRequest--> stream `requests`      --> scheduler
+  scheduler --StepPlan-->                   stream `steps:<worker>` --> worker
+  worker   --StepResult-->                  stream `results`        --> scheduler
+  worker   --TokenBatch-->                  channel `gw:<gateway>`  --> gateway
+  worker   --WorkerInfo-->                  key `worker:<id>` (expires: heartbeat)
+
+Every token carries its offset in the sequence's output, so receivers can drop
+duplicates and notice gaps (what makes recompute after a crash invisible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import msgpack
+
+from phaseserve.params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class WireError(ValueError):
+    """A payload that is not a message of this protocol version."""
+
+
+class Keys:
+    """Redis key, stream and channel names, all under one prefix."""
+
+    def __init__(self, prefix: str = "ps"):
+        self.prefix = prefix
+        self.requests = f"{prefix}:requests"  # stream: SubmitRequest / CancelRequest
+        self.results = f"{prefix}:results"  # stream: StepResult
+        self.workers = f"{prefix}:workers"  # set of worker ids ever announced
+        self.scheduler_group = "schedulers"
+        self.worker_group = "workers"
+
+    def steps(self, worker_id: str) -> str:
+        return f"{self.prefix}:steps:{worker_id}"
+
+    def gateway_channel(self, gateway_id: str) -> str:
+        return f"{self.prefix}:gw:{gateway_id}"
+
+    def worker_heartbeat(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def request_record(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    def scheduler_state(self) -> str:
+        return f"{self.prefix}:scheduler:state"
+
+
+def _pack(kind: str, body: dict) -> bytes:
+    body["v"] = PROTOCOL_VERSION
+    body["k"] = kind
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _unpack(data: bytes, kind: str) -> dict:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"not msgpack: {e}") from e
+    if not isinstance(body, dict) or body.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"unsupported protocol version: {body.get('v') if isinstance(body, dict) else body!r}")
+    if body.get("k") != kind:
+        raise WireError(f"expected {kind}, got {body.get('k')}")
+    return body
+
+
+def peek_kind(data: bytes) -> str:
+    """The kind of a message, for streams that carry more than one kind."""
+    body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(body, dict) or body.get("v") != PROTOCOL_VERSION:
+        raise WireError("unsupported protocol version")
+    return body.get("k", "")
+
+
+# --------------------------------------------------------------- gateway -> scheduler
+
+
+@dataclass
+class SubmitRequest:
+    """One sequence to generate (a request with n > 1 is n of these)."""
+
+    KIND: ClassVar[str] = "submit"
+    request_id: str
+    gateway_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    arrival_time: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "gateway_id": self.gateway_id,
+            "prompt_ids": list(self.prompt_ids),
+            "params": self.params.to_wire(),
+            "priority": self.priority,
+            "arrival_time": self.arrival_time,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SubmitRequest":
+        return cls(
+            d["request_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
+            d.get("priority", 0), d.get("arrival_time", 0.0),
+        )
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, self.to_dict())
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "SubmitRequest":
+        return cls.from_dict(_unpack(data, cls.KIND))
+
+
+@dataclass
+class CancelRequest:
+    """The client went away, or a stop string matched: free the sequence."""
+
+    KIND: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "abort"
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {"request_id": self.request_id, "reason": self.reason})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "CancelRequest":
+        d = _unpack(data, cls.KIND)
+        return cls(d["request_id"], d.get("reason", "abort"))
+
+
+# --------------------------------------------------------------- scheduler -> worker
+
+
+@dataclass
+class SeqStart:
+    """Tells a worker about a sequence it has not seen (new, preempted or migrated).
+
+    `output_ids` is non-empty when the sequence is recomputed: the worker feeds
+    prompt + output through prefill and continues sampling at offset len(output_ids).
+    """
+
+    seq_id: str
+    gateway_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "seq_id": self.seq_id, "gateway_id": self.gateway_id, "prompt_ids": list(self.prompt_ids),
+            "params": self.params.to_wire(), "output_ids": list(self.output_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SeqStart":
+        return cls(d["seq_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
+                   d.get("output_ids", []))
+
+
+@dataclass
+class ScheduledChunk:
+    """Run tokens [start_pos, start_pos + num_tokens) of a sequence this step.
+
+    The tokens themselves are the worker's (prompt + outputs it sampled), so a
+    decode chunk needs no token id from the scheduler. `block_table` lists the
+    KV block ids covering positions [0, start_pos + num_tokens); the scheduler
+    owns allocation, the worker only writes where it is told. The worker samples
+    a token when the chunk reaches the end of the sequence's known tokens.
+    """
+
+    seq_id: str
+    start_pos: int
+    num_tokens: int
+    block_table: list[int]
+
+    def to_list(self) -> list:
+        return [self.seq_id, self.start_pos, self.num_tokens, self.block_table]
+
+    @classmethod
+    def from_list(cls, x: list) -> "ScheduledChunk":
+        return cls(x[0], x[1], x[2], x[3])
+
+
+@dataclass
+class StepPlan:
+    """Everything a worker needs for one forward pass. Decodes come first."""
+
+    KIND: ClassVar[str] = "plan"
+    step_id: int
+    worker_id: str
+    starts: list[SeqStart] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # seq ids the worker may forget
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {
+            "step_id": self.step_id, "worker_id": self.worker_id,
+            "starts": [s.to_dict() for s in self.starts],
+            "chunks": [c.to_list() for c in self.chunks],
+            "releases": list(self.releases),
+        })
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "StepPlan":
+        d = _unpack(data, cls.KIND)
+        return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
+                   [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"])
+
+
+# --------------------------------------------------------------- worker -> gateway / scheduler
+
+
+@dataclass
+class TokenEvent:
+    """New output tokens of one sequence; `offset` is the index of token_ids[0] in its output.
+
+    `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
+    `finish_reason` is "stop", "length", "abort" or "error" on the last event of a sequence.
+    """
+
+    seq_id: str
+    offset: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    error: str | None = None
+
+    def to_list(self) -> list:
+        return [self.seq_id, self.offset, self.token_ids, self.finish_reason, self.logprobs, self.error]
+
+    @classmethod
+    def from_list(cls, x: list) -> "TokenEvent":
+        return cls(*x)
+
+
+@dataclass
+class TokenBatch:
+    """All tokens of one step for one gateway: one pub/sub message per gateway per step."""
+
+    KIND: ClassVar[str] = "tokens"
+    step_id: int
+    worker_id: str
+    events: list[TokenEvent]
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {"step_id": self.step_id, "worker_id": self.worker_id,
+                                 "events": [e.to_list() for e in self.events]})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "TokenBatch":
+        d = _unpack(data, cls.KIND)
+        return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]])
+
+
+@dataclass
+class StepResult:
+    """What a step produced, for the scheduler: sampled tokens and finished sequences."""
+
+    KIND: ClassVar[str] = "result"
+    step_id: int
+    worker_id: str
+    events: list[TokenEvent]
+    num_tokens: int = 0
+    step_time_s: float = 0.0
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {"step_id": self.step_id, "worker_id": self.worker_id,
+                                 "events": [e.to_list() for e in self.events],
+                                 "num_tokens": self.num_tokens, "step_time_s": self.step_time_s})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "StepResult":
+        d = _unpack(data, cls.KIND)
+        return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]],
+                   d.get("num_tokens", 0), d.get("step_time_s", 0.0))
+
+
+@dataclass
+class WorkerInfo:
+    """A worker's heartbeat: who it is and what it can hold. Stored with a TTL."""
+
+    KIND: ClassVar[str] = "worker"
+    worker_id: str
+    role: str  # "mixed" | "prefill" | "decode"
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    pid: int = 0
+    started_at: float = 0.0
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {k: getattr(self, k) for k in (
+            "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at")})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "WorkerInfo":
+        d = _unpack(data, cls.KIND)
+        d.pop("v"), d.pop("k")
+        return cls(**d)
