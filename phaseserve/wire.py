@@ -25,6 +25,7 @@ import msgpack
 from phaseserve.params import SamplingParams
 
 PROTOCOL_VERSION = 1
+FIELD = "m"  # every stream entry is {FIELD: <msgpack message>}
 
 
 class WireError(ValueError):
@@ -54,8 +55,10 @@ class Keys:
     def request_record(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
 
-    def scheduler_state(self) -> str:
-        return f"{self.prefix}:scheduler:state"
+    def scheduler_stats(self) -> str:
+        """msgpack dict written by the scheduler on change (throttled): num_waiting, num_running,
+        kv_blocks_used, kv_blocks_total, num_preemptions, updated_at. Read by the gateway's /metrics."""
+        return f"{self.prefix}:scheduler:stats"
 
 
 def _pack(kind: str, body: dict) -> bytes:

@@ -1,0 +1,152 @@
+"""Every setting of every service in one table: flag, environment variable, default, help.
+
+Each service builds its argparse parser from the settings it uses; a flag wins
+over the environment, the environment over the default. The README's settings
+table is generated from SETTINGS (`python -m phaseserve.settings --markdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip()
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    for unit, mult in units.items():
+        if s.lower().endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(float(s))
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    v = str(text).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # attribute name; flag is --name-with-dashes
+    env: str
+    default: Any
+    type: Callable[[str], Any]
+    help: str
+    services: tuple[str, ...]  # which services read it: gateway, scheduler, worker, up, bench
+    choices: tuple | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+ALL = ("gateway", "scheduler", "worker", "up")
+
+SETTINGS: list[Setting] = [
+    Setting("redis_url", "REDIS_URL", None, str,
+            "Redis to use; `up` starts an embedded private server when unset", ALL),
+    Setting("key_prefix", "PHASESERVE_KEY_PREFIX", "ps", str,
+            "prefix of every Redis key, stream and channel (lets stacks share a Redis)", ALL),
+    Setting("model", "PHASESERVE_MODEL", None, str,
+            "Hugging Face model folder; default: the bundled model", ("gateway", "worker", "up")),
+    Setting("served_model_name", "PHASESERVE_SERVED_MODEL_NAME", None, str,
+            "model id in the API; default: the model folder's name", ("gateway", "up")),
+    Setting("host", "PHASESERVE_HOST", "127.0.0.1", str, "gateway bind address", ("gateway", "up")),
+    Setting("port", "PHASESERVE_PORT", 8000, int, "gateway port", ("gateway", "up")),
+    Setting("gateway_id", "PHASESERVE_GATEWAY_ID", None, str,
+            "gateway identity (pub/sub channel); default: random", ("gateway",)),
+    Setting("max_body_bytes", "PHASESERVE_MAX_BODY_BYTES", 1 << 20, parse_size,
+            "largest accepted request body (413 above)", ("gateway", "up")),
+    Setting("max_waiting_requests", "PHASESERVE_MAX_WAITING", 1024, int,
+            "requests a gateway keeps in flight before answering 429", ("gateway", "up")),
+    Setting("worker_id", "PHASESERVE_WORKER_ID", None, str,
+            "worker identity; default: hostname-pid", ("worker",)),
+    Setting("role", "PHASESERVE_ROLE", "mixed", str, "worker phase role", ("worker",),
+            ("mixed", "prefill", "decode")),
+    Setting("device", "PHASESERVE_DEVICE", "auto", str,
+            "where the worker runs the model: auto (cuda if available), cpu, cuda", ("worker", "up")),
+    Setting("dtype", "PHASESERVE_DTYPE", "auto", str,
+            "model dtype: auto (checkpoint's; bf16 for fp16 checkpoints on CPU), bfloat16, float32",
+            ("worker", "up"), ("auto", "bfloat16", "float32", "float16")),
+    Setting("block_size", "PHASESERVE_BLOCK_SIZE", 16, int, "tokens per KV-cache block", ("worker", "up")),
+    Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,
+            "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),
+    Setting("num_threads", "PHASESERVE_NUM_THREADS", 0, int,
+            "torch CPU threads for the worker (0 = all cores)", ("worker", "up")),
+    Setting("max_model_len", "PHASESERVE_MAX_MODEL_LEN", 0, int,
+            "longest sequence (prompt + output); 0 = the model's limit", ("worker", "gateway", "up")),
+    Setting("max_num_seqs", "PHASESERVE_MAX_NUM_SEQS", 64, int,
+            "sequences in one step at most", ("scheduler", "up")),
+    Setting("max_num_batched_tokens", "PHASESERVE_MAX_NUM_BATCHED_TOKENS", 512, int,
+            "token budget of one step (decodes + prefill chunks)", ("scheduler", "up")),
+    Setting("enable_chunked_prefill", "PHASESERVE_CHUNKED_PREFILL", True, parse_bool,
+            "split long prompts into chunks that fit beside the decodes", ("scheduler", "up")),
+    Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
+            "seconds between worker heartbeats", ("worker", "scheduler", "up")),
+    Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,
+            "a worker silent this long is considered dead", ("worker", "scheduler", "up")),
+    Setting("log_level", "PHASESERVE_LOG_LEVEL", "info", str, "log level", ALL),
+    Setting("log_json", "PHASESERVE_LOG_JSON", False, parse_bool, "JSON log lines", ALL),
+]
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def settings_for(service: str) -> list[Setting]:
+    return [s for s in SETTINGS if service in s.services]
+
+
+def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
+    """Add the flags of `service`; defaults come from the environment, then the table."""
+    for s in settings_for(service):
+        default = s.type(os.environ[s.env]) if s.env in os.environ else s.default
+        kwargs: dict[str, Any] = dict(default=default, help=f"{s.help} [env {s.env}]")
+        if s.type is parse_bool:
+            kwargs.update(type=parse_bool, nargs="?", const=True, metavar="BOOL")
+        else:
+            kwargs.update(type=s.type)
+        if s.choices:
+            kwargs["choices"] = s.choices
+        parser.add_argument(s.flag, dest=s.name, **kwargs)
+
+
+def parse(service: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog or f"phaseserve {service}")
+    add_arguments(parser, service)
+    return parser.parse_args(argv)
+
+
+def markdown_table() -> str:
+    rows = ["| flag | environment | default | services | meaning |", "| --- | --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        default = "—" if s.default is None else f"`{s.default}`"
+        rows.append(f"| `{s.flag}` | `{s.env}` | {default} | {', '.join(s.services)} | {s.help} |")
+    return "\n".join(rows)
+
+
+def bundled_model_path() -> str:
+    """The model phaseserve ships (trained by scripts/train_bundled_model.py)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled_model")
+
+
+def resolve_model(value: str | None) -> str:
+    """A --model value (or None) -> an existing model folder, or a clear error."""
+    path = os.path.abspath(os.path.expanduser(value)) if value else bundled_model_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"phaseserve: no model at {path} (expected a Hugging Face folder with config.json)")
+    return path
+
+
+if __name__ == "__main__":
+    print(markdown_table())
