@@ -1,0 +1,419 @@
+"""The scheduling policy: decode-first steps with chunked prefill over paged KV blocks. No I/O.
+
+Each `schedule()` builds one `StepPlan` for one worker:
+
+1. Decodes. Every running sequence whose prefill is planned in full and whose
+   last token is not yet planned gets one token, in (priority, arrival) order.
+   If its next position needs a block and none is free, the lowest-priority,
+   latest-arrived running sequence is preempted by recompute (blocks freed,
+   back to waiting with its outputs kept; a later SeqStart re-prefills
+   prompt + outputs). Decodes never make way for prefill.
+2. Prefill, in what is left of `max_num_batched_tokens`: first the chunks of
+   partially-prefilled sequences, then new (or preempted) sequences from the
+   waiting queue in (priority, arrival) order, FCFS (the first one that does
+   not fit stops admission, so a large prompt is not overtaken forever).
+
+Starvation rule (a short prompt behind a long one): when the head of the
+waiting queue could be admitted this step, it is reserved
+min(its prefill, ceil(P / 2)) tokens of the P tokens left after decodes;
+partially-prefilled sequences share the rest. So the head of the queue starts
+on the very next plan, and a sequence with k startable sequences ahead of it
+starts within k + 1 plans -- as long as a max_num_seqs slot and KV blocks
+(above the watermark) are free and no preemption happened in that step. A
+prompt of up to ceil(P / 2) tokens at the head is prefilled in that one step.
+
+Blocks. Admitting a sequence requires blocks for its whole prefill (+ the
+first decode slot) on top of the watermark and of the blocks promised to
+partially-prefilled sequences; a chunk allocates only what it covers. So
+prefills never deadlock each other on blocks; only decodes, which can always
+preempt, may eat into those promises. No admission happens in a step that
+preempted (the victim would come straight back).
+
+Chunked prefill off (the "stall" baseline): a prompt is scheduled whole, and
+only when it fits in the budget left -- except the first prefill of a step,
+which runs whole even if that makes the step exceed the budget (with the
+step's decodes, which are never dropped); otherwise a prompt larger than what
+decodes leave would never run.
+
+Pipelining. `schedule()` may run one (or more) plans ahead of `update()`:
+positions and expected samples advance at plan time; a sequence whose prefill
+completes in step N decodes in N + 1 (the worker holds the sampled token);
+a sequence is never planned past max_tokens / max_model_len, but a stop-token
+finish is learned a step late, so it may get one extra decode that the worker
+skips. `update()` accepts an event only for a sequence planned to sample in
+that step (same Sequence object: a cancelled and re-added id is a new one)
+and only at offset == len(output_ids). A preempted sequence is not restarted
+while one of its samples is still in flight, so the SeqStart of a recompute
+carries every token the worker has published for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+import structlog
+
+from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Sequence, SequenceStatus
+
+log = structlog.get_logger("scheduler.policy")
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+
+
+def _by_rank(seq: Sequence) -> tuple:
+    return seq.sort_key
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048  # must equal the worker's: the scheduler plans no decode past it
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # fraction of blocks kept free when admitting
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running sequence's decode must fit in one step, or decode-first cannot hold
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, worker_id: str = "local"):
+        self.config = config
+        self.worker_id = worker_id
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self._waiting: list[Sequence] = []  # sorted by rank; no blocks
+        self._running: list[Sequence] = []  # sorted by rank; hold blocks
+        self._releases: list[str] = []  # for the next plan
+        self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences planned to sample in it
+        self._arrivals = itertools.count()
+        self._next_step_id = 0
+        self._num_preemptions = 0
+        self._num_resyncs = 0
+        self._num_finished = 0
+        self._num_cancelled = 0
+        self._num_prefill_tokens = 0
+        self._num_decode_tokens = 0
+        self._num_ignored_results = 0  # results of unknown or already applied steps
+        self._num_ignored_events = 0  # token events at an unexpected offset
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, req: SubmitRequest, output_ids: list[int] | None = None) -> None:
+        """Queue a sequence. Non-empty `output_ids`: a recomputed/migrated one, prefilled over prompt + outputs."""
+        cfg = self.config
+        rid = req.request_id
+        if rid in self._seqs:
+            raise ValueError(f"request {rid!r} is already scheduled")
+        outputs = list(output_ids or ())
+        prompt_len = len(req.prompt_ids)
+        if prompt_len == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if len(outputs) >= req.params.max_tokens:
+            raise ValueError(f"request {rid!r} already has {len(outputs)} outputs, max_tokens is "
+                             f"{req.params.max_tokens}")
+        if prompt_len + len(outputs) >= cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: {prompt_len + len(outputs)} tokens leave no room to generate "
+                             f"within max_model_len {cfg.max_model_len}")
+        seq = Sequence(req, next(self._arrivals), outputs)
+        bm = self.block_manager
+        most = bm.blocks_for(self._final_len(seq) - 1)  # the last token's KV is never computed
+        admit = bm.blocks_for(self._promised_len(seq, prompt_len + len(outputs)))
+        if most > bm.num_blocks or admit > bm.num_blocks - bm.watermark_blocks:
+            raise ValueError(f"request {rid!r} needs up to {most} KV blocks of {cfg.block_size} tokens; the "
+                             f"worker has {bm.num_blocks} (watermark {bm.watermark_blocks})")
+        self._seqs[rid] = seq
+        bisect.insort(self._waiting, seq, key=_by_rank)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a sequence now (blocks freed at once; the worker hears it in the next plan's releases)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._retire(seq)
+        self._num_cancelled += 1
+        return True
+
+    def take_all(self) -> list[tuple[SubmitRequest, list[int]]]:
+        """Remove every unfinished sequence, returning it with its confirmed outputs (for another worker)."""
+        seqs = sorted(self._seqs.values(), key=_by_rank)
+        for seq in seqs:
+            self._retire(seq)
+        self._inflight.clear()
+        return [(s.request, list(s.output_ids)) for s in seqs]
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to send."""
+        cfg = self.config
+        bm = self.block_manager
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        starts: list[SeqStart] = []
+        sampled: list[Sequence] = []
+        scheduled: set[Sequence] = set()
+        preempted = False
+
+        # 1) decodes first: one token for every running sequence past its prefill
+        for seq in list(self._running):
+            if seq.status is not RUNNING or seq.is_prefilling or seq.reaches_limit(cfg.max_model_len):
+                continue
+            pos = seq.num_computed_tokens
+            while bm.num_new_blocks(seq.block_table, pos + 1) > bm.num_free_blocks:
+                victim = self._running[-1]  # lowest priority, latest arrival; never one already planned
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not RUNNING:
+                continue
+            bm.append(seq.block_table, pos, 1)
+            decodes.append(ScheduledChunk(seq.seq_id, pos, 1, list(seq.block_table)))
+            seq.num_computed_tokens = pos + 1
+            seq.num_inflight_samples += 1
+            sampled.append(seq)
+            scheduled.add(seq)
+        left = cfg.max_num_batched_tokens - len(decodes)
+
+        def plan_prefill(seq: Sequence, n: int) -> None:
+            start = seq.num_computed_tokens
+            bm.append(seq.block_table, start, n)
+            prefills.append(ScheduledChunk(seq.seq_id, start, n, list(seq.block_table)))
+            seq.num_computed_tokens = start + n
+            if seq.num_computed_tokens == seq.prefill_len:  # the worker samples at the end of its known tokens
+                seq.num_inflight_samples += 1
+                sampled.append(seq)
+            scheduled.add(seq)
+
+        def admissible(seq: Sequence) -> bool:
+            need = bm.blocks_for(self._promised_len(seq, seq.num_prompt_tokens + len(seq.output_ids)))
+            return (not preempted and len(self._running) < cfg.max_num_seqs
+                    and bm.can_allocate(need, reserved=self._promised_blocks()))
+
+        chunking = cfg.enable_chunked_prefill
+        head = next((s for s in self._waiting if self._startable(s)), None)
+        reserve = 0
+        if chunking and head is not None and left > 0 and admissible(head):
+            reserve = min(head.num_prompt_tokens + len(head.output_ids), (left + 1) // 2)
+
+        # 2a) the next chunks of partially-prefilled sequences (none exist with chunking off)
+        allow = left - reserve
+        for seq in list(self._running):
+            if allow <= 0:
+                break
+            if not seq.is_prefilling or seq in scheduled:
+                continue
+            room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
+            n = min(seq.num_prefill_remaining, allow, room)
+            if n <= 0:
+                continue  # decodes took its promised blocks; they will finish or preempt
+            plan_prefill(seq, n)
+            allow -= n
+            left -= n
+
+        # 2b) admit waiting sequences, FCFS by rank
+        for seq in list(self._waiting):
+            if not self._startable(seq):
+                continue
+            need = seq.num_prompt_tokens + len(seq.output_ids)
+            if chunking:
+                if left <= 0:
+                    break
+                n = min(need, left)
+            else:
+                if need > left and prefills:
+                    break  # whole prompts only; the first prefill of a step may exceed the budget
+                n = need
+            if not admissible(seq):
+                break
+            self._waiting.remove(seq)
+            seq.status = RUNNING
+            seq.prefill_len = need
+            seq.num_computed_tokens = 0
+            bisect.insort(self._running, seq, key=_by_rank)
+            if not seq.on_worker:
+                starts.append(seq.seq_start())
+                seq.on_worker = True
+            plan_prefill(seq, n)
+            left -= n
+
+        if not decodes and not prefills and not self._releases:
+            return None
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        self._inflight[step_id] = sampled  # every plan gets a result, even one with nothing to sample
+        releases, self._releases = self._releases, []
+        self._num_decode_tokens += len(decodes)
+        self._num_prefill_tokens += sum(c.num_tokens for c in prefills)
+        return StepPlan(step_id, self.worker_id, starts, decodes + prefills, releases)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, result: StepResult) -> list[str]:
+        """Apply a step's sampled tokens; returns the ids of sequences that finished."""
+        sampled = self._inflight.pop(result.step_id, None)
+        if sampled is None:
+            self._num_ignored_results += 1
+            log.warning("ignoring result of an unknown or already applied step", step_id=result.step_id,
+                        worker_id=result.worker_id)
+            return []
+        for old in sorted(k for k in self._inflight if k < result.step_id):
+            # results come in step order, so an older open step's result was lost (harmless if it sampled nothing)
+            lost = self._inflight.pop(old)
+            if lost:
+                log.warning("step result missing; recomputing its sequences", step_id=old, num_seqs=len(lost))
+                self._settle(lost, set())
+        planned = set(sampled)
+        accepted: set[Sequence] = set()
+        finished: list[str] = []
+        for ev in result.events:
+            seq = self._seqs.get(ev.seq_id)
+            if seq is None or seq not in planned:
+                continue  # cancelled, finished, or an earlier incarnation of this id
+            if ev.offset != len(seq.output_ids):
+                self._num_ignored_events += 1
+                log.warning("ignoring token event at an unexpected offset", seq_id=ev.seq_id, offset=ev.offset,
+                            expected=len(seq.output_ids), step_id=result.step_id)
+                continue
+            seq.output_ids.extend(ev.token_ids)
+            accepted.add(seq)
+            if ev.finish_reason is None and self._at_limit(seq):
+                log.error("worker did not finish a sequence at its length limit; finishing it",
+                          seq_id=seq.seq_id, outputs=len(seq.output_ids))
+                ev_reason = "length"
+            else:
+                ev_reason = ev.finish_reason
+            if ev_reason is not None:
+                self._retire(seq)
+                self._num_finished += 1
+                finished.append(seq.seq_id)
+        self._settle(sampled, accepted)
+        return finished
+
+    def _settle(self, sampled: list[Sequence], accepted: set[Sequence]) -> None:
+        """Close a step's expected samples; a live sequence whose sample never came is recomputed."""
+        for seq in sampled:
+            seq.num_inflight_samples -= 1
+            if seq in accepted or self._seqs.get(seq.seq_id) is not seq:
+                continue
+            log.warning("planned token never reported; recomputing the sequence", seq_id=seq.seq_id)
+            self._num_resyncs += 1
+            if seq.status is RUNNING:
+                self._preempt(seq, count=False)
+
+    # ------------------------------------------------------------------ state changes
+
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
+        self._running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = WAITING
+        seq.num_computed_tokens = 0
+        seq.prefill_len = 0
+        if seq.on_worker:
+            self._releases.append(seq.seq_id)
+            seq.on_worker = False
+        bisect.insort(self._waiting, seq, key=_by_rank)
+        if count:
+            seq.num_preemptions += 1
+            self._num_preemptions += 1
+            log.info("preempted by recompute", seq_id=seq.seq_id, outputs=len(seq.output_ids),
+                     free_blocks=self.block_manager.num_free_blocks)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Finished or cancelled: out of every queue, blocks freed, worker told."""
+        if seq.status is RUNNING:
+            self._running.remove(seq)
+            self.block_manager.free(seq.block_table)
+        elif seq.status is WAITING:
+            self._waiting.remove(seq)
+        if seq.on_worker:
+            self._releases.append(seq.seq_id)
+            seq.on_worker = False
+        seq.status = SequenceStatus.FINISHED
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _startable(self, seq: Sequence) -> bool:
+        # an in-flight sample would be missing from the SeqStart; a pending release would
+        # reach the worker in the same plan as the start
+        return seq.num_inflight_samples == 0 and seq.seq_id not in self._releases
+
+    def _final_len(self, seq: Sequence) -> int:
+        return min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.config.max_model_len)
+
+    def _promised_len(self, seq: Sequence, prefill_len: int) -> int:
+        """Positions a prefill is promised blocks for: itself plus the first decode (if there is one)."""
+        return min(prefill_len + 1, self._final_len(seq) - 1)
+
+    def _promised_blocks(self) -> int:
+        """Blocks partially-prefilled sequences will still take to finish their prefill."""
+        bm = self.block_manager
+        return sum(bm.num_new_blocks(s.block_table, self._promised_len(s, s.prefill_len))
+                   for s in self._running if s.is_prefilling)
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        n = len(seq.output_ids)
+        return n >= seq.request.params.max_tokens or seq.num_prompt_tokens + n >= self.config.max_model_len
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def stats(self) -> dict:
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "num_free_blocks": self.num_free_blocks,
+            "num_used_blocks": self.num_used_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_preemptions": self._num_preemptions,
+            "num_resyncs": self._num_resyncs,
+            "num_finished": self._num_finished,
+            "num_cancelled": self._num_cancelled,
+            "num_steps": self._next_step_id,
+            "num_steps_in_flight": len(self._inflight),
+            "num_ignored_results": self._num_ignored_results,
+            "num_ignored_events": self._num_ignored_events,
+            "num_prefill_tokens": self._num_prefill_tokens,
+            "num_decode_tokens": self._num_decode_tokens,
+        }

@@ -1,0 +1,74 @@
+"""The scheduler's view of one sequence: what is known, what is planned, which blocks it holds.
+
+Token ids belong to the worker; the scheduler keeps only the outputs that step
+results have confirmed (enough to recompute a sequence elsewhere) and counts
+positions. `num_computed_tokens` advances when a chunk is *planned*, so the
+next plan can be built before the previous step's result arrives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from phaseserve.wire import SeqStart, SubmitRequest
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # holds no blocks; (re)starts with a prefill over prompt + outputs
+    RUNNING = "running"  # holds blocks: prefilling in chunks, or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity matters: a re-added request id is a different sequence
+class Sequence:
+    request: SubmitRequest
+    arrival: int  # admission order in this scheduler; breaks ties after priority and arrival_time
+    output_ids: list[int] = field(default_factory=list)  # confirmed by step results
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # positions whose KV is in the cache or planned
+    block_table: list[int] = field(default_factory=list)
+    prefill_len: int = 0  # positions the current incarnation prefills: prompt + outputs at (re)start
+    num_inflight_samples: int = 0  # planned chunks that sample a token, whose step result has not arrived
+    on_worker: bool = False  # the worker was sent a SeqStart and no release since
+    num_preemptions: int = 0
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def sort_key(self) -> tuple:
+        """Lower is served first: priority, then arrival (gateway clock, then ours)."""
+        return (self.request.priority, self.request.arrival_time, self.arrival)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_planned_outputs(self) -> int:
+        """Outputs there will be once every planned step has reported."""
+        return len(self.output_ids) + self.num_inflight_samples
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.status is SequenceStatus.RUNNING and self.num_computed_tokens < self.prefill_len
+
+    @property
+    def num_prefill_remaining(self) -> int:
+        return self.prefill_len - self.num_computed_tokens
+
+    def reaches_limit(self, max_model_len: int) -> bool:
+        """True once the planned outputs already include the last token the worker will sample
+        (max_tokens or max_model_len, the same rule as phaseserve.params.finish_reason)."""
+        n = self.num_planned_outputs
+        return n >= self.request.params.max_tokens or self.num_prompt_tokens + n >= max_model_len
+
+    def seq_start(self) -> SeqStart:
+        r = self.request
+        return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids))

@@ -1,0 +1,620 @@
+"""The scheduling policy, step by step, with no Redis and no model.
+
+A fake worker runs each StepPlan the way workers/runner.py does (releases,
+then starts, then chunks; samples when a chunk reaches the end of the known
+tokens; skips sequences it knows are finished), on a "model" whose next token
+is a hash of the last tokens it reads back from a simulated paged KV cache.
+So a block handed to two live sequences, a chunk that skips positions, or a
+recompute that starts from the wrong tokens all change the output tokens or
+trip an assertion, and every run is compared with a plain reference loop.
+The fake worker also plays the gateway: it records every published token by
+offset and checks that a stream never has a gap or a repeat, and that the
+SeqStart of a recomputed sequence carries exactly what was published.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+
+from phaseserve.params import SamplingParams, finish_reason
+from phaseserve.wire import StepPlan, StepResult, SubmitRequest, TokenEvent
+from scheduler.block_manager import BlockManager
+from scheduler.policy import Scheduler, SchedulerConfig
+
+VOCAB = 50_000
+
+
+def next_token(ctx: list[int]) -> int:
+    """The fake model: a function of the context length and its last 8 tokens."""
+    return zlib.crc32(array("q", ctx[-8:]).tobytes() + len(ctx).to_bytes(4, "little")) % VOCAB
+
+
+def make_req(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, stop: tuple = ()) -> SubmitRequest:
+    prompt = [zlib.crc32(f"{rid}:{i}".encode()) % VOCAB for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop))
+    return SubmitRequest(rid, "gw0", prompt, params, priority=priority)
+
+
+def reference(req: SubmitRequest, max_model_len: int) -> tuple[list[int], str]:
+    """What an unscheduled, unpreempted run of the fake model generates."""
+    ctx = list(req.prompt_ids)
+    out: list[int] = []
+    while True:
+        tok = next_token(ctx)
+        ctx.append(tok)
+        out.append(tok)
+        reason = finish_reason(req.params, tok, len(out), len(ctx), frozenset(), max_model_len)
+        if reason:
+            return out, reason
+
+
+@dataclass
+class WorkerSeq:
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    computed: int = 0
+    finished: bool = False
+
+
+class FakeWorker:
+    def __init__(self, cfg: SchedulerConfig, published: dict | None = None, strict: bool = True):
+        self.cfg = cfg
+        self.kv = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
+        self.seqs: dict[str, WorkerSeq] = {}
+        self.published = published if published is not None else {}  # the gateway: seq -> tokens by offset
+        self.finish: dict[str, str] = {}
+        self.strict = strict
+        self.skipped = 0
+        self.recompute_starts: list = []
+
+    def _read(self, table: list[int], pos: int, seq_id: str) -> int:
+        entry = self.kv[table[pos // self.cfg.block_size]][pos % self.cfg.block_size]
+        assert entry is not None and entry[:2] == (seq_id, pos), f"KV of {seq_id}@{pos} overwritten: {entry}"
+        return entry[2]
+
+    def run(self, plan: StepPlan) -> StepResult:
+        bs = self.cfg.block_size
+        for rid in plan.releases:
+            self.seqs.pop(rid, None)
+        for s in plan.starts:
+            assert s.seq_id not in plan.releases, "a start and a release of one id in one plan is ambiguous"
+            pub = self.published.setdefault(s.seq_id, [])
+            if self.strict:  # a recompute continues exactly where the client's stream is
+                assert s.output_ids == pub, (s.seq_id, len(s.output_ids), len(pub))
+            if s.output_ids:
+                self.recompute_starts.append((plan.step_id, s.seq_id, list(s.output_ids)))
+            self.seqs[s.seq_id] = WorkerSeq(len(s.prompt_ids), list(s.prompt_ids) + list(s.output_ids), s.params)
+        events = []
+        for c in plan.chunks:
+            w = self.seqs.get(c.seq_id)
+            if w is None or w.finished:
+                self.skipped += 1  # planned a step ahead of a finish, or already released
+                continue
+            end = c.start_pos + c.num_tokens
+            assert c.start_pos == w.computed and c.num_tokens >= 1, (c, w.computed)
+            assert end <= len(w.tokens), (c, len(w.tokens))
+            assert len(c.block_table) == -(-end // bs), (c, end)
+            for p in range(c.start_pos, end):
+                self.kv[c.block_table[p // bs]][p % bs] = (c.seq_id, p, w.tokens[p])
+            w.computed = end
+            if end < len(w.tokens):
+                continue
+            # "attention" reads the whole prefix back from the paged cache
+            ctx = [self._read(c.block_table, p, c.seq_id) for p in range(end)]
+            assert ctx == w.tokens
+            tok = next_token(ctx)
+            offset = len(w.tokens) - w.prompt_len
+            w.tokens.append(tok)
+            reason = finish_reason(w.params, tok, offset + 1, len(w.tokens), frozenset(), self.cfg.max_model_len)
+            w.finished = reason is not None
+            pub = self.published.setdefault(c.seq_id, [])
+            if offset < len(pub):
+                assert not self.strict, f"{c.seq_id}: offset {offset} published twice"
+                assert pub[offset] == tok
+            else:
+                assert offset == len(pub), f"{c.seq_id}: gap before offset {offset}"
+                pub.append(tok)
+            if reason:
+                self.finish[c.seq_id] = reason
+            events.append(TokenEvent(c.seq_id, offset, [tok], reason))
+        return StepResult(plan.step_id, plan.worker_id, events, plan.num_tokens)
+
+
+class Checker:
+    """Invariants every plan must satisfy."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        # prefill length of each sequence's current incarnation (those started before this driver too)
+        self.prefill_len: dict[str, int] = {q.seq_id: q.prefill_len for q in sched._running}
+
+    def check(self, plan: StepPlan) -> None:
+        s, cfg = self.sched, self.sched.config
+        for st in plan.starts:
+            self.prefill_len[st.seq_id] = len(st.prompt_ids) + len(st.output_ids)
+        ids = [c.seq_id for c in plan.chunks]
+        assert len(ids) == len(set(ids)), "a sequence twice in one plan"
+        assert len(ids) <= cfg.max_num_seqs
+        kinds = ["d" if c.start_pos >= self.prefill_len[c.seq_id] else "p" for c in plan.chunks]
+        assert "".join(kinds) == "d" * kinds.count("d") + "p" * kinds.count("p"), "decodes must come first"
+        for c, k in zip(plan.chunks, kinds):
+            assert k == "p" or c.num_tokens == 1
+        owner: dict[int, str] = {}
+        for c in plan.chunks:
+            assert len(c.block_table) == -(-(c.start_pos + c.num_tokens) // cfg.block_size)
+            for b in c.block_table:
+                assert 0 <= b < cfg.num_blocks
+                assert owner.setdefault(b, c.seq_id) == c.seq_id, f"block {b} in two tables"
+        prefills = [c for c, k in zip(plan.chunks, kinds) if k == "p"]
+        if cfg.enable_chunked_prefill:
+            assert plan.num_tokens <= cfg.max_num_batched_tokens
+        else:  # whole prompts only; only a step's single prefill may take it over the budget
+            assert all(c.start_pos == 0 and c.num_tokens == self.prefill_len[c.seq_id] for c in prefills)
+            assert plan.num_tokens <= cfg.max_num_batched_tokens or len(prefills) == 1
+        assert s.num_running <= cfg.max_num_seqs
+        assert s.num_used_blocks + s.num_free_blocks == cfg.num_blocks
+        assert s.num_used_blocks == sum(len(q.block_table) for q in s._running)
+
+
+def drive(sched: Scheduler, worker: FakeWorker, *, depth: int = 1, arrivals: dict | None = None,
+          max_iters: int = 5000, on_plan=None, stop_after: int | None = None) -> list[StepPlan]:
+    """Run to idle. depth=2: schedule() for step N+1 is called before update() for step N."""
+    arrivals = dict(arrivals or {})
+    checker = Checker(sched)
+    inflight: deque[StepPlan] = deque()
+    plans: list[StepPlan] = []
+    for i in range(max_iters):
+        for req in arrivals.pop(i, []):
+            sched.add_request(req)
+        plan = None if stop_after is not None and len(plans) >= stop_after else sched.schedule()
+        if plan is not None:
+            checker.check(plan)
+            plans.append(plan)
+            inflight.append(plan)
+            if on_plan:
+                on_plan(len(plans) - 1, plan)
+        elif not inflight and (stop_after is not None or not (sched.has_unfinished() or arrivals)):
+            st = sched.stats()  # idle (or stopped early with every planned step run and applied)
+            assert st["num_steps_in_flight"] == 0
+            if worker.strict:  # a clean run never produces a result the scheduler has to ignore
+                assert st["num_ignored_results"] == st["num_ignored_events"] == st["num_resyncs"] == 0, st
+            return plans
+        if inflight and (len(inflight) >= depth or plan is None):
+            sched.update(worker.run(inflight.popleft()))
+    raise AssertionError(f"not idle after {max_iters} iterations: {sched.stats()}")
+
+
+def assert_idle(sched: Scheduler) -> None:
+    assert not sched.has_unfinished()
+    assert sched.num_running == 0 and sched.num_waiting == 0
+    assert sched.num_free_blocks == sched.config.num_blocks and sched.num_used_blocks == 0
+    assert sched.schedule() is None
+
+
+def assert_reference(worker: FakeWorker, reqs: list[SubmitRequest], max_model_len: int) -> None:
+    for r in reqs:
+        out, reason = reference(r, max_model_len)
+        assert worker.published[r.request_id] == out, r.request_id
+        assert worker.finish[r.request_id] == reason, r.request_id
+
+
+# ---------------------------------------------------------------------------- block manager
+
+
+def test_block_manager_allocate_append_free_watermark():
+    bm = BlockManager(num_blocks=10, block_size=4, watermark=0.2)
+    assert bm.watermark_blocks == 2
+    table = bm.allocate(5)  # positions 0..4 -> 2 blocks
+    assert len(table) == 2 and bm.num_free_blocks == 8 and bm.num_used_blocks == 2
+    assert bm.append(table, 5, 3) == []  # 8 positions still fit in 2 blocks
+    added = bm.append(table, 8, 1)
+    assert len(added) == 1 and len(table) == 3
+    assert bm.can_allocate(5) and not bm.can_allocate(6)  # 7 free, 2 kept by the watermark
+    assert bm.can_allocate(7, use_watermark=False)
+    assert not bm.can_allocate(4, reserved=2)
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.append(table, 12, 4 * 8)
+    assert len(table) == 3, "a failed append must not leave a partial table"
+    bm.free(table)
+    assert table == [] and bm.num_free_blocks == 10 and bm.num_used_blocks == 0
+    with pytest.raises(RuntimeError, match="freed twice"):
+        bm.free([added[0]])
+    assert 0 in bm.allocate(40)  # block 0 is an ordinary block
+
+
+# ---------------------------------------------------------------------------- (1) decode first
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
+    cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    shorts = [make_req(f"d{i}", 8, max_tokens=40) for i in range(16)]
+    long = make_req("long", 2048, max_tokens=4)
+    long_chunks: list = []
+    decodes_per_plan: list[int] = []
+
+    def on_plan(idx, plan):
+        mine = [c for c in plan.chunks if c.seq_id == "long"]
+        long_chunks.extend(mine)
+        if mine and mine[0].start_pos + mine[0].num_tokens <= 2048 and mine[0].num_tokens > 1:
+            decodes_per_plan.append(sum(1 for c in plan.chunks if c.seq_id.startswith("d")))
+            assert plan.chunks[-1].seq_id == "long"  # decodes first
+            assert plan.num_tokens <= 512
+            assert mine[0].num_tokens <= 512 - 16
+
+    drive(sched, worker, depth=depth, arrivals={0: shorts, 3: [long]}, on_plan=on_plan)
+    prefill = [c for c in long_chunks if c.start_pos < 2048]
+    assert [c.num_tokens for c in prefill] == [496, 496, 496, 496, 64]  # budget minus the 16 decodes
+    assert [c.start_pos for c in prefill] == [0, 496, 992, 1488, 1984]
+    assert decodes_per_plan == [16] * 5, "every decode stays in every step of the long prefill"
+    assert_reference(worker, shorts + [long], cfg.max_model_len)
+    assert sched.num_preemptions == 0
+    assert_idle(sched)
+
+
+# ---------------------------------------------------------------------------- (2) no starvation
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_short_prompt_behind_long_one_starts_on_the_next_plan(depth):
+    cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    long, short = make_req("long", 2048, max_tokens=2), make_req("short", 10, max_tokens=2)
+    first_plan: dict[str, int] = {}
+    prefill_done: dict[str, int] = {}
+
+    def on_plan(idx, plan):
+        for c in plan.chunks:
+            first_plan.setdefault(c.seq_id, idx)
+            if c.start_pos + c.num_tokens == len({"long": long, "short": short}[c.seq_id].prompt_ids):
+                prefill_done[c.seq_id] = idx
+        if idx == 1:
+            assert {c.seq_id: c.num_tokens for c in plan.chunks} == {"long": 502, "short": 10}
+
+    drive(sched, worker, depth=depth, arrivals={0: [long], 1: [short]}, on_plan=on_plan)
+    assert first_plan == {"long": 0, "short": 1}  # the short one arrived just before plan 1
+    assert prefill_done["short"] == 1 and prefill_done["long"] == 4
+    assert_reference(worker, [long, short], cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_waiting_sequence_starts_within_k_plus_one_plans():
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
+    first: dict[str, int] = {}
+    drive(sched, worker, arrivals={0: reqs}, on_plan=lambda i, p: [first.setdefault(c.seq_id, i) for c in p.chunks])
+    assert first == {"L1": 0, "L2": 1, "L3": 2, "S": 3}  # k sequences ahead -> starts in plan k
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+# ---------------------------------------------------------------------------- (3) preemption
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_preemption_by_recompute_gives_the_same_tokens(depth):
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=128, watermark=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req(f"s{i}", 5 + i, max_tokens=20) for i in range(6)]
+    drive(sched, worker, depth=depth, arrivals={0: reqs})
+    assert sched.num_preemptions > 0
+    assert worker.recompute_starts, "a preempted sequence must be re-prefilled over prompt + outputs"
+    for step_id, rid, outputs in worker.recompute_starts:
+        ref, _ = reference(next(r for r in reqs if r.request_id == rid), cfg.max_model_len)
+        assert outputs == ref[:len(outputs)]  # and FakeWorker checked: == everything published so far
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_victim_is_lowest_priority_then_latest_arrival():
+    cfg = SchedulerConfig(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64, watermark=0.0)
+    for prios, victim in (((0, 0, 0), "c"), ((5, 0, 0), "a")):
+        sched, worker = Scheduler(cfg), FakeWorker(cfg)
+        reqs = [make_req(n, 3, max_tokens=12, priority=p) for n, p in zip("abc", prios)]
+        for r in reqs:
+            sched.add_request(r)
+        while True:
+            plan = sched.schedule()
+            if sched.num_preemptions:
+                break
+            sched.update(worker.run(plan))
+        assert sched.num_preemptions == 1 and plan.releases == [victim]
+        assert victim not in {c.seq_id for c in plan.chunks}, "the victim is not planned"
+        sched.update(worker.run(plan))
+        drive(sched, worker)
+        assert_reference(worker, reqs, cfg.max_model_len)
+        assert_idle(sched)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                          max_model_len=64, watermark=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    a, c, d = make_req("a", 4, max_tokens=20), make_req("c", 24, max_tokens=5), make_req("d", 2, max_tokens=2)
+    for r in (a, c, d):
+        sched.add_request(r)
+    p0 = sched.schedule()
+    assert [(x.seq_id, x.num_tokens) for x in p0.chunks] == [("a", 4), ("c", 24)]  # 7 of 8 blocks
+    sched.update(worker.run(p0))
+    p1 = sched.schedule()  # a's decode takes the last block; c's decode needs one: c (latest) is preempted
+    assert sched.num_preemptions == 1 and p1.releases == ["c"]
+    assert [x.seq_id for x in p1.chunks] == ["a"] and p1.starts == [], "d must not slip in behind a preemption"
+    sched.update(worker.run(p1))
+    drive(sched, worker)
+    assert_reference(worker, [a, c, d], cfg.max_model_len)
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("watermark", [0.0, 0.1])
+def test_admission_keeps_the_watermark_free(watermark):
+    cfg = SchedulerConfig(num_blocks=100, block_size=4, max_num_batched_tokens=512, max_model_len=1024,
+                          watermark=watermark)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    big, small = make_req("big", 316, max_tokens=3), make_req("small", 56, max_tokens=3)  # 80 and 15 blocks
+    plans = drive(sched, worker, arrivals={0: [big, small]})
+    starts = {s.seq_id: i for i, p in enumerate(plans) for s in p.starts}
+    last_big = max(i for i, p in enumerate(plans) if any(c.seq_id == "big" for c in p.chunks))
+    if watermark:  # 100 - 80 - 15 < 10 kept free: small waits until big is done
+        assert starts["small"] > last_big
+    else:
+        assert starts == {"big": 0, "small": 0}
+    assert_reference(worker, [big, small], cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_partial_prefills_never_deadlock_on_blocks():
+    # no decodes at all (max_tokens <= 2), long prompts, a pool that holds only a few of them: without the
+    # blocks promised to partially-prefilled sequences, several partial prefills fill the pool and all stall
+    for seed in range(40):
+        rng = random.Random(seed)
+        cfg = SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
+                              max_model_len=200, watermark=0.0)
+        sched, worker = Scheduler(cfg), FakeWorker(cfg)
+        reqs = [make_req(f"r{i}", rng.randint(10, 80), max_tokens=rng.randint(1, 2)) for i in range(8)]
+        arrivals: dict[int, list] = {}
+        for r in reqs:
+            arrivals.setdefault(rng.randint(0, 10), []).append(r)
+        drive(sched, worker, arrivals=arrivals, max_iters=500)
+        assert_reference(worker, reqs, cfg.max_model_len)
+        assert_idle(sched)
+
+
+# ---------------------------------------------------------------------------- (4) idle
+
+
+def test_all_blocks_free_after_cancels():
+    cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=100,
+                          max_model_len=512)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req(f"c{i}", 60, max_tokens=50) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    inflight = sched.schedule()
+    for _ in range(2):  # two plans in flight when the cancels come
+        nxt = sched.schedule()
+        sched.update(worker.run(inflight))
+        inflight = nxt
+    assert sched.num_running == 4 and sched.num_waiting == 2 and sched.num_used_blocks > 0
+    on_worker = set(worker.seqs)
+    assert all(sched.cancel(r.request_id) for r in reqs)
+    assert not sched.cancel("c0") and not sched.cancel("nope")
+    assert sched.num_free_blocks == 64 and not sched.has_unfinished()
+    assert sched.update(worker.run(inflight)) == []  # results of cancelled sequences are ignored
+    plan = sched.schedule()
+    assert plan.chunks == [] and plan.starts == [] and set(plan.releases) == on_worker
+    worker.run(plan)
+    assert worker.seqs == {}
+    assert_idle(sched)
+    assert sched.stats()["num_cancelled"] == 6
+
+
+# ---------------------------------------------------------------------------- pipelining
+
+
+def test_pipelined_plans_decode_before_the_result_and_tolerate_late_finishes():
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=128)
+    ref, _ = reference(make_req("stop", 6, max_tokens=10), cfg.max_model_len)
+    assert ref[3] not in ref[:3]
+    stopper = make_req("stop", 6, max_tokens=10, stop=(ref[3],))
+    capped = make_req("cap", 5, max_tokens=3)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched.add_request(stopper)
+    sched.add_request(capped)
+    p0 = sched.schedule()
+    p1 = sched.schedule()  # before update(p0): the worker holds the tokens p0 samples
+    assert {(c.seq_id, c.start_pos, c.num_tokens) for c in p1.chunks} == {("stop", 6, 1), ("cap", 5, 1)}
+    assert [s.seq_id for s in p0.starts] == ["stop", "cap"] and p1.starts == []
+    plans = [p0, p1]
+    inflight = deque([p0, p1])
+    finished = []
+    while inflight:
+        finished += sched.update(worker.run(inflight.popleft()))
+        plan = sched.schedule()
+        if plan is not None:
+            plans.append(plan)
+            inflight.append(plan)
+    assert sorted(finished) == ["cap", "stop"]
+    assert_reference(worker, [stopper, capped], cfg.max_model_len)
+    assert worker.published["stop"] == ref[:4]
+    samples = {rid: sum(1 for p in plans for c in p.chunks if c.seq_id == rid) for rid in ("stop", "cap")}
+    assert samples["cap"] == 3, "no decode is planned past max_tokens"
+    assert samples["stop"] == 5 and worker.skipped == 1, "one extra decode after a stop token, skipped"
+    assert sorted(r for p in plans for r in p.releases) == ["cap", "stop"]
+    assert_idle(sched)
+
+
+def test_update_ignores_unknown_duplicate_and_stale_results():
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=128)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg, strict=False)
+    a = make_req("a", 6, max_tokens=6)
+    sched.add_request(a)
+    p0 = sched.schedule()
+    res = worker.run(p0)
+    assert sched.update(StepResult(99, "local", res.events)) == []  # a step never planned
+    bad = StepResult(p0.step_id, "local", [TokenEvent("a", 1, res.events[0].token_ids)])
+    sched.update(bad)  # wrong offset: ignored, and the sequence is recomputed from what is confirmed
+    assert sched.stats()["num_resyncs"] == 1 and sched.num_waiting == 1 and sched.num_free_blocks == 32
+    assert sched.update(res) == []  # that step is already settled
+    plan = sched.schedule()  # the restart waits until the worker has been told to drop the old state
+    assert plan.releases == ["a"] and plan.starts == [] and plan.chunks == []
+    assert sched.update(worker.run(plan)) == []
+    drive(sched, worker)
+    assert worker.published["a"] == reference(a, cfg.max_model_len)[0]
+    assert sched.stats()["num_ignored_results"] == 2 and sched.stats()["num_ignored_events"] == 1
+    assert_idle(sched)
+
+
+def test_cancel_then_readd_same_id_is_a_new_sequence():
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=128)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg, strict=False)
+    a = make_req("a", 6, max_tokens=5)
+    sched.add_request(a)
+    p0 = sched.schedule()
+    assert sched.cancel("a")
+    sched.add_request(a)
+    p1 = sched.schedule()
+    assert p1.releases == ["a"] and p1.starts == [] and p1.chunks == []  # start waits for the release
+    assert sched.update(worker.run(p0)) == []  # the old incarnation's token is not the new one's
+    assert sched.update(worker.run(p1)) == []
+    p2 = sched.schedule()
+    assert [(s.seq_id, s.output_ids) for s in p2.starts] == [("a", [])]
+    sched.update(worker.run(p2))
+    drive(sched, worker)
+    assert worker.published["a"] == reference(a, cfg.max_model_len)[0]
+    assert_idle(sched)
+
+
+# ---------------------------------------------------------------------------- limits and order
+
+
+def test_priority_then_arrival_order():
+    cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=128,
+                          max_model_len=512)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req("a", 100, 2), make_req("b", 100, 2), make_req("urgent", 100, 2, priority=-1)]
+    order: list[str] = []
+    drive(sched, worker, arrivals={0: reqs},
+          on_plan=lambda i, p: [order.append(s.seq_id) for s in p.starts])
+    assert order == ["urgent", "a", "b"]
+    assert_reference(worker, reqs, cfg.max_model_len)
+
+
+def test_max_num_seqs_bounds_running_sequences():
+    cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=3, max_num_batched_tokens=64,
+                          max_model_len=256)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req(f"m{i}", 4, max_tokens=5 + i) for i in range(7)]
+    peak = []
+    plans = drive(sched, worker, arrivals={0: reqs}, on_plan=lambda i, p: peak.append(sched.num_running))
+    assert max(peak) == 3 and max(len(p.chunks) for p in plans) == 3
+    assert [s.seq_id for p in plans for s in p.starts] == [r.request_id for r in reqs]  # FCFS
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked):
+    rng = random.Random(7 + depth)
+    cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=12, max_num_batched_tokens=128,
+                          max_model_len=320, enable_chunked_prefill=chunked)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    arrivals: dict[int, list] = {}
+    reqs = []
+    for i in range(40):
+        r = make_req(f"r{i}", rng.randint(1, 250), max_tokens=rng.randint(1, 40), priority=rng.choice([0, 0, 1]))
+        reqs.append(r)
+        arrivals.setdefault(rng.randint(0, 150), []).append(r)
+    drive(sched, worker, depth=depth, arrivals=arrivals)
+    assert sched.num_preemptions > 0  # the pool is small on purpose
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+    st = sched.stats()
+    assert st["num_finished"] == 40 and st["num_resyncs"] == 0
+
+
+def test_chunked_prefill_off_schedules_whole_prompts():
+    cfg = SchedulerConfig(num_blocks=128, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=512, enable_chunked_prefill=False)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    a, b = make_req("a", 40, max_tokens=30), make_req("b", 40, max_tokens=30)
+    big = make_req("big", 200, max_tokens=3)
+    plans = drive(sched, worker, arrivals={0: [a, b], 4: [big]})
+    shape = [sorted((c.seq_id, c.num_tokens) for c in p.chunks) for p in plans]
+    assert shape[0] == [("a", 40)]  # b does not fit beside a: it waits, it is not split
+    assert shape[1] == [("a", 1), ("b", 40)]
+    assert shape[4] == [("a", 1), ("b", 1), ("big", 200)]  # alone among prefills it may exceed the budget
+    assert plans[4].num_tokens == 202
+    for p in plans:
+        prefills = [c for c in p.chunks if c.start_pos == 0]
+        assert all(c.num_tokens == len({"a": a, "b": b, "big": big}[c.seq_id].prompt_ids) for c in prefills)
+        if len(prefills) != 1:
+            assert p.num_tokens <= 64  # only a lone prefill may exceed the budget
+    assert_reference(worker, [a, b, big], cfg.max_model_len)
+    assert_idle(sched)
+
+
+# ---------------------------------------------------------------------------- migration
+
+
+def test_take_all_moves_unfinished_sequences_to_another_scheduler():
+    cfg = SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=3, max_num_batched_tokens=64,
+                          max_model_len=256)
+    published: dict = {}
+    sched, worker = Scheduler(cfg, "w1"), FakeWorker(cfg, published)
+    reqs = [make_req(f"t{i}", 30, max_tokens=12) for i in range(5)]
+    drive(sched, worker, depth=2, arrivals={0: reqs}, stop_after=4)
+    taken = sched.take_all()
+    assert [r.request_id for r, _ in taken] == [r.request_id for r in reqs]  # arrival order
+    assert any(outs for _, outs in taken) and any(not outs for _, outs in taken)
+    for r, outs in taken:
+        assert outs == reference(r, cfg.max_model_len)[0][:len(outs)] == published.get(r.request_id, [])
+    assert len(taken) == 5 and not sched.has_unfinished() and sched.num_free_blocks == 40
+    plan = sched.schedule()
+    assert plan is not None and plan.chunks == [] and set(plan.releases) == {"t0", "t1", "t2"}
+    assert sched.schedule() is None
+
+    other, worker2 = Scheduler(cfg, "w2"), FakeWorker(cfg, published)  # same gateway record
+    for r, outs in taken:
+        other.add_request(r, outs)
+    drive(other, worker2)
+    assert {rid for _, rid, _ in worker2.recompute_starts} == {r.request_id for r, o in taken if o}
+    assert_reference(worker2, reqs, cfg.max_model_len)  # `published` holds both workers' tokens
+    assert_idle(other)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_config_and_requests_are_rejected_clearly():
+    with pytest.raises(ValueError, match="num_blocks"):
+        SchedulerConfig(num_blocks=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(num_blocks=8, max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(num_blocks=8, watermark=1.5)
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(cfg)
+    sched.add_request(make_req("x", 4))
+    with pytest.raises(ValueError, match="already scheduled"):
+        sched.add_request(make_req("x", 4))
+    with pytest.raises(ValueError, match="empty prompt"):
+        sched.add_request(make_req("e", 0))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_req("long", 64))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(make_req("huge", 40, max_tokens=8))  # 47 positions > 8 blocks of 4
+    with pytest.raises(ValueError, match="max_tokens"):
+        sched.add_request(make_req("done", 4, max_tokens=2), output_ids=[1, 2])
+    assert sched.num_waiting == 1
