@@ -1,0 +1,34 @@
+"""`python -m gateway [flags]` (also `phaseserve gateway`): serve the OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.app import create_app
+from phaseserve import logs, settings
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = settings.parse("gateway", argv)
+    log = logs.configure("gateway", ns.log_level, ns.log_json)
+    app = create_app(ns)
+    log.info("listening", host=ns.host, port=ns.port)
+    # run_app turns SIGINT/SIGTERM into a graceful shutdown: stop accepting, let handlers finish
+    # (their finally blocks cancel unfinished sequences), then close the Redis side.
+    # handler_cancellation: a client that disconnects cancels its handler, even a non-streaming one.
+    web.run_app(app, host=ns.host, port=ns.port, handler_cancellation=True, shutdown_timeout=10.0,
+                access_log=None, print=None, loop=new_event_loop())
+
+
+if __name__ == "__main__":
+    main()

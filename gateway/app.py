@@ -1,0 +1,71 @@
+"""The aiohttp application: routes, middleware, start-up and shutdown of the Redis side."""
+
+from __future__ import annotations
+
+import argparse
+
+import structlog
+from aiohttp import web
+
+from gateway import protocol as P
+from gateway.errors import MAX_BODY_BYTES, error_middleware
+from gateway.generate import create_chat_completion, create_completion
+from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import openapi_document
+from gateway.state import GATEWAY, Gateway
+
+log = structlog.get_logger("gateway")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    workers = await gw.backend.alive_workers()
+    return web.json_response(P.models_response(gw.model_name, gw.created, gw.max_model_len(workers) or None))
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    workers = await gw.backend.alive_workers(max_age_s=0.0)
+    body = {"status": "ok" if workers and gw.backend.subscribed.is_set() else "unavailable",
+            "workers": [w.worker_id for w in workers], "token_channel": gw.backend.subscribed.is_set(),
+            "gateway_id": gw.gateway_id}
+    return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    stats = await gw.backend.scheduler_stats()
+    workers = await gw.backend.alive_workers()
+    gw.metrics.set_cluster_state(stats, len(workers))
+    return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+OPENAPI = web.AppKey("openapi", dict)
+
+
+def create_app(settings: argparse.Namespace) -> web.Application:
+    """The gateway app from parsed settings (`phaseserve.settings.parse("gateway", argv)`)."""
+    gw = Gateway(settings)
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app[GATEWAY] = gw
+    app[MAX_BODY_BYTES] = settings.max_body_bytes
+    app[OPENAPI] = openapi_document()
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+
+    async def redis_side(app: web.Application):
+        await gw.backend.start()
+        log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path)
+        yield
+        await gw.backend.close()
+
+    app.cleanup_ctx.append(redis_side)
+    return app

@@ -1,0 +1,104 @@
+"""OpenAI-format errors and the middleware that turns every failure into one.
+
+Body: {"error": {"message", "type", "param", "code"}}. A client never sees a
+traceback: unexpected exceptions are logged with theirs and answered with 500.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import redis.exceptions
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger("gateway.errors")
+
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+class APIError(Exception):
+    """An error answer: raise anywhere in a handler, the middleware renders it."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
+
+
+def too_many_requests(limit: int) -> APIError:
+    return APIError(429, f"Too many requests in flight on this gateway (limit {limit}); retry later.",
+                    "rate_limit_error", None, "rate_limit_exceeded")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", None, "service_unavailable")
+
+
+def internal_error(message: str = "Internal server error.") -> APIError:
+    return APIError(500, message, "server_error", None, "internal_error")
+
+
+# aiohttp's own HTTP errors (router misses, body too large, ...) in OpenAI shape
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def from_http_exception(exc: web.HTTPException, request: web.Request) -> APIError:
+    status = exc.status
+    if status == 404:
+        message = f"Unknown route: {request.method} {request.path}"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {request.path}"
+    elif status == 413:
+        limit = request.app.get(MAX_BODY_BYTES)
+        message = f"Request body too large: the limit is {limit} bytes." if limit else "Request body too large."
+    else:
+        message = exc.reason or exc.text or "HTTP error"
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return APIError(status, message, type_, None, _HTTP_CODES.get(status))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Binds a request id for the logs, and renders every error as OpenAI JSON."""
+    request_id = uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+    except APIError as e:
+        if e.status >= 500:
+            log.warning("request failed", status=e.status, error=e.message)
+        response = e.response()
+    except web.HTTPException as e:
+        if e.status < 400:  # redirects and the like are not errors
+            raise
+        response = from_http_exception(e, request).response()
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        log.warning("redis unavailable", error=str(e))
+        response = unavailable("The request queue (Redis) is unavailable.").response()
+    except Exception:
+        log.exception("unhandled error")
+        response = internal_error().response()
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    return response

@@ -1,0 +1,278 @@
+"""POST /v1/completions and /v1/chat/completions: validate, tokenize, submit, stream back.
+
+A request with n choices is n sequences `<request_id>-<i>` on the wire. Whatever
+way a handler ends -- all sequences finished, a stop string, the client gone
+(write failure, or aiohttp cancelling the handler), an error -- every sequence
+that the worker side has not finished gets a CancelRequest, so the scheduler
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from typing import AsyncIterator
+
+import structlog
+from aiohttp import web
+
+from gateway import protocol as P
+from gateway.backend import RequestStream
+from gateway.errors import (REQUEST_ID, APIError, bad_request, internal_error, model_not_found, too_many_requests,
+                            unavailable)
+from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
+from gateway.state import GATEWAY, Gateway
+from phaseserve.tokenizer import ChatTemplateError
+from phaseserve.wire import SubmitRequest
+
+log = structlog.get_logger("gateway")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _check_model(gw: Gateway, model: str | None) -> None:
+    if model is not None and model != gw.model_name:
+        raise model_not_found(model)
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    req = P.parse_body(P.CompletionRequest, await request.read())
+    _check_model(gw, req.model)
+    if not req.prompt:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    if isinstance(req.prompt, str):
+        prompt_ids = gw.tokenizer.encode(req.prompt)
+        prompt_text = req.prompt
+    else:
+        out_of_vocab = [t for t in req.prompt if t >= gw.tokenizer.vocab_size]
+        if out_of_vocab:
+            raise bad_request(f"'prompt' has token ids outside the vocabulary (size {gw.tokenizer.vocab_size}): "
+                              f"{out_of_vocab[:5]}", "prompt")
+        prompt_ids = list(req.prompt)
+        prompt_text = gw.tokenizer.decode(prompt_ids) if req.echo else ""
+    return await Generation(request, gw, req, "completion", prompt_ids,
+                            prompt_text if req.echo else "").run()
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    req = P.parse_body(P.ChatCompletionRequest, await request.read())
+    _check_model(gw, req.model)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        prompt_ids = gw.tokenizer.encode_chat(messages, req.add_generation_prompt,
+                                              **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    return await Generation(request, gw, req, "chat", prompt_ids, "").run()
+
+
+class Generation:
+    """One request in flight: its sequences, their outputs, and the response being written."""
+
+    def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
+                 kind: str, prompt_ids: list[int], echo_text: str):
+        self.request = request
+        self.gw = gw
+        self.req = req
+        self.kind = kind
+        self.prompt_ids = prompt_ids
+        self.echo_text = echo_text
+        self.request_id = request[REQUEST_ID]
+        self.response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.request_id
+        self.created = P.now()
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.seq_ids = [f"{self.request_id}-{i}" for i in range(req.n)]
+        stops = req.stop_strings()
+        self.outputs = [SequenceOutput(i, s, gw.tokenizer, prompt_ids, stops, req.min_tokens, len(echo_text))
+                        for i, s in enumerate(self.seq_ids)]
+        self.by_seq = {o.seq_id: o for o in self.outputs}
+        self._last_token_at: dict[str, float] = {}
+        self.stream: RequestStream | None = None
+
+    # ------------------------------------------------------------------ admission
+
+    def _max_tokens(self, max_len: int) -> int:
+        prompt_len = len(self.prompt_ids)
+        what = "messages" if self.kind == "chat" else "prompt"
+        if prompt_len >= max_len:
+            raise bad_request(f"This model's maximum context length is {max_len} tokens. However, your {what} "
+                              f"has {prompt_len} tokens. Please reduce the length of the {what}.", what)
+        requested = self.req.requested_max_tokens() if self.kind == "chat" else self.req.max_tokens
+        room = max_len - prompt_len
+        if requested is None:  # chat: as much as fits (vLLM); completions: 16, or what fits
+            return room if self.kind == "chat" else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+        if prompt_len + requested > max_len:
+            param = "max_completion_tokens" if self.kind == "chat" and self.req.max_completion_tokens else "max_tokens"
+            raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                              f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                              f"completion). Please reduce the length of the {what} or completion.", param)
+        return requested
+
+    async def _submit(self) -> None:
+        gw = self.gw
+        if not gw.backend.subscribed.is_set():
+            raise unavailable("The gateway is not connected to its token channel (Redis); retry later.")
+        workers = await gw.backend.alive_workers()
+        if not workers:
+            raise unavailable("No worker is alive to serve the request; retry later.")
+        base = P.sampling_params(self.req, self._max_tokens(gw.max_model_len(workers)))
+        arrival_wall = time.time()
+        submits = [SubmitRequest(seq_id, gw.gateway_id, self.prompt_ids,
+                                 replace(base, seed=None if base.seed is None else base.seed + i),
+                                 self.req.priority, arrival_wall)
+                   for i, seq_id in enumerate(self.seq_ids)]
+        self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
+        await gw.backend.submit(submits)
+        gw.metrics.prompt_tokens.inc(len(self.prompt_ids) * len(submits))
+        log.info("submitted", kind=self.kind, n=len(submits), prompt_tokens=len(self.prompt_ids),
+                 max_tokens=base.max_tokens, stream=self.req.stream)
+
+    async def run(self) -> web.StreamResponse:
+        gw = self.gw
+        if gw.in_flight >= gw.max_in_flight:
+            raise too_many_requests(gw.max_in_flight)
+        gw.in_flight += 1
+        gw.metrics.in_flight.inc()
+        try:
+            await self._submit()
+            return await (self._respond_stream() if self.req.stream else self._respond_whole())
+        finally:
+            gw.in_flight -= 1
+            gw.metrics.in_flight.dec()
+            self._release()
+
+    def _release(self) -> None:
+        if self.stream is None:  # refused before anything was submitted
+            return
+        self.stream.close()
+        unfinished = [o.seq_id for o in self.outputs if not o.finished]
+        if unfinished:  # client gone or handler failed: let the scheduler free the blocks
+            self.gw.backend.cancel_soon(unfinished, "abort")
+        if not unfinished:
+            self.gw.metrics.e2e.observe(time.monotonic() - self.arrival)
+        log.info("request done", completion_tokens=sum(o.num_tokens for o in self.outputs),
+                 finish_reasons=[o.finish_reason for o in self.outputs], cancelled=unfinished or None,
+                 seconds=round(time.monotonic() - self.arrival, 4))
+
+    # ------------------------------------------------------------------ token events
+
+    async def _deltas(self) -> AsyncIterator[tuple[SequenceOutput, Delta]]:
+        assert self.stream is not None
+        metrics = self.gw.metrics
+        pending = len(self.outputs)
+        while pending:
+            ev = await self.stream.get()
+            out = self.by_seq.get(ev.seq_id)
+            if out is None or out.finished:
+                continue
+            delta = out.on_event(ev)
+            now = time.monotonic()
+            if delta.num_tokens:
+                metrics.generation_tokens.inc(delta.num_tokens)
+                last = self._last_token_at.get(out.seq_id)
+                if last is None:
+                    metrics.queue_time.observe(now - self.arrival)
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                        metrics.ttft.observe(now - self.arrival)
+                else:
+                    gap = (now - last) / delta.num_tokens
+                    for _ in range(delta.num_tokens):
+                        metrics.itl.observe(gap)
+                self._last_token_at[out.seq_id] = now
+            if out.finished:
+                pending -= 1
+                metrics.finished(out.finish_reason)
+                if out.stopped_by_string:  # the worker does not know: stop it and free the blocks
+                    self.stream.forget(out.seq_id)
+                    self.gw.backend.cancel_soon([out.seq_id], "stop")
+            yield out, delta
+
+    def _usage(self) -> dict:
+        return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs))
+
+    def _logprobs(self, entries) -> dict | None:
+        if self.kind == "chat":
+            return chat_logprobs(self.gw.tokenizer, entries) if self.req.logprobs else None
+        return completion_logprobs(self.gw.tokenizer, entries) if self.req.logprobs is not None else None
+
+    # ------------------------------------------------------------------ whole response
+
+    async def _respond_whole(self) -> web.Response:
+        async for _ in self._deltas():
+            pass
+        failed = [o for o in self.outputs if o.finish_reason == "error"]
+        if failed:
+            raise internal_error(f"Generation failed: {failed[0].error or 'worker error'}")
+        model = self.gw.model_name
+        if self.kind == "chat":
+            choices = [P.chat_choice(o.index, o.text, self._logprobs(o.logprobs), o.finish_reason)
+                       for o in self.outputs]
+            body = P.chat_response(self.response_id, self.created, model, choices, self._usage())
+        else:
+            choices = [P.completion_choice(o.index, self.echo_text + o.text, self._logprobs(o.logprobs),
+                                           o.finish_reason) for o in self.outputs]
+            body = P.completion_response(self.response_id, self.created, model, choices, self._usage())
+        return web.json_response(body, headers={"X-Request-Id": self.request_id},
+                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    # ------------------------------------------------------------------ SSE
+
+    async def _respond_stream(self) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": self.request_id})
+        await resp.prepare(self.request)
+        include_usage = self.req.include_usage
+        model = self.gw.model_name
+        chat = self.kind == "chat"
+        chunk = P.chat_chunk if chat else P.completion_chunk
+
+        async def send(obj: dict) -> None:
+            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+                             + b"\n\n")
+
+        def make(choices: list[dict]) -> dict:
+            return chunk(self.response_id, self.created, model, choices, None, include_usage)
+
+        try:
+            for o in self.outputs:  # the opening chunk of each choice
+                if chat:
+                    await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})]))
+                elif self.echo_text:
+                    await send(make([P.completion_choice(o.index, self.echo_text, None, None)]))
+            async for out, d in self._deltas():
+                if d.error:
+                    await send(P.error_chunk(internal_error(f"Generation failed: {d.error}")))
+                    break
+                if not (d.text or d.logprobs or d.finish_reason):
+                    continue
+                lp = self._logprobs(d.logprobs)
+                if chat:
+                    choice = P.chat_chunk_choice(out.index, {"content": d.text} if d.text else {}, lp,
+                                                 d.finish_reason)
+                else:
+                    choice = P.completion_choice(out.index, d.text, lp, d.finish_reason)
+                await send(make([choice]))
+            if include_usage:
+                await send(chunk(self.response_id, self.created, model, [], self._usage(), True))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
+            log.info("client disconnected")
+        except APIError as e:  # headers are sent: the error goes in the stream
+            await self._try_send_error(send, e)
+        except Exception:
+            log.exception("stream failed")
+            await self._try_send_error(send, internal_error())
+        return resp
+
+    @staticmethod
+    async def _try_send_error(send, err: APIError) -> None:
+        try:
+            await send(P.error_chunk(err))
+        except ConnectionError:
+            pass

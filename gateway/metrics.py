@@ -1,0 +1,79 @@
+"""Prometheus metrics of one gateway (its own registry, so tests and several apps never collide).
+
+Latencies are what the gateway sees: request arrival (body parsed) to tokens
+received from the token channel. The gateway cannot see when the scheduler
+first schedules a sequence, so `queue_time` is measured as arrival -> first
+token of each sequence: an upper bound on the queueing delay that also
+includes the prefill. Scheduler-side gauges are copied from the scheduler's
+stats key on each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+        self.ttft = Histogram("phaseserve_time_to_first_token_seconds",
+                              "Request arrival to its first output token", buckets=_LATENCY_BUCKETS,
+                              registry=r, labelnames=["model_name"]).labels(**labels)
+        self.itl = Histogram("phaseserve_inter_token_latency_seconds",
+                             "Time between output tokens of a sequence (a batch of k tokens counts k gaps of "
+                             "1/k of the wait)", buckets=_ITL_BUCKETS, registry=r,
+                             labelnames=["model_name"]).labels(**labels)
+        self.e2e = Histogram("phaseserve_e2e_request_latency_seconds", "Request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r, labelnames=["model_name"]).labels(**labels)
+        self.queue_time = Histogram("phaseserve_request_queue_time_seconds",
+                                    "Arrival to the first token of each sequence (upper bound of queueing: "
+                                    "includes prefill)", buckets=_LATENCY_BUCKETS, registry=r,
+                                    labelnames=["model_name"]).labels(**labels)
+        self.prompt_tokens = Counter("phaseserve_prompt_tokens", "Prompt tokens submitted (per sequence)",
+                                     registry=r, labelnames=["model_name"]).labels(**labels)
+        self.generation_tokens = Counter("phaseserve_generation_tokens", "Output tokens received",
+                                         registry=r, labelnames=["model_name"]).labels(**labels)
+        self._finished = Counter("phaseserve_request_success", "Finished sequences by finish reason",
+                                 registry=r, labelnames=["model_name", "finished_reason"])
+        self._model = model_name
+        self.in_flight = Gauge("phaseserve_gateway_requests_in_flight", "Requests this gateway is serving",
+                               registry=r)
+        self.running = Gauge("phaseserve_num_requests_running", "Sequences in the decode set (scheduler)",
+                             registry=r)
+        self.waiting = Gauge("phaseserve_num_requests_waiting", "Sequences waiting for prefill (scheduler)",
+                             registry=r)
+        self.kv_used = Gauge("phaseserve_kv_blocks_used", "KV-cache blocks allocated (scheduler)", registry=r)
+        self.kv_total = Gauge("phaseserve_kv_blocks_total", "KV-cache blocks in all (scheduler)", registry=r)
+        self.kv_usage = Gauge("phaseserve_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total", registry=r)
+        self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
+                                 "(cumulative, as reported by the scheduler)", registry=r)
+        self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
+        self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
+                               "(unix time; 0 when none)", registry=r)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(model_name=self._model, finished_reason=reason).inc()
+
+    def set_cluster_state(self, stats: dict | None, workers_alive: int) -> None:
+        self.workers_alive.set(workers_alive)
+        stats = stats or {}
+        used, total = float(stats.get("kv_blocks_used", 0)), float(stats.get("kv_blocks_total", 0))
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.kv_used.set(used)
+        self.kv_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
+        self.preemptions.set(stats.get("num_preemptions", 0))
+        self.stats_age.set(stats.get("updated_at", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

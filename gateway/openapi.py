@@ -1,0 +1,67 @@
+"""The OpenAPI 3.1 document of the gateway (request schemas come from the pydantic models)."""
+
+from __future__ import annotations
+
+from pydantic.json_schema import models_json_schema
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from phaseserve import __version__
+
+_REF = "#/components/schemas/{model}"
+
+
+def _json(schema_ref: str | dict, description: str) -> dict:
+    schema = {"$ref": schema_ref} if isinstance(schema_ref, str) else schema_ref
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _sse(description: str) -> dict:
+    return {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def openapi_document() -> dict:
+    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                 ref_template=_REF)
+    schemas = dict(defs.get("$defs", {}))
+    schemas["Error"] = {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    }
+    errors = {str(code): _json("#/components/schemas/Error", why) for code, why in (
+        (400, "invalid request"), (404, "unknown model"), (413, "body too large"),
+        (429, "too many requests in flight"), (503, "no worker alive or Redis unavailable"))}
+
+    def generation(summary: str, schema: str) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": {"$ref": _REF.format(model=schema)}}}},
+            "responses": {"200": {"description": "the completion (JSON), or SSE chunks ending in `data: [DONE]` "
+                                  "when `stream` is true",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **errors},
+        }}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "phaseserve gateway", "version": __version__,
+                 "description": "OpenAI-compatible completions and chat completions."},
+        "paths": {
+            "/v1/completions": generation("Create a text completion", "CompletionRequest"),
+            "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/models": {"get": {"summary": "List the served model",
+                                   "responses": {"200": _json({"type": "object"}, "model list")}}},
+            "/health": {"get": {"summary": "200 when at least one worker is alive, else 503",
+                                "responses": {"200": _json({"type": "object"}, "healthy"),
+                                              "503": _json({"type": "object"}, "no worker alive")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "text exposition format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document",
+                                      "responses": {"200": _json({"type": "object"}, "OpenAPI document")}}},
+        },
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,278 @@
+"""OpenAI request bodies (parsed and validated with pydantic, strict types) and response shapes.
+
+Parsing never raises anything but APIError(400): malformed JSON, a missing or
+ill-typed field, an out-of-range value -- each names the offending `param`.
+Response builders return plain dicts in exactly the OpenAI shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.errors import APIError, bad_request
+from phaseserve.params import InvalidParams, SamplingParams
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    # strict: no "0.5" -> 0.5 or true -> 1 coercions; unknown fields are ignored as OpenAI's SDKs send extras
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    user: str | None = None
+    priority: int = 0
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "_SamplingFields":
+        if self.logit_bias:
+            raise ValueError("'logit_bias' is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed with 'stream': true")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions"""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("'suffix' is not supported")
+        if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
+            raise ValueError("'prompt' token ids must be >= 0")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("'echo' together with 'logprobs' (prompt logprobs) is not supported")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions"""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs': true")
+        if self.tools:
+            raise ValueError("'tools' are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("'response_format' other than text is not supported")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _error_param(loc: tuple) -> tuple[str | None, str]:
+    """pydantic's error location -> (top-level param, readable path like messages[0].role)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier():  # skips union tags such as 'list[int]'
+            if part in ("str", "int", "float", "bool", "list", "dict") or part[:1].isupper():
+                continue
+            path += f".{part}" if path else part
+    top = loc[0] if loc and isinstance(loc[0], str) and loc[0].isidentifier() else None
+    return top, path
+
+
+def parse_body(model: type[_Strict], raw: bytes) -> Any:
+    """Raw body -> validated request model, or APIError(400) naming the field."""
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object.")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise bad_request(f"Malformed JSON body: {first['msg']}") from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise bad_request("The request body must be a JSON object.") from None
+        param, path = _error_param(tuple(first["loc"]))
+        msg = first["msg"]
+        if first["type"] == "missing":
+            raise bad_request(f"Missing required field '{path}'.", param) from None
+        if first["type"] == "value_error":  # our own validators: the message names the field
+            msg = msg.removeprefix("Value error, ")
+            raise bad_request(msg, param or _quoted_param(msg)) from None
+        raise bad_request(f"Invalid value for '{path}': {msg}." if path else f"Invalid request: {msg}.", param) \
+            from None
+
+
+def _quoted_param(msg: str) -> str | None:
+    if msg.startswith("'") and "'" in msg[1:]:
+        return msg[1:msg.index("'", 1)]
+    return None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """Request fields -> SamplingParams (validated: InvalidParams -> 400 naming the param)."""
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if req.temperature is None else float(req.temperature),
+        top_p=defaults.top_p if req.top_p is None else float(req.top_p),
+        top_k=defaults.top_k if req.top_k is None else req.top_k,
+        min_p=defaults.min_p if req.min_p is None else float(req.min_p),
+        presence_penalty=defaults.presence_penalty if req.presence_penalty is None else float(req.presence_penalty),
+        frequency_penalty=(defaults.frequency_penalty if req.frequency_penalty is None
+                           else float(req.frequency_penalty)),
+        repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                            else float(req.repetition_penalty)),
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.requested_logprobs(),
+        min_tokens=req.min_tokens,
+    )
+    try:
+        return params.validate()
+    except InvalidParams as e:
+        raise bad_request(str(e), e.param) from None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_response(id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": usage_}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(id: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
+                     include_usage: bool = False) -> dict:
+    chunk = {"id": id, "object": "text_completion", "created": created, "model": model,
+             "system_fingerprint": None, "choices": choices}
+    if include_usage:  # OpenAI: every chunk has "usage" (null) when usage was asked for
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_response(id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(id: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
+               include_usage: bool = False) -> dict:
+    chunk = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None, "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None = None,
+                      finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def models_response(model: str, created: int, max_model_len: int | None) -> dict:
+    card = {"id": model, "object": "model", "created": created, "owned_by": "phaseserve", "root": model,
+            "parent": None}
+    if max_model_len:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+def error_chunk(err: APIError) -> dict:
+    return err.body()

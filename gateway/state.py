@@ -1,0 +1,49 @@
+"""What one gateway process holds: settings, the model's text side, the Redis backend, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+
+from aiohttp import web
+
+from gateway.backend import Backend
+from gateway.metrics import GatewayMetrics
+from phaseserve.settings import resolve_model
+from phaseserve.tokenizer import Tokenizer
+from phaseserve.wire import Keys, WorkerInfo
+
+
+class Gateway:
+    def __init__(self, settings: argparse.Namespace):
+        if not settings.redis_url:
+            raise SystemExit("phaseserve gateway: --redis-url (or REDIS_URL) is required")
+        self.settings = settings
+        self.model_path = resolve_model(settings.model)
+        self.model_name = settings.served_model_name or os.path.basename(self.model_path.rstrip("/"))
+        self.tokenizer = Tokenizer.from_folder(self.model_path)
+        with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        self.config_max_len = int(config.get("max_position_embeddings") or 0)
+        self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.keys = Keys(settings.key_prefix)
+        self.backend = Backend(settings.redis_url, self.keys, self.gateway_id)
+        self.metrics = GatewayMetrics(self.model_name)
+        self.max_in_flight = settings.max_waiting_requests
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    def max_model_len(self, workers: list[WorkerInfo]) -> int:
+        """The longest sequence every live worker accepts, capped by --max-model-len when set."""
+        limits = [w.max_model_len for w in workers if w.max_model_len > 0]
+        if self.settings.max_model_len > 0:
+            limits.append(self.settings.max_model_len)
+        if not limits and self.config_max_len:
+            limits.append(self.config_max_len)
+        return min(limits) if limits else 0
+
+
+GATEWAY = web.AppKey("gateway", Gateway)

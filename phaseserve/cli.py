@@ -1,0 +1,64 @@
+"""The `phaseserve` command: one entry point for every service.
+
+  phaseserve up         the whole stack on this machine (embedded Redis + scheduler + worker + gateway)
+  phaseserve gateway    the HTTP API (OpenAI-compatible)
+  phaseserve scheduler  the scheduling service
+  phaseserve worker     a model worker
+  phaseserve bench      the benchmark client
+  phaseserve settings   the table of every setting (flag, environment variable, default)
+
+Each subcommand imports only what it needs, so `phaseserve gateway` never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from phaseserve import __version__
+
+# subcommand -> (module, function taking argv)
+COMMANDS = {
+    "up": ("phaseserve.launcher", "main"),
+    "gateway": ("gateway.__main__", "main"),
+    "scheduler": ("scheduler.service", "main"),
+    "worker": ("workers.service", "main"),
+    "bench": ("bench.cli", "main"),
+}
+
+
+def usage() -> str:
+    return (__doc__ or "").split("\n\n")[1] + "\n\nRun `phaseserve COMMAND --help` for a command's flags."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: phaseserve COMMAND [flags]\n\n" + usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command in ("-V", "--version", "version"):
+        print(f"phaseserve {__version__}")
+        return 0
+    if command == "settings":
+        from phaseserve.settings import markdown_table
+
+        print(markdown_table())
+        return 0
+    if command not in COMMANDS:
+        print(f"phaseserve: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, func = COMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"phaseserve: `{command}` is not available in this installation ({e})", file=sys.stderr)
+            return 2
+        raise
+    code = getattr(module, func)(rest)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""`phaseserve up`: the whole stack as one process tree.
+
+Starts Redis (an embedded private server unless --redis-url is given), then
+the scheduler, one worker and the gateway as child processes, waits until the
+gateway's /health answers 200, and says where it serves. Ctrl-C or SIGTERM
+stops every child (terminate, wait, kill); if any child dies, the rest are
+stopped and `up` exits non-zero. Children get PDEATHSIG so that even a
+SIGKILLed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import structlog
+
+from phaseserve import logs, settings
+from phaseserve.procs import die_with_parent
+from phaseserve.redis_server import EmbeddedRedis
+
+log = structlog.get_logger("phaseserve.up")
+
+# start order; stopped in reverse, so the gateway stops taking requests first
+SERVICES = ("scheduler", "worker", "gateway")
+MODULE = {"scheduler": "scheduler", "worker": "workers", "gateway": "gateway"}
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def child_argv(service: str, values: dict) -> list[str]:
+    """The flags of `service` whose values `up` knows, spelled so the child's parser reads them back."""
+    argv: list[str] = []
+    for s in settings.settings_for(service):
+        value = values.get(s.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        argv += [s.flag, str(value)]
+    return argv
+
+
+def health_url(host: str, port: int) -> str:
+    # a wildcard bind is reachable on loopback
+    h = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    if ":" in h:
+        h = f"[{h}]"
+    return f"http://{h}:{port}"
+
+
+@dataclass
+class Stack:
+    """The running children of one `up`, plus the embedded Redis if it started one."""
+
+    values: dict
+    redis: EmbeddedRedis | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    output: object = None  # where the children write their logs (a file); None: the launcher's own stderr
+
+    def start(self) -> None:
+        if not self.values.get("redis_url"):
+            self.redis = EmbeddedRedis().start()
+            self.values["redis_url"] = self.redis.url
+            log.info("embedded redis started", url=self.redis.url)
+        for service in SERVICES:
+            cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
+            log.debug("starting", service=service, cmd=cmd)
+            self.procs[service] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
+                                                   stderr=self.output, preexec_fn=die_with_parent)
+
+    def dead_child(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def wait_healthy(self, url: str, timeout: float, stop: threading.Event) -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            dead = self.dead_child()
+            if dead:
+                raise LaunchError(f"{dead[0]} exited with code {dead[1]} during start-up")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the stack did not become healthy within {timeout:.0f}s ({url}/health)")
+            stop.wait(0.25)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for name in reversed(SERVICES):  # ask all at once, then wait: their shutdowns overlap
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for name in reversed(SERVICES):
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            try:  # no second SIGTERM: a service in its graceful shutdown would take it as "die now"
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop in time; killing", service=name)
+                proc.kill()
+                proc.wait()
+            log.info("stopped", service=name, exit_code=proc.returncode)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def parse_args(argv: list[str] | None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="phaseserve up", description="Run the whole stack on this machine.")
+    settings.add_arguments(parser, "up")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds to wait for /health before giving up")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure("up", args.log_level, args.log_json)
+    values = vars(args).copy()
+    values["model"] = settings.resolve_model(args.model)  # fail here, before starting anything
+    stop = threading.Event()
+    got_signal: list[int] = []
+
+    def on_signal(signum, _frame):
+        got_signal.append(signum)
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stack = Stack(values)
+    url = health_url(args.host, args.port)
+    code = 0
+    try:
+        stack.start()
+        stack.wait_healthy(url, args.startup_timeout, stop)
+        if not stop.is_set():
+            name = args.served_model_name or os.path.basename(values["model"].rstrip("/"))
+            print(f"phaseserve: serving {name} at {url}/v1 (OpenAI API; /health, /metrics)", flush=True)
+            print(f"phaseserve: model folder {values['model']}; redis {values['redis_url']}; "
+                  "Ctrl-C to stop", flush=True)
+        while not stop.is_set():
+            dead = stack.dead_child()
+            if dead:
+                raise LaunchError(f"{dead[0]} exited with code {dead[1]}; stopping the stack")
+            stop.wait(0.2)
+        log.info("stopping", signal=signal.Signals(got_signal[0]).name if got_signal else None)
+    except LaunchError as e:
+        print(f"phaseserve up: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        # a second Ctrl-C while stopping must not leave children behind
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return code

@@ -1,0 +1,8 @@
+"""`python -m scheduler`: run the scheduler service (see scheduler/service.py)."""
+
+import sys
+
+from scheduler.service import main
+
+if __name__ == "__main__":
+    sys.exit(main())

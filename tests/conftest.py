@@ -1,0 +1,34 @@
+"""Shared fixtures: a private Redis per test, and whole stacks over real sockets (see tests/e2e_stack.py)."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports triton (torch._dynamo and transformers do): triton's own
+# standard library is @jit-decorated at import, interpreted only if this is set,
+# and tests/test_triton_kernels.py runs the kernels on CPU under the interpreter.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from phaseserve.redis_server import EmbeddedRedis
+from e2e_stack import e2e_model_dir, running_stack
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh embedded redis-server on a free port; yields its URL."""
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tmp_path_factory):
+    return e2e_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def stack(e2e_model, tmp_path_factory):
+    """The whole stack (embedded Redis + scheduler + worker + gateway as subprocesses) on free ports."""
+    with running_stack(e2e_model, tmp_path_factory.mktemp("stack-logs")) as running:
+        yield running

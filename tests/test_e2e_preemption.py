@@ -1,0 +1,68 @@
+"""Preemption end to end: a stack whose KV cache holds far fewer blocks than its concurrent
+requests need must preempt (recompute) instead of failing, and still produce exactly what the
+in-process engine produces."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from e2e_reference import engine_texts, metric, prompts
+from e2e_stack import running_stack, wait_for
+from phaseserve.tokenizer import Tokenizer
+from workers.kv_cache import bytes_per_block
+from workers.loader import read_config, resolve_dtype
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 16
+MAX_TOKENS = 60  # prompt + 60 tokens ~ 5 blocks per sequence; 6 of them need ~30 > 16
+NUM_REQUESTS = 6
+
+
+@pytest.fixture(scope="module")
+def small_kv_stack(e2e_model, tmp_path_factory):
+    cfg = read_config(e2e_model)
+    per_block = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE,
+                                resolve_dtype("auto", cfg, "cpu"))
+    with running_stack(e2e_model, tmp_path_factory.mktemp("small-kv-logs"), block_size=BLOCK_SIZE,
+                       kv_cache_memory=NUM_BLOCKS * per_block) as running:
+        yield running
+
+
+async def test_preemption_keeps_outputs_exact(small_kv_stack):
+    s = small_kv_stack
+    # /health says a worker is alive; the scheduler adopts it on its next look (heartbeat interval)
+    assert wait_for(lambda: metric(s.base_url, "kv_blocks_total") == NUM_BLOCKS, 10)
+    ps = prompts(NUM_REQUESTS)
+
+    async def one(client, prompt):
+        r = await client.completions.create(model=s.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX_TOKENS
+        return r.choices[0].text
+
+    async with openai.AsyncOpenAI(base_url=s.api_url, api_key="unused", max_retries=0, timeout=300) as client:
+        texts = await asyncio.gather(*(one(client, p) for p in ps))
+    assert metric(s.base_url, "num_preemptions") > 0, "the KV budget was meant to force preemptions"
+    assert texts == engine_texts(s.model_dir, ps, MAX_TOKENS)
+    assert metric(s.base_url, "kv_blocks_used") == 0
+
+
+async def test_a_prompt_larger_than_the_kv_cache_fails_alone(small_kv_stack):
+    """The scheduler rejects what no worker can hold; the client gets an error, not a hang."""
+    s = small_kv_stack
+    tokenizer = Tokenizer.from_folder(str(s.model_dir))
+    cache_tokens, context = NUM_BLOCKS * BLOCK_SIZE, read_config(s.model_dir).max_position_embeddings
+    long_prompt = "hello world"
+    while len(tokenizer.encode(long_prompt)) <= cache_tokens:  # more than the cache holds, less than the context
+        long_prompt += " hello world"
+    assert len(tokenizer.encode(long_prompt)) + 4 < context
+    async with openai.AsyncOpenAI(base_url=s.api_url, api_key="unused", max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.completions.create(model=s.model, prompt=long_prompt, max_tokens=4)
+        assert err.value.status_code == 500 and "KV blocks" in str(err.value)
+        ok = await client.completions.create(model=s.model, prompt="short", max_tokens=3,
+                                             extra_body={"ignore_eos": True})
+        assert ok.usage.completion_tokens == 3

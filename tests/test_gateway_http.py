@@ -1,0 +1,363 @@
+"""The gateway over real sockets against a real Redis, with no model: the test plays the worker.
+
+It reads SubmitRequest / CancelRequest from the requests stream and publishes TokenBatch
+messages on the gateway's channel, so this checks the gateway's end of the wire contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.app import create_app
+from phaseserve import settings
+from phaseserve.redis_server import EmbeddedRedis, free_port
+from phaseserve.tokenizer import Tokenizer
+from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind
+from text_model_factory import make_text_model
+
+MODEL = "tiny-text"
+GATEWAY_ID = "gw-test"
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    return make_text_model(tmp_path_factory.mktemp("models") / MODEL)
+
+
+async def start_gateway(redis_url: str, model_dir, *extra: str):
+    ns = settings.parse("gateway", ["--redis-url", redis_url, "--model", str(model_dir), "--key-prefix", "t",
+                                    "--gateway-id", GATEWAY_ID, "--max-body-bytes", "65536",
+                                    "--max-waiting-requests", "2", *extra])
+    app = create_app(ns)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def gw(redis_server, text_model):
+    runner, url = await start_gateway(redis_server, text_model)
+    r = aioredis.Redis.from_url(redis_server)
+    keys = Keys("t")
+    async with aiohttp.ClientSession() as http:
+        yield SimpleNamespace(url=url, redis=r, keys=keys, http=http, tok=Tokenizer(str(text_model)),
+                              oai=openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0))
+    await runner.cleanup()
+    await r.aclose()
+
+
+async def add_worker(g, max_model_len: int = 256, worker_id: str = "w1") -> None:
+    info = WorkerInfo(worker_id, "mixed", MODEL, 100, 16, max_model_len, os.getpid(), time.time())
+    await g.redis.sadd(g.keys.workers, worker_id)
+    await g.redis.set(g.keys.worker_heartbeat(worker_id), info.to_wire(), px=60_000)
+
+
+class RequestsReader:
+    """Reads the gateway's messages off the requests stream, in order."""
+
+    def __init__(self, g):
+        self.g, self.last = g, "0"
+
+    async def next(self, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = await self.g.redis.xread({self.g.keys.requests: self.last}, count=1, block=200)
+            if got:
+                entry_id, fields = got[0][1][0]
+                self.last = entry_id
+                data = fields[FIELD.encode()]
+                kind = peek_kind(data)
+                return SubmitRequest.from_wire(data) if kind == "submit" else CancelRequest.from_wire(data)
+        raise AssertionError("no message on the requests stream")
+
+
+async def publish(g, *events: TokenEvent, step: int = 0) -> None:
+    await g.redis.publish(g.keys.gateway_channel(GATEWAY_ID), TokenBatch(step, "w1", list(events)).to_wire())
+
+
+async def play_text(g, seq_id: str, text: str, finish: str = "length", per_step: int = 2,
+                    logprobs: bool = False) -> int:
+    """Publish `text` as tokens, `per_step` tokens a step, each step also replayed (a duplicate)."""
+    ids = g.tok.encode(text, add_special_tokens=False)
+    for step, off in enumerate(range(0, len(ids), per_step)):
+        chunk = ids[off:off + per_step]
+        last = off + per_step >= len(ids)
+        lps = [[-0.25, [[t, -0.25], [5, -3.0]]] for t in chunk] if logprobs else None
+        ev = TokenEvent(seq_id, off, chunk, finish if last else None, lps)
+        await publish(g, ev, step=step)
+        if not last:
+            await publish(g, ev, step=step)  # a replayed step: the gateway must drop it
+    return len(ids)
+
+
+def assert_openai_error(body: dict, type_: str, param=None, code=None) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == type_ and body["error"]["param"] == param and body["error"]["code"] == code
+    assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+async def post(g, path: str, data, headers=None) -> tuple[int, dict]:
+    body = data if isinstance(data, bytes) else json.dumps(data).encode()
+    async with g.http.post(g.url + path, data=body, headers=headers or {"Content-Type": "application/json"}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_http_errors_in_openai_format(gw):
+    await add_worker(gw)
+    status, body = await post(gw, "/v1/completions", b'{"model": "tiny-text", "prompt": ')
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error")
+    assert "Malformed JSON" in body["error"]["message"]
+
+    status, body = await post(gw, "/v1/chat/completions", {"model": MODEL})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "messages")
+
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "max_tokens")
+
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 3})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "temperature")
+
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "prompt")
+
+    status, body = await post(gw, "/v1/completions", {"model": "gpt-nope", "prompt": "hi"})
+    assert status == 404
+    assert_openai_error(body, "invalid_request_error", "model", "model_not_found")
+
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "x" * 100_000})
+    assert status == 413
+    assert_openai_error(body, "invalid_request_error", None, "request_too_large")
+
+    async with gw.http.get(gw.url + "/v1/nothing") as r:
+        assert r.status == 404
+        assert_openai_error(await r.json(), "invalid_request_error", None, "not_found")
+    async with gw.http.get(gw.url + "/v1/completions") as r:
+        assert r.status == 405
+        assert_openai_error(await r.json(), "invalid_request_error", None, "method_not_allowed")
+
+    # the context limit comes from the live workers' heartbeats
+    await add_worker(gw, max_model_len=40, worker_id="w-small")
+    await asyncio.sleep(0.6)  # the gateway caches the worker list for 0.5 s
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 38})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "max_tokens")
+    assert "maximum context length is 40 tokens" in body["error"]["message"]
+
+    # the openai client sees the same errors as typed exceptions
+    with pytest.raises(openai.NotFoundError) as e:
+        await gw.oai.completions.create(model="gpt-nope", prompt="hi")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        await gw.oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
+
+
+async def test_no_worker_is_503_and_health_follows_heartbeats(gw):
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert status == 503
+    assert_openai_error(body, "server_error", None, "service_unavailable")
+    async with gw.http.get(gw.url + "/health") as r:
+        assert r.status == 503
+    await add_worker(gw)
+    async with gw.http.get(gw.url + "/health") as r:
+        assert r.status == 200 and (await r.json())["workers"] == ["w1"]
+    await gw.redis.delete(gw.keys.worker_heartbeat("w1"))  # the heartbeat expired: the worker is dead
+    async with gw.http.get(gw.url + "/health") as r:
+        assert r.status == 503
+
+
+async def test_redis_down_is_503(text_model):
+    server = EmbeddedRedis().start()
+    runner, url = await start_gateway(server.url, text_model)
+    try:
+        server.stop()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}) as r:
+                assert r.status == 503
+                assert_openai_error(await r.json(), "server_error", None, "service_unavailable")
+            async with http.get(url + "/health") as r:
+                assert r.status == 503
+    finally:
+        await runner.cleanup()
+        server.stop()
+
+
+async def test_models_openapi_and_metrics(gw):
+    await add_worker(gw, max_model_len=128)
+    models = await gw.oai.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with gw.http.get(gw.url + "/openapi.json") as r:
+        doc = await r.json()
+    assert doc["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                                "/health", "/metrics"} <= set(doc["paths"])
+    assert "temperature" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    await gw.redis.set(gw.keys.scheduler_stats(), __import__("msgpack").packb(
+        {"num_waiting": 3, "num_running": 2, "kv_blocks_used": 25, "kv_blocks_total": 100, "num_preemptions": 1,
+         "updated_at": 1.0}))
+    async with gw.http.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    assert "phaseserve_num_requests_waiting 3.0" in text and "phaseserve_kv_cache_usage_ratio 0.25" in text
+    assert "phaseserve_workers_alive 1.0" in text and "phaseserve_time_to_first_token_seconds_bucket" in text
+
+
+# ----------------------------------------------------------------------------- the wire round trip
+
+
+async def test_chat_stream_round_trip_with_openai_client(gw):
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    reply = "Hello wörld 🙂 日本"
+
+    async def worker():
+        sub = await reader.next()
+        assert isinstance(sub, SubmitRequest) and sub.gateway_id == GATEWAY_ID and sub.request_id.endswith("-0")
+        assert sub.params.temperature == 0.0 and sub.params.max_tokens == 50 and sub.params.seed == 7
+        assert sub.prompt_ids == gw.tok.encode_chat([{"role": "user", "content": "Say hi"}])
+        return sub, await play_text(gw, sub.request_id, reply, finish="stop")
+
+    task = asyncio.create_task(worker())
+    stream = await gw.oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], stream=True, temperature=0, max_tokens=50,
+        seed=7, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    sub, n_tokens = await task
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
+    assert all("\ufffd" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_tokens
+    assert chunks[-1].usage.prompt_tokens == len(sub.prompt_ids)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    await asyncio.sleep(0.1)
+    assert await gw.redis.xlen(gw.keys.requests) == 1  # finished by the worker: no CancelRequest
+
+
+async def test_completion_n2_with_logprobs(gw):
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    texts = ["Café au lait", "The quick fox"]
+
+    async def worker():
+        subs = [await reader.next(), await reader.next()]
+        assert [s.request_id[-2:] for s in subs] == ["-0", "-1"] and [s.params.seed for s in subs] == [3, 4]
+        assert subs[0].prompt_ids == [1, 2, 3] and subs[0].params.logprobs == 2
+        for s, t in zip(subs, texts):
+            await play_text(gw, s.request_id, t, finish="length", logprobs=True)
+
+    task = asyncio.create_task(worker())
+    resp = await gw.oai.completions.create(model=MODEL, prompt=[1, 2, 3], n=2, seed=3, logprobs=2, max_tokens=20)
+    await task
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == texts
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    ids = gw.tok.encode(texts[0], add_special_tokens=False)
+    assert choice.logprobs.tokens == [gw.tok.token_text(t) for t in ids]
+    assert choice.logprobs.token_logprobs == [-0.25] * len(ids)
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    assert resp.usage.prompt_tokens == 3
+    assert resp.usage.completion_tokens == len(ids) + len(gw.tok.encode(texts[1], add_special_tokens=False))
+
+
+async def test_stop_string_ends_the_stream_and_cancels_the_sequence(gw):
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+
+    async def worker():
+        sub = await reader.next()
+        await play_text(gw, sub.request_id, "Go on. STOP here, then more text that must not show", finish="length")
+        return sub, await reader.next()
+
+    task = asyncio.create_task(worker())
+    stream = await gw.oai.completions.create(model=MODEL, prompt="Say", stream=True, stop=["STOP"], max_tokens=40)
+    chunks = [c async for c in stream]
+    sub, cancel = await task
+    assert "".join(c.choices[0].text for c in chunks) == "Go on. "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(cancel, CancelRequest) and cancel.request_id == sub.request_id and cancel.reason == "stop"
+
+
+async def test_disconnect_cancels_and_in_flight_limit_is_429(gw):
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    body = {"model": MODEL, "prompt": "Hello", "stream": True, "max_tokens": 30}
+    session = aiohttp.ClientSession()
+    first = await session.post(gw.url + "/v1/completions", json=body)
+    sub = await reader.next()
+    await publish(gw, TokenEvent(sub.request_id, 0, gw.tok.encode("Hi there", add_special_tokens=False)))
+    line = await first.content.readline()
+    assert line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"] == "Hi there"
+    # a non-streaming request also holds a slot; the limit is 2 in flight, so the third is refused
+    second = asyncio.create_task(session.post(gw.url + "/v1/completions", json={**body, "stream": False}))
+    sub2 = await reader.next()
+    status, err = await post(gw, "/v1/completions", body)
+    assert status == 429
+    assert_openai_error(err, "rate_limit_error", None, "rate_limit_exceeded")
+    await session.close()  # both clients go away mid-generation
+    cancels = {(await reader.next()).request_id for _ in range(2)}
+    assert cancels == {sub.request_id, sub2.request_id}
+    second.cancel()
+
+
+async def test_main_serves_and_stops_on_sigterm(redis_server, text_model):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--redis-url", redis_server, "--model", str(text_model),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        assert r.status == 503  # up, but no worker
+                        break
+                except aiohttp.ClientConnectionError:
+                    assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+                    await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_completion_echo_and_worker_error(gw):
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+
+    async def worker():
+        sub = await reader.next()
+        await play_text(gw, sub.request_id, " and more", finish="length")
+        sub = await reader.next()
+        await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, "prompt does not fit the KV cache"))
+
+    task = asyncio.create_task(worker())
+    resp = await gw.oai.completions.create(model=MODEL, prompt="Café", echo=True, max_tokens=5)
+    assert resp.choices[0].text == "Café and more"
+    with pytest.raises(openai.InternalServerError) as e:
+        await gw.oai.completions.create(model=MODEL, prompt="Hello", max_tokens=5)
+    assert "KV cache" in e.value.message
+    await task

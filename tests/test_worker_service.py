@@ -1,0 +1,74 @@
+"""The worker service over a real Redis: heartbeat, one plan in -> one TokenBatch per gateway +
+one StepResult out, acked; and the heartbeat goes away on stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from model_factory import make_model
+from phaseserve.params import SamplingParams
+from phaseserve.wire import FIELD, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenBatch, WorkerInfo
+from workers.runner import ModelRunner
+from workers.service import WorkerService
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return ModelRunner(make_model(tmp_path_factory.mktemp("m"), "llama"), num_blocks=32)
+
+
+def test_worker_runs_plans_and_routes_tokens_per_gateway(runner, redis_server):
+    keys = Keys("t")
+    client = redis.Redis.from_url(redis_server)
+    service = WorkerService(runner, client, keys, "w1", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while client.get(keys.worker_heartbeat("w1")) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        info = WorkerInfo.from_wire(client.get(keys.worker_heartbeat("w1")))
+        assert (info.num_blocks, info.block_size) == (32, runner.block_size)
+        assert client.sismember(keys.workers, "w1")
+        ttl_ms = client.pttl(keys.worker_heartbeat("w1"))
+        assert 0 < ttl_ms <= 1000
+
+        pubsub = client.pubsub()
+        pubsub.subscribe(keys.gateway_channel("gwA"), keys.gateway_channel("gwB"))
+        while pubsub.get_message(timeout=1.0) is not None:  # drain the subscribe confirmations
+            pass
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        starts = [SeqStart("a", "gwA", [5, 6, 7], params), SeqStart("b", "gwB", [8, 9], params)]
+        plan = StepPlan(0, "w1", starts, [ScheduledChunk("a", 0, 3, [0]), ScheduledChunk("b", 0, 2, [1])])
+        client.xadd(keys.steps("w1"), {FIELD: plan.to_wire()})
+
+        got = {}
+        deadline = time.monotonic() + 20
+        while len(got) < 2 and time.monotonic() < deadline:
+            msg = pubsub.get_message(timeout=1.0)
+            if msg and msg["type"] == "message":
+                got[msg["channel"].decode()] = TokenBatch.from_wire(msg["data"])
+        assert set(got) == {keys.gateway_channel("gwA"), keys.gateway_channel("gwB")}
+        (ev_a,) = got[keys.gateway_channel("gwA")].events
+        (ev_b,) = got[keys.gateway_channel("gwB")].events
+        assert (ev_a.seq_id, ev_a.offset, len(ev_a.token_ids)) == ("a", 0, 1)
+        assert (ev_b.seq_id, ev_b.offset, len(ev_b.token_ids)) == ("b", 0, 1)
+
+        entries = client.xrange(keys.results)
+        assert len(entries) == 1
+        result = StepResult.from_wire(entries[0][1][FIELD.encode()])
+        assert result.step_id == 0 and result.worker_id == "w1"
+        assert {e.seq_id: e.token_ids for e in result.events} == {"a": ev_a.token_ids, "b": ev_b.token_ids}
+        pending = client.xpending(keys.steps("w1"), keys.worker_group)
+        assert pending["pending"] == 0
+        pubsub.close()
+    finally:
+        service.request_stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert client.get(keys.worker_heartbeat("w1")) is None
+    assert not client.sismember(keys.workers, "w1")

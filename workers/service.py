@@ -1,0 +1,211 @@
+"""The worker service: the ModelRunner connected to Redis.
+
+Loop: read one StepPlan from `steps:<worker>` (consumer group), run it, then in
+ONE pipeline publish one TokenBatch per gateway, XADD the StepResult to
+`results` and XACK the plan. A heartbeat thread keeps `worker:<id>` alive
+(with a TTL) so a long step never makes the scheduler think the worker died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict
+
+import redis
+import structlog
+
+from phaseserve.wire import FIELD, Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
+
+log = structlog.get_logger("workers.service")
+
+STREAM_MAXLEN = 10_000  # approximate cap on the steps/results streams: acked entries are history only
+
+
+class Heartbeat(threading.Thread):
+    """Refreshes the heartbeat key every `interval` seconds, independent of the model step."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float):
+        super().__init__(name="heartbeat", daemon=True)
+        self.client, self.keys, self.info = client, keys, info
+        self.interval, self.ttl_ms = interval, max(1, int(ttl * 1000))
+        self.stopped = threading.Event()
+
+    def beat(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(self.keys.workers, self.info.worker_id)
+        pipe.set(self.keys.worker_heartbeat(self.info.worker_id), self.info.to_wire(), px=self.ttl_ms)
+        pipe.execute()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.beat()
+            except redis.RedisError as e:  # keep trying: Redis may come back before the TTL runs out
+                log.warning("heartbeat failed", error=str(e))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=self.interval + 1)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.keys.worker_heartbeat(self.info.worker_id))
+        pipe.srem(self.keys.workers, self.info.worker_id)
+        pipe.execute()
+
+
+class WorkerService:
+    def __init__(self, runner, client: redis.Redis, keys: Keys, worker_id: str, *, role: str = "mixed",
+                 heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500):
+        self.runner = runner
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.steps_key = keys.steps(worker_id)
+        self.block_ms = block_ms
+        self.stopping = threading.Event()
+        self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
+        self.info = WorkerInfo(
+            worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
+            block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
+            started_at=time.time(),
+        )
+        self.heartbeat = Heartbeat(client, keys, self.info, heartbeat_interval, heartbeat_ttl)
+        self.steps_run = 0
+        self.busy_s = 0.0  # time in steps (model + publishing), to tell how often the worker waited for plans
+
+    def _join_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.steps_key, self.keys.worker_group, id="$", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+            # a restarted worker with the same id: plans meant for its previous life are stale
+            self.client.xgroup_setid(self.steps_key, self.keys.worker_group, id="$")
+
+    def announce(self) -> None:
+        """Join the steps group first, then heartbeat: the scheduler sends plans only to live workers."""
+        self._join_group()
+        self.heartbeat.beat()
+        self.heartbeat.start()
+        log.info("worker ready", worker_id=self.worker_id, model=self.info.model, num_blocks=self.info.num_blocks,
+                 block_size=self.info.block_size, max_model_len=self.info.max_model_len)
+
+    def run(self) -> None:
+        self.announce()
+        started = time.perf_counter()
+        try:
+            while not self.stopping.is_set():
+                resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, {self.steps_key: ">"},
+                                              count=1, block=self.block_ms)
+                for _stream, entries in resp or ():
+                    for entry_id, fields in entries:
+                        self.run_step(entry_id, fields)
+        finally:
+            self.heartbeat.stop()
+            log.info("worker stopped", worker_id=self.worker_id, steps=self.steps_run,
+                     busy_s=round(self.busy_s, 3), up_s=round(time.perf_counter() - started, 3))
+
+    def run_step(self, entry_id: bytes, fields: dict) -> None:
+        try:
+            plan = StepPlan.from_wire(fields[FIELD.encode()])
+        except (WireError, KeyError) as e:
+            log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
+            self.client.xack(self.steps_key, self.keys.worker_group, entry_id)
+            return
+        for seq in plan.starts:
+            self.gateway_of[seq.seq_id] = seq.gateway_id
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.execute(plan)
+        except Exception as e:  # a failed step fails its sequences, not the worker
+            log.exception("step failed", step_id=plan.step_id)
+            seq_ids = list(dict.fromkeys(c.seq_id for c in plan.chunks))
+            result = StepResult(plan.step_id, self.worker_id,
+                                [TokenEvent(s, -1, [], "error", None, f"worker step failed: {e}") for s in seq_ids])
+        result.step_time_s = result.step_time_s or (time.perf_counter() - t0)
+        result.step_id, result.worker_id = plan.step_id, self.worker_id
+        self.publish(plan, result, entry_id)
+        self.steps_run += 1
+        self.busy_s += time.perf_counter() - t0
+
+    def publish(self, plan: StepPlan, result: StepResult, entry_id: bytes) -> None:
+        by_gateway: dict[str, list[TokenEvent]] = defaultdict(list)
+        for ev in result.events:
+            gw = self.gateway_of.get(ev.seq_id)
+            if gw is not None:
+                by_gateway[gw].append(ev)
+            if ev.finish_reason is not None:
+                self.gateway_of.pop(ev.seq_id, None)
+        started = {s.seq_id for s in plan.starts}
+        for seq_id in plan.releases:
+            if seq_id not in started:
+                self.gateway_of.pop(seq_id, None)
+        pipe = self.client.pipeline(transaction=False)
+        for gw, events in by_gateway.items():
+            pipe.publish(self.keys.gateway_channel(gw), TokenBatch(plan.step_id, self.worker_id, events).to_wire())
+        pipe.xadd(self.keys.results, {FIELD: result.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.xack(self.steps_key, self.keys.worker_group, entry_id)
+        pipe.xdel(self.steps_key, entry_id)
+        pipe.execute()
+
+    def request_stop(self, *_args) -> None:
+        self.stopping.set()
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def set_threads(num_threads: int) -> int:
+    import torch
+
+    n = num_threads if num_threads > 0 else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                             else os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return n
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    from phaseserve import logs, settings
+
+    args = settings.parse("worker", argv, prog="phaseserve worker")
+    logs.configure("worker", args.log_level, args.log_json)
+    if not args.redis_url:
+        raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
+    model_dir = settings.resolve_model(args.model)
+    threads = set_threads(args.num_threads)
+    worker_id = args.worker_id or default_worker_id()
+    structlog.contextvars.bind_contextvars(worker_id=worker_id)
+
+    # SIGTERM during the (long) model load must still stop us: raise out of the load
+    signal.signal(signal.SIGTERM, _interrupt)
+    from workers.runner import ModelRunner
+
+    device = args.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info("loading model", model=model_dir, device=device, dtype=args.dtype, threads=threads)
+    t0 = time.perf_counter()
+    try:
+        runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
+                             kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None)
+    except KeyboardInterrupt:
+        log.info("stopped during model load")
+        return 0
+    log.info("model loaded", seconds=round(time.perf_counter() - t0, 2), num_blocks=runner.num_blocks)
+
+    client = redis.Redis.from_url(args.redis_url)
+    service = WorkerService(runner, client, Keys(args.key_prefix), worker_id, role=args.role,
+                            heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl)
+    signal.signal(signal.SIGTERM, service.request_stop)
+    signal.signal(signal.SIGINT, service.request_stop)
+    service.run()
+    return 0
