@@ -89,6 +89,8 @@ def paged_attention(
     """
     T, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
+    if max_query_len == 1 and T == seq_lens.shape[0]:
+        return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -99,21 +101,48 @@ def paged_attention(
             continue
         nblk = (ctx + bs - 1) // bs
         blocks = block_tables[i, :nblk].long()
-        kk = k_cache[blocks].reshape(-1, KVH, D)[:ctx]  # [ctx, KVH, D]
-        vv = v_cache[blocks].reshape(-1, KVH, D)[:ctx]
-        qi = q[s:e].transpose(0, 1)  # [H, n, D]
-        kk = kk.transpose(0, 1)
-        vv = vv.transpose(0, 1)
+        kk = k_cache.index_select(0, blocks).view(-1, KVH, D)[:ctx]  # [ctx, KVH, D]
+        vv = v_cache.index_select(0, blocks).view(-1, KVH, D)[:ctx]
+        G = H // KVH
+        # [KVH, G * n, D]: the query heads that share a KV head are stacked, so K/V are never repeated
+        qi = q[s:e].view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * n, D)
+        kk = kk.to(q.dtype).transpose(0, 1)  # [KVH, ctx, D]
+        vv = vv.to(q.dtype).transpose(0, 1)
         # causal with an offset: query j sees keys <= ctx - n + j
-        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
-        mask = kpos <= qpos  # [n, ctx]
-        o = F.scaled_dot_product_attention(
-            qi.unsqueeze(0), kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=(H != KVH),
-        )
-        out[s:e] = o.squeeze(0).transpose(0, 1)
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril_(ctx - n).repeat(G, 1)  # [G * n, ctx]
+        # explicit matmul-softmax-matmul: on CPU, bf16 GEMMs run several times faster than SDPA's flash kernel
+        # scale folded into q (n rows, not n * ctx scores); softmax in fp32
+        scores = torch.matmul(qi * scale, kk.transpose(1, 2)).float()
+        probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        o = torch.matmul(probs, vv)  # [KVH, G * n, D]
+        out[s:e] = o.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence (decode): gather every sequence's blocks at once into a padded
+    [B, KVH, L, D] batch and attend with two batched matmuls, masking each row past its length.
+    No host sync and no Python loop over the batch."""
+    B, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    M = block_tables.shape[1]
+    L = M * bs
+    G = H // KVH
+    # index_select + one transpose copy is several times faster than advanced indexing, and the
+    # contiguous [B, KVH, L, D] layout lets the matmuls run without hidden copies.
+    # Padding entries of the block tables point at block 0 and are masked out.
+    flat = block_tables.reshape(-1).long()
+    kk = k_cache.index_select(0, flat).view(B, L, KVH, D).transpose(1, 2).contiguous().to(q.dtype)
+    vv = v_cache.index_select(0, flat).view(B, L, KVH, D).transpose(1, 2).contiguous().to(q.dtype)
+    mask = torch.arange(L, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    # plain matmul-softmax-matmul: for one query row, SDPA's CPU flash kernel is ~10x slower.
+    # Query heads are grouped by their KV head (GQA) so K and V are never repeated.
+    scores = torch.matmul(q.view(B, KVH, G, D) * scale, kk.transpose(-1, -2)).float()  # [B, KVH, G, L]
+    probs = scores.masked_fill_(~mask[:, None, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, vv).view(B, H, D)
 
 
 def sample(
@@ -141,7 +170,8 @@ def sample(
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     sp = sorted_x.softmax(dim=1)
     cum_before = sp.cumsum(dim=1) - sp  # prob mass strictly above each token
-    keep_sorted = cum_before < top_p.unsqueeze(1)
+    # top_p >= 1 keeps everything: the float cumsum can reach 1.0 before the tail
+    keep_sorted = (cum_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
     keep_sorted[:, 0] = True
     # threshold = smallest kept logit
     n_keep = keep_sorted.sum(dim=1, keepdim=True)

@@ -1,0 +1,203 @@
+"""Load a local Hugging Face checkpoint folder: config, generation config and safetensors weights.
+
+Returns a `ModelConfig` (the few numbers the model needs, normalized across
+architectures and transformers versions) and the raw weights by their HF names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+log = structlog.get_logger(__name__)
+
+# architecture -> (whether q/k/v carry a bias by design)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The folder is not a checkpoint this loader can run; the message says why."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "linear"|"llama3", ...} or None
+    max_position_embeddings: int
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    checkpoint_dtype: str
+    raw: dict = field(repr=False, default_factory=dict)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+
+
+def _as_ids(x) -> set[int]:
+    if x is None:
+        return set()
+    if isinstance(x, int):
+        return {x}
+    return {int(i) for i in x}
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from either the transformers 4.x keys (rope_theta + rope_scaling)
+    or the 5.x `rope_parameters` dict."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    return theta, params
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model folder {model_dir} does not exist")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json (expected a Hugging Face checkpoint folder)")
+    cfg = _read_json(cfg_path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {cfg_path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    theta, scaling = _rope(cfg)
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("partial_rotary_factor != 1 is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+
+    eos = _as_ids(cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos |= _as_ids(_read_json(gen_path).get("eos_token_id"))
+
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        architecture=arch,
+        name=model_dir.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        sliding_window=sliding,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        eos_token_ids=frozenset(eos),
+        bos_token_id=cfg.get("bos_token_id"),
+        checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        raw=cfg,
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
+    """"auto" = the checkpoint's dtype, except fp16 on CPU (a slow software path there) -> bf16."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = cfg.checkpoint_dtype if dtype == "auto" else dtype
+        name = name.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, float32, bfloat16, float16)")
+        resolved = _DTYPES[name]
+    if resolved == torch.float16 and torch.device(device).type == "cpu":
+        resolved = torch.bfloat16
+    return resolved
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"{model_dir} has no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, cast to `dtype`, keyed by their HF names."""
+    files = _weight_files(Path(model_dir))
+    weights: dict[str, torch.Tensor] = {}
+    total = sum(f.stat().st_size for f in files)
+    # a progress bar only where loading takes a while
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < 512 << 20) as bar:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    weights[name] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+            bar.update(f.stat().st_size)
+    return weights
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.dtype]:
+    cfg = read_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    weights = load_weights(model_dir, torch_dtype, device)
+    log.info("checkpoint loaded", model=cfg.name, arch=cfg.architecture, dtype=str(torch_dtype),
+             tensors=len(weights))
+    return cfg, weights, torch_dtype

@@ -1,0 +1,170 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, readable top to bottom.
+
+Every hot op goes through `kernels` (Triton on GPU, torch on CPU). q/k/v and
+gate/up projections are concatenated at load so a layer runs four GEMMs:
+qkv, o, gate_up, down. The forward pass takes one packed, unpadded batch of
+tokens from any mix of prefill chunks and decodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+import kernels
+from workers.kv_cache import KVCache
+from workers.loader import ModelConfig, ModelLoadError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class AttentionGroup:
+    """A contiguous run of packed tokens [token_start, token_end) whose sequences share one
+    paged_attention call. The CPU path gives decodes (one query each) their own group so that
+    they are attended in one batched call."""
+
+    token_start: int
+    token_end: int
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32, relative to token_start
+    max_query_len: int
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    groups: list[AttentionGroup]
+    logits_indices: torch.Tensor  # [R] int64: the packed rows whose next token is sampled
+
+
+def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as transformers' ROPE_INIT_FUNCTIONS do."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(cfg: ModelConfig, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, head_dim]: cos of every frequency, then sin (fp32)."""
+    inv_freq = rotary_inv_freq(cfg)
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = w.pop(prefix + name, None)
+            if t is None and required:
+                raise ModelLoadError(f"checkpoint is missing weight {prefix + name}")
+            return t
+
+        self.cfg = cfg
+        self.input_norm = take("input_layernorm.weight")
+        self.post_attn_norm = take("post_attention_layernorm.weight")
+        q, k, v = (take(f"self_attn.{n}_proj.weight") for n in "qkv")
+        self.qkv = torch.cat((q, k, v)).contiguous()
+        biases = [take(f"self_attn.{n}_proj.bias", required=cfg.qkv_bias) for n in "qkv"]
+        self.qkv_bias = torch.cat(biases).contiguous() if biases[0] is not None else None
+        self.o = take("self_attn.o_proj.weight")
+        self.o_bias = take("self_attn.o_proj.bias", required=False)
+        self.gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))).contiguous()
+        self.down = take("mlp.down_proj.weight")
+        mlp_biases = [take(f"mlp.{n}_proj.bias", required=cfg.mlp_bias) for n in ("gate", "up", "down")]
+        self.gate_up_bias = torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None
+        self.down_bias = mlp_biases[2]
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, h, residual, inp: StepInputs, cos_sin, k_cache, v_cache):
+        cfg = self.cfg
+        if residual is None:
+            residual = h
+            x, _ = kernels.rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        else:
+            x, residual = kernels.rms_norm(h, self.input_norm, cfg.rms_norm_eps, residual)
+
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        T = qkv.shape[0]
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = kernels.rotary_embedding(inp.positions, q, k, cos_sin)
+        kernels.write_kv_cache(k, v, k_cache, v_cache, inp.slot_mapping)
+        outs = [
+            kernels.paged_attention(q[g.token_start:g.token_end], k_cache, v_cache, g.block_tables, g.seq_lens,
+                                    g.query_start_loc, self.scale, g.max_query_len)
+            for g in inp.groups
+        ]
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h = F.linear(attn.reshape(T, self.q_size), self.o, self.o_bias)
+
+        x, residual = kernels.rms_norm(h, self.post_attn_norm, cfg.rms_norm_eps, residual)
+        h = F.linear(kernels.silu_and_mul(F.linear(x, self.gate_up, self.gate_up_bias)), self.down, self.down_bias)
+        return h, residual
+
+
+class LlamaFamilyModel:
+    """Embedding -> N pre-norm decoder layers -> final norm -> lm_head (on the sampled rows only)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 device: str | torch.device = "cpu"):
+        w = dict(weights)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.embed = w.pop("model.embed_tokens.weight", None)
+        if self.embed is None:
+            raise ModelLoadError("checkpoint is missing weight model.embed_tokens.weight")
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.norm = w.pop("model.norm.weight", None)
+        if self.norm is None:
+            raise ModelLoadError("checkpoint is missing weight model.norm.weight")
+        lm_head = w.pop("lm_head.weight", None)
+        if lm_head is None:
+            if not cfg.tie_word_embeddings:
+                raise ModelLoadError("checkpoint is missing weight lm_head.weight (and embeddings are not tied)")
+            lm_head = self.embed
+        self.lm_head = lm_head
+        unused = [k for k in w if not k.endswith("rotary_emb.inv_freq")]
+        if unused:
+            log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])
+        self.dtype = self.embed.dtype
+        self.cos_sin_cache = build_cos_sin_cache(cfg, max_positions, self.device)
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs, kv: KVCache) -> torch.Tensor:
+        """Logits [R, vocab] in fp32 for the rows in `inp.logits_indices`."""
+        h = F.embedding(inp.input_ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
+        # only the rows that sample need the final norm and the (large) lm_head GEMM
+        h = h[inp.logits_indices]
+        residual = residual[inp.logits_indices]
+        h, _ = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,195 @@
+"""The model runner: executes one StepPlan as one forward pass and samples.
+
+It owns the model, the paged KV cache and the per-sequence token state. All
+chunks of a plan (decodes and prefill chunks) are packed into one unpadded
+batch. Block ids come from the plan; the runner never allocates any.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from phaseserve.params import SamplingParams, finish_reason
+from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
+from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from workers.loader import load_checkpoint
+from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
+from workers.sampler import SampleRow, Sampler
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    gateway_id: str
+    params: SamplingParams
+    prompt_len: int
+    token_ids: list[int]  # prompt + outputs
+    finished: bool = False
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
+        num_threads: int | None = None,
+    ):
+        if num_threads:
+            # process-wide; on a CPU shared with other busy processes, fewer threads than cores
+            # avoids OpenMP barrier stalls that otherwise dominate small ops
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device)
+        self.config = cfg
+        self.model_name = cfg.name
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = cfg.eos_token_ids
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # no sliding-window attention here: stay where full attention is exact
+            limit = min(limit, cfg.sliding_window)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
+        self.max_model_len = max_model_len or limit
+        self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device)
+        del weights
+        if num_blocks is None and kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = DEFAULT_KV_CACHE_BYTES
+        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
+                          num_blocks=num_blocks, memory_bytes=kv_cache_memory_bytes, dtype=self.dtype,
+                          device=self.device)
+        self.num_blocks = self.kv.num_blocks
+        self.block_size = block_size
+        self.sampler = Sampler(cfg.vocab_size, seed)
+        self.seqs: dict[str, SequenceState] = {}
+        # CPU attends all decodes in one batched call; a GPU kernel takes the whole packed batch at once
+        self._split_decodes = self.device.type == "cpu"
+        log.info("model runner ready", model=self.model_name, dtype=str(self.dtype), num_blocks=self.num_blocks,
+                 block_size=block_size, max_model_len=self.max_model_len)
+
+    # ------------------------------------------------------------------ state
+
+    def _start(self, s) -> None:
+        params = s.params
+        tokens = list(s.prompt_ids) + list(s.output_ids)
+        self.seqs[s.seq_id] = SequenceState(
+            s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens,
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
+        )
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for seq_id in plan.releases:
+            self.seqs.pop(seq_id, None)
+        for s in plan.starts:
+            self._start(s)
+        events: list[TokenEvent] = []
+        chunks: list[ScheduledChunk] = []
+        for c in plan.chunks:
+            seq = self.seqs.get(c.seq_id)
+            if seq is None or seq.finished:
+                continue  # planned one step ahead of a finish, or already released
+            problem = self._check_chunk(c, seq)
+            if problem:
+                log.error("bad chunk", seq_id=c.seq_id, error=problem)
+                seq.finished = True
+                events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem))
+                continue
+            chunks.append(c)
+        if chunks:
+            events.extend(self._run(chunks))
+        num_tokens = sum(c.num_tokens for c in chunks)
+        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+
+    def _check_chunk(self, c: ScheduledChunk, seq: SequenceState) -> str | None:
+        end = c.start_pos + c.num_tokens
+        if c.num_tokens < 1 or c.start_pos < 0 or end > len(seq.token_ids):
+            return f"chunk [{c.start_pos}, {end}) is outside the {len(seq.token_ids)} known tokens"
+        if len(c.block_table) * self.block_size < end:
+            return f"block table of {len(c.block_table)} blocks cannot hold {end} tokens"
+        if end > self.max_model_len:
+            return f"chunk ends at {end}, beyond max_model_len {self.max_model_len}"
+        if any(b < 0 or b >= self.num_blocks for b in c.block_table):
+            return f"block id out of range [0, {self.num_blocks})"
+        return None
+
+    def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
+        n = [c.num_tokens for c in chunks]
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+        qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(n, dtype=torch.int32).cumsum(0)
+        seq_lens = torch.tensor([c.start_pos + c.num_tokens for c in chunks], dtype=torch.int32)
+        d = self.device
+        return AttentionGroup(token_start, token_start + sum(n), tables.to(d), seq_lens.to(d), qsl.to(d), max(n))
+
+    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, list[ScheduledChunk]]:
+        """Pack the chunks (decodes first) into the step's tensors, built once for all layers."""
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for c in ordered:
+            seq = self.seqs[c.seq_id]
+            end = c.start_pos + c.num_tokens
+            ids.extend(seq.token_ids[c.start_pos:end])
+            rng = range(c.start_pos, end)
+            positions.extend(rng)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            if end == len(seq.token_ids):
+                sample_rows.append(len(ids) - 1)
+        if self._split_decodes and decodes and prefills:
+            groups = [self._group(decodes, 0), self._group(prefills, len(decodes))]
+        else:
+            groups = [self._group(ordered, 0)]
+        d = self.device
+        inp = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
+            positions=torch.tensor(positions, dtype=torch.int64, device=d),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
+            groups=groups,
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=d),
+        )
+        return inp, ordered
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
+        inp, ordered = self._inputs(chunks)
+        sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
+        logits = self.model.forward(inp, self.kv)
+        if not sampling:
+            return []
+        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids) for s in sampling]
+        out = self.sampler(logits, rows)
+        events = []
+        for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+            offset = seq.num_outputs
+            seq.token_ids.append(tok)
+            reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
+                                   self.max_model_len)
+            if reason is not None:
+                seq.finished = True
+            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
+        return events

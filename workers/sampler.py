@@ -1,0 +1,142 @@
+"""From a step's logits to one token per sampling row: penalties, then kernels.sample.
+
+Randomness: kernels.sample takes Exponential(1) noise. For a row with a `seed`
+the noise is a pure function of (seed, output offset), so a seeded request
+draws the same tokens alone, in any batch, and after a recompute restart.
+Rows without a seed share one batched draw.
+
+Logprobs come from the raw model distribution (before penalties and
+temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from phaseserve.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for(seed: int, offset: int) -> int:
+    """A well-mixed 63-bit generator seed for output `offset` of a request seeded with `seed`
+    (splitmix64 finalizer, so nearby (seed, offset) pairs give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + offset * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one sequence that samples this step."""
+
+    params: SamplingParams
+    offset: int  # index of the token being sampled in the sequence's output
+    token_ids: list[int]  # prompt + outputs so far (not copied: only penalties read it)
+    prompt_len: int
+    stop_ids: frozenset[int]  # eos + stop_token_ids: masked while min_tokens is not reached
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[list | None]  # per row: None, or [chosen_logprob, [[id, logprob], ...top-N]]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Repetition (prompt + output tokens, vLLM/HF rule), frequency and presence (output tokens)
+        penalties, and min_tokens masking, for the rows that ask for them."""
+        idx = [i for i, r in enumerate(rows)
+               if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+               or r.params.presence_penalty != 0.0]
+        if idx:
+            V = logits.shape[1]
+            sub = [rows[i] for i in idx]
+            out_counts = _counts([r.token_ids[r.prompt_len:] for r in sub], V, logits.device)
+            prompt_seen = _counts([r.token_ids[:r.prompt_len] for r in sub], V, logits.device) > 0
+            dev = logits.device
+            rep = torch.tensor([r.params.repetition_penalty for r in sub], device=dev).unsqueeze(1)
+            freq = torch.tensor([r.params.frequency_penalty for r in sub], device=dev).unsqueeze(1)
+            pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev).unsqueeze(1)
+            sel = torch.tensor(idx, device=dev)
+            x = logits[sel]
+            seen = prompt_seen | (out_counts > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            x = x - freq * out_counts - pres * (out_counts > 0).float()
+            logits = logits.index_copy(0, sel, x)
+        banned = [(i, t) for i, r in enumerate(rows) if r.offset < r.params.min_tokens for t in r.stop_ids
+                  if t < self.vocab_size]
+        if banned:
+            ri, ti = torch.tensor(banned, device=logits.device).T
+            logits = logits.index_put((ri, ti), torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _noise(self, rows: list[SampleRow], V: int, device) -> torch.Tensor:
+        noise = torch.empty(len(rows), V)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator().manual_seed(seed_for(r.params.seed, r.offset))
+                noise[i].exponential_(generator=g)
+        return noise.to(device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        B, V = logits.shape
+        dev = logits.device
+        raw = logits
+        logits = self._penalize(logits, rows)
+        p = [r.params for r in rows]
+        temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
+        if all(x.greedy for x in p):
+            tokens = logits.argmax(dim=1)  # greedy rows need neither noise nor the sort in sample()
+        else:
+            top_k = torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev)
+            top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
+            min_p = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
+            tokens = kernels.sample(logits, temperature, top_k, top_p, min_p, self._noise(rows, V, dev))
+        token_list = tokens.tolist()
+        return SampleOutput(token_list, self._logprobs(raw, rows, tokens, token_list))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, rows: list[SampleRow], tokens: torch.Tensor, token_list: list[int]):
+        out: list[list | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return out
+        sel = torch.tensor(want, device=raw.device)
+        lp = torch.log_softmax(raw[sel].float(), dim=-1)
+        chosen = lp.gather(1, tokens[sel].unsqueeze(1)).squeeze(1).tolist()
+        n_top = max(rows[i].params.logprobs for i in want)
+        top_v, top_i = (lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs
+            out[i] = [chosen[j], [[top_i[j][m], top_v[j][m]] for m in range(n)]]
+        return out
+
+
+def _counts(seqs: list[list[int]], V: int, device) -> torch.Tensor:
+    """[len(seqs), V] float counts of each token id per row, by one scatter_add over a padded id tensor."""
+    width = max((len(s) for s in seqs), default=0)
+    counts = torch.zeros(len(seqs), V + 1, device=device)
+    if width:
+        ids = torch.full((len(seqs), width), V, dtype=torch.int64)  # pad id V lands in a dropped column
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :V]
