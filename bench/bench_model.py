@@ -153,10 +153,9 @@ class HFBench:
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes a decode step must read: every weight matrix except the embedding table (a gather)."""
     m = runner.model
-    tensors = [m.norm, m.lm_head] + [t for layer in m.layers for t in (
-        layer.input_norm, layer.post_attn_norm, layer.qkv, layer.qkv_bias, layer.o, layer.gate_up, layer.down)
-        if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    norms = [m.norm] + [t for layer in m.layers for t in (layer.input_norm, layer.post_attn_norm)]
+    linears = [m.lm_head] + [t for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(t.nbytes for t in norms) + sum(t.nbytes() for t in linears)
 
 
 def decode_flops(runner: ModelRunner, batch: int) -> float:

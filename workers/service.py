@@ -160,10 +160,12 @@ def default_worker_id() -> str:
 
 
 def set_threads(num_threads: int) -> int:
+    """0 = every core but one: the gateway, scheduler and Redis need a core of their own, and torch's
+    OpenMP threads stall badly when one of them is descheduled (measured: see docs/model-runner.md)."""
     import torch
 
-    n = num_threads if num_threads > 0 else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                             else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = num_threads if num_threads > 0 else max(1, cores - 1)
     torch.set_num_threads(n)
     return n
 
