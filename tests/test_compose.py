@@ -84,3 +84,58 @@ def test_dockerfile_copies_every_package():
     for pkg in re.findall(r'"(\w+)\*"', include):
         assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
     assert "torch==2.13.0" in dockerfile
+
+
+def test_compose_commands_serve_through_the_console_script(compose, redis_server, tmp_path):
+    """What compose would run, run here: each service's exact command through the installed
+    `phaseserve` console script, configured only by the compose environment (Redis and the model
+    folder swapped for local ones, the published port for a free one)."""
+    import shutil
+    import signal
+
+    from openai import OpenAI
+
+    from e2e_stack import wait_for
+    from phaseserve.redis_server import free_port
+
+    exe = shutil.which("phaseserve") or pytest.fail("the `phaseserve` console script is not installed")
+    port = free_port()
+    procs = []
+    log = open(tmp_path / "compose.log", "wb")
+    try:
+        for name in ("scheduler", "worker", "gateway"):
+            svc = compose["services"][name]
+            env = {k: str(v) for k, v in svc["environment"].items()}
+            env = {k: re.sub(r"\$\{[^:}]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+            env.update(REDIS_URL=redis_server, PHASESERVE_MODEL=settings.bundled_model_path(),
+                       PHASESERVE_KV_CACHE_MEMORY="64MiB", PHASESERVE_HEARTBEAT_INTERVAL="0.5")
+            argv = [exe] + [str(a) for a in svc["command"][1:]]
+            if name == "gateway":
+                argv = [a if a != "8000" else str(port) for a in argv]
+            procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=log))
+
+        def healthy():
+            try:
+                import urllib.request
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
+            except OSError:
+                return False
+
+        assert wait_for(healthy, 120, 0.3), (tmp_path / "compose.log").read_text()[-4000:]
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        chunks = list(client.chat.completions.create(
+            model="bundled_model", messages=[{"role": "user", "content": "Explain os.path.join"}],
+            max_tokens=8, temperature=0, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip(), "no text streamed"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                assert p.wait(timeout=20) == 0, f"{p.args[1]} exited {p.returncode}"
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise
+        log.close()
