@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-words", type=int, default=24, help="interference: words per short chat prompt")
     p.add_argument("--long-len", type=int, default=2048, help="interference: tokens of the long prompt")
     p.add_argument("--long-output-len", type=int, default=8, help="interference: tokens the long prompt asks for")
-    p.add_argument("--long-every", type=float, default=5.0, help="interference: seconds between long prompts")
+    p.add_argument("--long-every", type=float, default=5.0, help="interference: seconds between long prompts (0: none, the baseline)")
     p.add_argument("--long-max-inflight", type=int, default=4,
                    help="interference: skip a tick while this many long prompts are unanswered")
     p.add_argument("--concurrency", type=int, help="most requests in flight (default: unbounded)")
@@ -114,6 +114,8 @@ def build_specs(args, vocab):
         return workloads.shared_prefix_workload(vocab, args.num_prompts, args.prefix_len, args.input_len,
                                                 args.output_len, args.seed), None
     short = workloads.chat_workload(args.num_prompts, args.chat_words, args.output_len, args.seed)
+    if args.long_every <= 0:  # the baseline: the same short streams with no long prompt
+        return short, None
 
     def make_long(i: int) -> workloads.RequestSpec:  # i = -1: the test request's own prompt
         return workloads.long_prompt(vocab, args.long_len, args.long_output_len, args.seed + 1000 + i)
