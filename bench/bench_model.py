@@ -2,7 +2,7 @@
 
     python -m bench.bench_model [--model DIR] [--skip-random] [--steps 5] [--threads N]
 
-For each model: decode step time at batch 1/8/32 (context CONTEXT tokens per sequence) and
+For each model: decode step time at batch 1/8/16/32 (context CONTEXT tokens per sequence) and
 prefill throughput at chunk 128/512, for the phaseserve runner (paged KV, one packed forward
 per step, sampling included), for transformers on the same weights and dtype (with its KV
 cache), and for the floor on this machine: for a decode step the larger of weight bytes /
@@ -24,7 +24,7 @@ from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
 
 CONTEXT = 128
-DECODE_BATCHES = (1, 8, 32)
+DECODE_BATCHES = (1, 8, 16, 32)
 PREFILL_CHUNKS = (128, 512)
 RANDOM_200M = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,

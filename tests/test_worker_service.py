@@ -72,3 +72,53 @@ def test_worker_runs_plans_and_routes_tokens_per_gateway(runner, redis_server):
     assert not thread.is_alive()
     assert client.get(keys.worker_heartbeat("w1")) is None
     assert not client.sismember(keys.workers, "w1")
+
+
+def test_worker_reads_plans_ahead_and_publishes_in_step_order(runner, redis_server):
+    """Two plans queued at once (what two plans in flight look like): both run, and their results and
+    token batches arrive in step order, every plan acked."""
+    keys = Keys("ahead")
+    client = redis.Redis.from_url(redis_server)
+    service = WorkerService(runner, client, keys, "w2", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while client.get(keys.worker_heartbeat("w2")) is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the heartbeat comes after the steps group is joined
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.gateway_channel("gw"))
+    while pubsub.get_message(timeout=1.0) is not None:
+        pass
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prefill = StepPlan(0, "w2", [SeqStart("s", "gw", [5, 6, 7], params)], [ScheduledChunk("s", 0, 3, [0])])
+    decode = StepPlan(1, "w2", [], [ScheduledChunk("s", 3, 1, [0])])
+    pipe = client.pipeline(transaction=False)
+    for plan in (prefill, decode):
+        pipe.xadd(keys.steps("w2"), {FIELD: plan.to_wire()})
+    pipe.execute()
+    try:
+        batches = []
+        deadline = time.monotonic() + 20
+        while len(batches) < 2 and time.monotonic() < deadline:
+            msg = pubsub.get_message(timeout=1.0)
+            if msg and msg["type"] == "message":
+                batches.append(TokenBatch.from_wire(msg["data"]))
+        assert [b.step_id for b in batches] == [0, 1]
+        assert [(b.events[0].offset, len(b.events[0].token_ids)) for b in batches] == [(0, 1), (1, 1)]
+        deadline = time.monotonic() + 5
+        while client.xpending(keys.steps("w2"), keys.worker_group)["pending"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        results = [StepResult.from_wire(f[FIELD.encode()]) for _id, f in client.xrange(keys.results)]
+        assert [r.step_id for r in results] == [0, 1]
+        assert client.xpending(keys.steps("w2"), keys.worker_group)["pending"] == 0
+        pubsub.close()
+    finally:
+        service.request_stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_keep_heap_memory_sets_glibc_malloc_options():
+    from workers.cpu_memory import keep_heap_memory
+
+    assert keep_heap_memory() is True  # glibc (Linux): every mallopt accepted

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import kernels
 from workers.kv_cache import KVCache
+from workers.linear import Linear
 from workers.loader import ModelConfig, ModelLoadError
 
 log = structlog.get_logger(__name__)
@@ -86,16 +87,13 @@ class DecoderLayer:
         self.input_norm = take("input_layernorm.weight")
         self.post_attn_norm = take("post_attention_layernorm.weight")
         q, k, v = (take(f"self_attn.{n}_proj.weight") for n in "qkv")
-        self.qkv = torch.cat((q, k, v)).contiguous()
         biases = [take(f"self_attn.{n}_proj.bias", required=cfg.qkv_bias) for n in "qkv"]
-        self.qkv_bias = torch.cat(biases).contiguous() if biases[0] is not None else None
-        self.o = take("self_attn.o_proj.weight")
-        self.o_bias = take("self_attn.o_proj.bias", required=False)
-        self.gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))).contiguous()
-        self.down = take("mlp.down_proj.weight")
+        self.qkv = Linear(torch.cat((q, k, v)), torch.cat(biases).contiguous() if biases[0] is not None else None)
+        self.o = Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", required=False))
         mlp_biases = [take(f"mlp.{n}_proj.bias", required=cfg.mlp_bias) for n in ("gate", "up", "down")]
-        self.gate_up_bias = torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None
-        self.down_bias = mlp_biases[2]
+        self.gate_up = Linear(torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))),
+                              torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None)
+        self.down = Linear(take("mlp.down_proj.weight"), mlp_biases[2])
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -108,7 +106,7 @@ class DecoderLayer:
         else:
             x, residual = kernels.rms_norm(h, self.input_norm, cfg.rms_norm_eps, residual)
 
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         T = qkv.shape[0]
         q = q.view(T, cfg.num_heads, cfg.head_dim)
@@ -122,10 +120,10 @@ class DecoderLayer:
             for g in inp.groups
         ]
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        h = F.linear(attn.reshape(T, self.q_size), self.o, self.o_bias)
+        h = self.o(attn.reshape(T, self.q_size))
 
         x, residual = kernels.rms_norm(h, self.post_attn_norm, cfg.rms_norm_eps, residual)
-        h = F.linear(kernels.silu_and_mul(F.linear(x, self.gate_up, self.gate_up_bias)), self.down, self.down_bias)
+        h = self.down(kernels.silu_and_mul(self.gate_up(x)))
         return h, residual
 
 
@@ -149,7 +147,7 @@ class LlamaFamilyModel:
             if not cfg.tie_word_embeddings:
                 raise ModelLoadError("checkpoint is missing weight lm_head.weight (and embeddings are not tied)")
             lm_head = self.embed
-        self.lm_head = lm_head
+        self.lm_head = Linear(lm_head)  # packed copy: a tied embedding stays plain for the lookup
         unused = [k for k in w if not k.endswith("rotary_emb.inv_freq")]
         if unused:
             log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])
@@ -167,4 +165,4 @@ class LlamaFamilyModel:
         h = h[inp.logits_indices]
         residual = residual[inp.logits_indices]
         h, _ = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -16,6 +16,7 @@ import torch
 
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
+from workers.cpu_memory import keep_heap_memory
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.loader import load_checkpoint
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
@@ -53,6 +54,8 @@ class ModelRunner:
             # avoids OpenMP barrier stalls that otherwise dominate small ops
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_heap_memory()  # no page faults on every layer's activations
         cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device)
         self.config = cfg
         self.model_name = cfg.name
@@ -124,51 +127,61 @@ class ModelRunner:
             return f"block table of {len(c.block_table)} blocks cannot hold {end} tokens"
         if end > self.max_model_len:
             return f"chunk ends at {end}, beyond max_model_len {self.max_model_len}"
-        if any(b < 0 or b >= self.num_blocks for b in c.block_table):
+        if c.block_table and (min(c.block_table) < 0 or max(c.block_table) >= self.num_blocks):
             return f"block id out of range [0, {self.num_blocks})"
         return None
 
-    def _group(self, chunks: list[ScheduledChunk], token_start: int) -> AttentionGroup:
+    def _group(self, chunks: list[ScheduledChunk], token_start: int, tables: torch.Tensor) -> AttentionGroup:
+        """One attention call's metadata; `tables` holds these chunks' rows of the step's block tables.
+        Tables are cut to the blocks the longest sequence uses now: the CPU decode path gathers every
+        column, so spare reserved blocks would cost reads and FLOPs."""
         n = [c.num_tokens for c in chunks]
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
-        qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(n, dtype=torch.int32).cumsum(0)
-        seq_lens = torch.tensor([c.start_pos + c.num_tokens for c in chunks], dtype=torch.int32)
+        ends = [c.start_pos + c.num_tokens for c in chunks]
+        width = -(-max(ends) // self.block_size)
+        qsl = torch.tensor([0] + n, dtype=torch.int32).cumsum_(0, dtype=torch.int32)
+        seq_lens = torch.tensor(ends, dtype=torch.int32)
         d = self.device
-        return AttentionGroup(token_start, token_start + sum(n), tables.to(d), seq_lens.to(d), qsl.to(d), max(n))
+        return AttentionGroup(token_start, token_start + sum(n), tables[:, :width].to(d, torch.int32),
+                              seq_lens.to(d), qsl.to(d), max(n))
 
     def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, list[ScheduledChunk]]:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
         bs = self.block_size
+        seqs = self.seqs
+        ids: list[int] = []
+        sample_rows: list[int] = []
         for c in ordered:
-            seq = self.seqs[c.seq_id]
+            tokens = seqs[c.seq_id].token_ids
             end = c.start_pos + c.num_tokens
-            ids.extend(seq.token_ids[c.start_pos:end])
-            rng = range(c.start_pos, end)
-            positions.extend(rng)
-            table = c.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            if end == len(seq.token_ids):
+            ids += tokens[c.start_pos:end]
+            if end == len(tokens):
                 sample_rows.append(len(ids) - 1)
-        if self._split_decodes and decodes and prefills:
-            groups = [self._group(decodes, 0), self._group(prefills, len(decodes))]
+        # positions and KV slots by tensor ops over the packed tokens (no per-token Python)
+        starts = torch.tensor([c.start_pos for c in ordered], dtype=torch.int64)
+        if prefills:
+            counts = torch.tensor([c.num_tokens for c in ordered], dtype=torch.int64)
+            row = torch.repeat_interleave(torch.arange(len(ordered)), counts)
+            first = torch.cumsum(counts, 0) - counts  # packed index of each chunk's first token
+            positions = torch.arange(len(ids)) - first[row] + starts[row]
         else:
-            groups = [self._group(ordered, 0)]
+            row = torch.arange(len(ordered))
+            positions = starts
+        width = -(-max(c.start_pos + c.num_tokens for c in ordered) // bs)
+        tables = torch.tensor([(list(c.block_table) + [0] * width)[:width] for c in ordered], dtype=torch.int64)
+        slots = tables[row, positions // bs] * bs + positions % bs
+        nd = len(decodes)
+        if self._split_decodes and decodes and prefills:
+            groups = [self._group(decodes, 0, tables[:nd]), self._group(prefills, nd, tables[nd:])]
+        else:
+            groups = [self._group(ordered, 0, tables)]
         d = self.device
         inp = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
-            positions=torch.tensor(positions, dtype=torch.int64, device=d),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
+            positions=positions.to(d),
+            slot_mapping=slots.to(d),
             groups=groups,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=d),
         )

@@ -1,16 +1,24 @@
 """The worker service: the ModelRunner connected to Redis.
 
-Loop: read one StepPlan from `steps:<worker>` (consumer group), run it, then in
-ONE pipeline publish one TokenBatch per gateway, XADD the StepResult to
-`results` and XACK the plan. A heartbeat thread keeps `worker:<id>` alive
-(with a TTL) so a long step never makes the scheduler think the worker died.
+Three threads, so the model never waits on a Redis round trip it does not need:
+- the model thread (the caller of `run`) takes plans from a local queue, runs them,
+  and hands each step's writes to the publisher;
+- a plan reader blocks on `steps:<worker>` (consumer group) and queues plans as
+  they come; with two plans in flight the next one is usually already here;
+- a result publisher sends, in ONE pipeline, one TokenBatch per gateway, the
+  StepResult to `results` and the XACK of the plan, in step order. Steps that
+  finish while a round trip is in flight go out together in the next one.
+A heartbeat thread keeps `worker:<id>` alive (with a TTL) so a long step never
+makes the scheduler think the worker died.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +31,8 @@ from phaseserve.wire import FIELD, Keys, StepPlan, StepResult, TokenBatch, Token
 log = structlog.get_logger("workers.service")
 
 STREAM_MAXLEN = 10_000  # approximate cap on the steps/results streams: acked entries are history only
+GIL_SWITCH_INTERVAL_S = 0.0002
+READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
 
 
 class Heartbeat(threading.Thread):
@@ -56,6 +66,73 @@ class Heartbeat(threading.Thread):
         pipe.execute()
 
 
+class PlanReader(threading.Thread):
+    """Reads step plans ahead into `plans` (entry id, fields); a Redis failure is queued as the exception."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, block_ms: int, stopping: threading.Event):
+        super().__init__(name="plan-reader", daemon=True)
+        self.client, self.keys, self.worker_id, self.block_ms = client, keys, worker_id, block_ms
+        self.stopping = stopping
+        self.plans: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        streams = {self.keys.steps(self.worker_id): ">"}
+        try:
+            while not self.stopping.is_set():
+                resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, streams,
+                                              count=READ_AHEAD, block=self.block_ms)
+                for _stream, entries in resp or ():
+                    for entry in entries:
+                        self.plans.put(entry)
+        except Exception as e:  # the model thread re-raises it: a worker that cannot read plans must stop
+            self.plans.put(e)
+
+
+class ResultPublisher(threading.Thread):
+    """Sends each step's writes in step order, batching the steps that queued up during a round trip.
+
+    `send(ops)` takes a list of (redis pipeline method name, args, kwargs). A failed write is kept in
+    `error` for the model thread to raise; later writes are dropped (the worker is going down)."""
+
+    def __init__(self, client: redis.Redis):
+        super().__init__(name="result-publisher", daemon=True)
+        self.client = client
+        self.outbox: queue.Queue = queue.Queue()
+        self.error: Exception | None = None
+
+    def send(self, ops: list[tuple]) -> None:
+        self.outbox.put(ops)
+
+    def run(self) -> None:
+        done = False
+        while not done:
+            batch = [self.outbox.get()]
+            while True:  # everything already waiting goes in the same round trip
+                try:
+                    batch.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is None:
+                done = True
+                batch.pop()
+            if not batch or self.error is not None:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for ops in batch:
+                for name, args, kwargs in ops:
+                    getattr(pipe, name)(*args, **kwargs)
+            try:
+                pipe.execute()
+            except Exception as e:
+                log.error("publishing step results failed", error=str(e))
+                self.error = e
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop."""
+        self.outbox.put(None)
+        self.join(timeout)
+
+
 class WorkerService:
     def __init__(self, runner, client: redis.Redis, keys: Keys, worker_id: str, *, role: str = "mixed",
                  heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500):
@@ -73,8 +150,10 @@ class WorkerService:
             started_at=time.time(),
         )
         self.heartbeat = Heartbeat(client, keys, self.info, heartbeat_interval, heartbeat_ttl)
+        self.reader = PlanReader(client, keys, worker_id, block_ms, self.stopping)
+        self.publisher = ResultPublisher(client)
         self.steps_run = 0
-        self.busy_s = 0.0  # time in steps (model + publishing), to tell how often the worker waited for plans
+        self.busy_s = 0.0  # time in steps (model + handing off the writes): up_s - busy_s is waiting for plans
 
     def _join_group(self) -> None:
         try:
@@ -95,15 +174,24 @@ class WorkerService:
 
     def run(self) -> None:
         self.announce()
+        self.publisher.start()
+        self.reader.start()
         started = time.perf_counter()
         try:
             while not self.stopping.is_set():
-                resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, {self.steps_key: ">"},
-                                              count=1, block=self.block_ms)
-                for _stream, entries in resp or ():
-                    for entry_id, fields in entries:
-                        self.run_step(entry_id, fields)
+                if self.publisher.error is not None:
+                    raise self.publisher.error
+                try:
+                    item = self.reader.plans.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                self.run_step(*item)
         finally:
+            self.stopping.set()
+            self.publisher.close()
+            self.reader.join(self.block_ms / 1000 + 1)
             self.heartbeat.stop()
             log.info("worker stopped", worker_id=self.worker_id, steps=self.steps_run,
                      busy_s=round(self.busy_s, 3), up_s=round(time.perf_counter() - started, 3))
@@ -113,7 +201,7 @@ class WorkerService:
             plan = StepPlan.from_wire(fields[FIELD.encode()])
         except (WireError, KeyError) as e:
             log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
-            self.client.xack(self.steps_key, self.keys.worker_group, entry_id)
+            self.publisher.send([("xack", (self.steps_key, self.keys.worker_group, entry_id), {})])
             return
         for seq in plan.starts:
             self.gateway_of[seq.seq_id] = seq.gateway_id
@@ -143,13 +231,13 @@ class WorkerService:
         for seq_id in plan.releases:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
-        pipe = self.client.pipeline(transaction=False)
-        for gw, events in by_gateway.items():
-            pipe.publish(self.keys.gateway_channel(gw), TokenBatch(plan.step_id, self.worker_id, events).to_wire())
-        pipe.xadd(self.keys.results, {FIELD: result.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.xack(self.steps_key, self.keys.worker_group, entry_id)
-        pipe.xdel(self.steps_key, entry_id)
-        pipe.execute()
+        ops = [("publish", (self.keys.gateway_channel(gw), TokenBatch(plan.step_id, self.worker_id, events).to_wire()),
+                {}) for gw, events in by_gateway.items()]
+        ops.append(("xadd", (self.keys.results, {FIELD: result.to_wire()}),
+                    {"maxlen": STREAM_MAXLEN, "approximate": True}))
+        ops.append(("xack", (self.steps_key, self.keys.worker_group, entry_id), {}))
+        ops.append(("xdel", (self.steps_key, entry_id), {}))
+        self.publisher.send(ops)
 
     def request_stop(self, *_args) -> None:
         self.stopping.set()
@@ -183,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
     model_dir = settings.resolve_model(args.model)
     threads = set_threads(args.num_threads)
+    # the plan reader and result publisher need the GIL for a few microseconds per step; the model thread
+    # gives it up only in torch ops or when asked, and CPython asks after the switch interval (5 ms default)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker_id = args.worker_id or default_worker_id()
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
 
@@ -194,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    log.info("loading model", model=model_dir, device=device, dtype=args.dtype, threads=threads)
+    log.info("loading model", model=model_dir, device=device, dtype=args.dtype, threads=threads,
+)
     t0 = time.perf_counter()
     try:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,

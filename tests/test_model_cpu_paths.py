@@ -1,0 +1,102 @@
+"""The CPU fast paths give the same results as the plain computations they replace: prepacked
+oneDNN linears, the top-k/top-p filter on a sorted prefix, decode attention in batches of
+sequences, the per-step rotary factors, and the runner's trimmed block tables."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as ref
+from model_factory import make_model
+from phaseserve.params import SamplingParams
+from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+from workers.linear import Linear
+from workers.runner import ModelRunner
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    lin = Linear(w, b)
+    assert lin.packed and lin.weight.layout == torch._mkldnn  # the fast path is really taken here
+    tol = 0 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=tol, rtol=tol)
+    assert lin(x[:0]).shape == (0, 96)
+    assert Linear(w, b, pack=False)(x).equal(F.linear(x, w, b))
+
+
+def _sample_args(B, V, seed, top_k, top_p, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = scale * torch.randn(B, V, generator=g)
+    noise = torch.empty(B, V).exponential_(generator=g)
+    temperature = torch.linspace(0.5, 1.5, B)
+    return (logits, temperature, torch.tensor(top_k, dtype=torch.int32)[:B], torch.tensor(top_p)[:B],
+            torch.zeros(B), noise)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_prefix_filter_equals_full_sort(monkeypatch, seed):
+    """A vocab wider than the prefix: rows with small top-k, no top-k with top-p, and unfiltered rows."""
+    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 64)
+    args = _sample_args(6, 500, seed, [0, 5, 40, 0, 64, 0], [1.0, 1.0, 0.9, 0.5, 0.7, 0.3], scale=6.0)
+    assert ref._top_k_top_p_prefix(args[0] / args[1].unsqueeze(1), torch.tensor([500, 5, 40, 500, 64, 500]),
+                                   args[3]) is not None  # the prefix path decides these rows
+    expected = _sorted_sample(*args)
+    assert torch.equal(ref.sample(*args), expected)
+
+
+def test_sample_falls_back_to_full_sort_when_prefix_is_short(monkeypatch):
+    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 8)
+    # flat logits: top-p 0.95 needs far more than 8 tokens; top-k 100 does not fit either
+    args = _sample_args(2, 300, 0, [0, 100], [0.95, 1.0], scale=0.1)
+    assert ref._top_k_top_p_prefix(args[0], torch.tensor([300, 100]), args[3]) is None
+    assert torch.equal(ref.sample(*args), _sorted_sample(*args))
+
+
+def _sorted_sample(logits, temperature, top_k, top_p, min_p, noise):
+    t = temperature.unsqueeze(1)
+    V = logits.shape[1]
+    k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V)).long()
+    x = ref._top_k_top_p_sorted(logits / t, k, top_p)
+    return (x.softmax(dim=1) / noise).argmax(dim=1)
+
+
+def test_decode_attention_in_batches_equals_one_batch(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    B, H, KVH, D, bs = 7, 4, 2, 16, 4
+    k_cache, v_cache = torch.randn(40, bs, KVH, D, generator=g), torch.randn(40, bs, KVH, D, generator=g)
+    tables = torch.randperm(40, generator=g)[:B * 5].view(B, 5).int()
+    seq_lens = torch.randint(1, 21, (B,), generator=g, dtype=torch.int32)
+    q = torch.randn(B, H, D, generator=g)
+    whole = ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    monkeypatch.setattr(ref, "_DECODE_GATHER_BYTES", 2 * 20 * KVH * D * 4 * 3)  # 3 sequences per batch
+    torch.testing.assert_close(ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25), whole)
+
+
+def test_rotary_factors_follow_in_place_edits_of_positions():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(50, 8, generator=g)
+    q, k = torch.randn(3, 2, 8, generator=g), torch.randn(3, 1, 8, generator=g)
+    positions = torch.tensor([1, 2, 3])
+    ref.rotary_embedding(positions, q, k, cache)
+    positions.add_(10)
+    got = ref.rotary_embedding(positions, q, k, cache)
+    expected = ref.rotary_embedding(positions.clone(), q, k, cache)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_block_tables_are_cut_to_the_blocks_in_use(tmp_path):
+    runner = ModelRunner(make_model(tmp_path, "llama"), dtype="float32", num_blocks=64)
+    bs = runner.block_size
+    runner.execute(StepPlan(0, "w", [SeqStart(s, "g", list(range(3, 3 + n)), SamplingParams())
+                                     for s, n in (("a", 20), ("b", 5))]))
+    # both sequences reserve 10 blocks; the step needs 2 (a: 20 tokens) and 1 (b: 5 tokens)
+    chunks = [ScheduledChunk("a", 19, 1, list(range(10))), ScheduledChunk("b", 0, 5, list(range(10, 20)))]
+    inp, ordered = runner._inputs(chunks)
+    decode, prefill = inp.groups
+    assert decode.block_tables.shape == (1, -(-20 // bs)) and prefill.block_tables.shape == (1, 1)
+    assert inp.positions.tolist() == [19, 0, 1, 2, 3, 4]
+    assert inp.slot_mapping.tolist() == [1 * bs + 3] + [10 * bs + i for i in range(5)]

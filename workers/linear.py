@@ -1,0 +1,44 @@
+"""A linear layer whose weight is laid out once, at load, for the device's fastest GEMM.
+
+On CPU the weight is reordered into oneDNN's blocked layout (what torch.compile's freezing pass does
+for CPU linears). A decode step multiplies every weight by a handful of rows, so it is bound by
+reading the weights: `F.linear` on a plain [out, in] bf16 matrix streams it at ~10-15 GB/s on one
+thread, the prepacked oneDNN matmul at ~30-40 GB/s (see docs/model-runner.md). Results match
+`F.linear` (same fp32 accumulation); the packed weight replaces the plain one, so memory does not grow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Linear:
+    """y = x @ weight.T + bias for x [T, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.bias = bias
+        self.packed = pack and _can_pack(weight)
+        # the packed tensor is opaque (layout torch._mkldnn): only the matmul below can read it
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if self.packed else weight
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
