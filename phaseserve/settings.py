@@ -83,7 +83,7 @@ SETTINGS: list[Setting] = [
     Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,
             "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),
     Setting("num_threads", "PHASESERVE_NUM_THREADS", 0, int,
-            "torch CPU threads for the worker (0 = all cores but one, left to the other services)", ("worker", "up")),
+            "torch CPU threads for the worker; 0 = auto: all cores for models of 100 MB or more, else all but one (left to the other services)", ("worker", "up")),
     Setting("max_model_len", "PHASESERVE_MAX_MODEL_LEN", 0, int,
             "longest sequence (prompt + output); 0 = the model's limit", ("worker", "gateway", "up")),
     Setting("max_num_seqs", "PHASESERVE_MAX_NUM_SEQS", 64, int,

@@ -122,3 +122,12 @@ def test_keep_heap_memory_sets_glibc_malloc_options():
     from workers.cpu_memory import keep_heap_memory
 
     assert keep_heap_memory() is True  # glibc (Linux): every mallopt accepted
+
+
+def test_auto_threads_leave_a_core_only_for_small_models():
+    from workers.service import LARGE_MODEL_BYTES, auto_threads
+
+    assert auto_threads(3, cores=2, weight_bytes=0) == 3  # an explicit setting wins
+    assert auto_threads(0, cores=2, weight_bytes=11 << 20) == 1  # overhead-bound: leave a core
+    assert auto_threads(0, cores=2, weight_bytes=LARGE_MODEL_BYTES) == 2  # compute-bound: every core
+    assert auto_threads(0, cores=1, weight_bytes=0) == 1

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import redis
 import structlog
@@ -247,13 +248,26 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def set_threads(num_threads: int) -> int:
-    """0 = every core but one: the gateway, scheduler and Redis need a core of their own, and torch's
-    OpenMP threads stall badly when one of them is descheduled (measured: see docs/model-runner.md)."""
+# Above this much weight a step is bound by compute and memory bandwidth, and every core pays;
+# below it a step is a few milliseconds of small ops, and a core left to the gateway, scheduler and
+# Redis pays more (workload A, one run each: bundled 11 MB model 2283 tok/s on 1 thread vs 1881 on 2;
+# 400 MB model 299 tok/s on 2 threads vs 200 on 1 -- README, "Benchmarks").
+LARGE_MODEL_BYTES = 100 << 20
+
+
+def auto_threads(num_threads: int, cores: int, weight_bytes: int) -> int:
+    """The worker's torch thread count: the setting if > 0, else chosen by model size."""
+    if num_threads > 0:
+        return num_threads
+    return cores if weight_bytes >= LARGE_MODEL_BYTES else max(1, cores - 1)
+
+
+def set_threads(num_threads: int, model_dir: str) -> int:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = num_threads if num_threads > 0 else max(1, cores - 1)
+    weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    n = auto_threads(num_threads, cores, weight_bytes)
     torch.set_num_threads(n)
     return n
 
@@ -270,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
     model_dir = settings.resolve_model(args.model)
-    threads = set_threads(args.num_threads)
+    threads = set_threads(args.num_threads, model_dir)
     # the plan reader and result publisher need the GIL for a few microseconds per step; the model thread
     # gives it up only in torch ops or when asked, and CPython asks after the switch interval (5 ms default)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
