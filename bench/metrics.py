@@ -70,6 +70,7 @@ def _stats(name: str, values_s: list[float], percentiles) -> dict[str, float]:
         f"mean_{name}_ms": float(arr.mean()),
         f"median_{name}_ms": float(np.median(arr)),
         f"std_{name}_ms": float(arr.std()),
+        f"max_{name}_ms": float(arr.max()),  # not in vLLM's report; the one stall a p99 can hide
     }
     for p in percentiles:
         out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
@@ -145,5 +146,7 @@ def format_report(title: str, m: dict, percentiles=DEFAULT_PERCENTILES) -> str:
         lines.append(f"{'Mean ' + key.upper() + ' (ms):':<42}{m[f'mean_{key}_ms']:>12.2f}")
         for p in percentiles:
             lines.append(f"{f'P{p:g} ' + key.upper() + ' (ms):':<42}{m[f'p{p:g}_{key}_ms']:>12.2f}")
+        if f"max_{key}_ms" in m:
+            lines.append(f"{'Max ' + key.upper() + ' (ms):':<42}{m[f'max_{key}_ms']:>12.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
