@@ -98,7 +98,10 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
     from e2e_stack import wait_for
     from phaseserve.redis_server import free_port
 
-    exe = shutil.which("phaseserve") or pytest.fail("the `phaseserve` console script is not installed")
+    # the console script installed beside this interpreter (the venv need not be activated)
+    exe = os.path.join(os.path.dirname(sys.executable), "phaseserve")
+    if not os.access(exe, os.X_OK):
+        exe = shutil.which("phaseserve") or pytest.fail("the `phaseserve` console script is not installed")
     port = free_port()
     procs = []
     log = open(tmp_path / "compose.log", "wb")
