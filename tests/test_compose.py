@@ -23,6 +23,11 @@ def compose() -> dict:
         return yaml.safe_load(f)
 
 
+def service_env(svc: dict) -> dict[str, str]:
+    """A service's environment as compose would pass it, `${VAR:-default}` taken at its default."""
+    return {k: re.sub(r"\$\{[^:}]+:-([^}]*)\}", r"\1", str(v)) for k, v in svc["environment"].items()}
+
+
 def phaseserve_services(compose: dict) -> dict:
     return {n: s for n, s in compose["services"].items() if s["command"][0] == "phaseserve"}
 
@@ -60,8 +65,7 @@ def test_commands_exist_in_cli(compose, service):
     command = compose["services"][service]["command"]
     sub, args = command[1], command[2:]
     # The flags parse with the service's own settings, with the compose environment applied.
-    env = {k: str(v) for k, v in compose["services"][service]["environment"].items()}
-    env = {k: re.sub(r"\$\{[^:}]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+    env = service_env(compose["services"][service])
     code = (
         "import sys; from phaseserve import settings; "
         f"ns = settings.parse({sub!r}, {args!r}); print(ns)"
@@ -108,8 +112,7 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
     try:
         for name in ("scheduler", "worker", "gateway"):
             svc = compose["services"][name]
-            env = {k: str(v) for k, v in svc["environment"].items()}
-            env = {k: re.sub(r"\$\{[^:}]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+            env = service_env(svc)
             env.update(REDIS_URL=redis_server, PHASESERVE_MODEL=settings.bundled_model_path(),
                        PHASESERVE_KV_CACHE_MEMORY="64MiB", PHASESERVE_HEARTBEAT_INTERVAL="0.5")
             argv = [exe] + [str(a) for a in svc["command"][1:]]
