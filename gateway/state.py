@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import uuid
@@ -12,6 +11,7 @@ from aiohttp import web
 
 from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics
+from phaseserve.model_files import read_json
 from phaseserve.settings import resolve_model
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.wire import Keys, WorkerInfo
@@ -25,8 +25,7 @@ class Gateway:
         self.model_path = resolve_model(settings.model)
         self.model_name = settings.served_model_name or os.path.basename(self.model_path.rstrip("/"))
         self.tokenizer = Tokenizer.from_folder(self.model_path)
-        with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.keys = Keys(settings.key_prefix)

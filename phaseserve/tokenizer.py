@@ -23,6 +23,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from phaseserve.model_files import config_eos_token_ids, read_json, token_ids
+
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of the prompt the detokenizer decodes as context (vLLM uses the same 5): enough for
 # decoders that strip or merge across token boundaries (SentencePiece's leading space).
@@ -33,14 +35,6 @@ class ChatTemplateError(ValueError):
     """No chat template, or the template rejected the conversation (-> HTTP 400)."""
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
-
-
 def _token_content(value: Any) -> str | None:
     """tokenizer_config stores special tokens as a string or as a serialized AddedToken dict."""
     if isinstance(value, str):
@@ -48,14 +42,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 def _raise_exception(message: str):
@@ -124,9 +110,8 @@ class Tokenizer:
         if not os.path.isfile(tok_file):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         self.hf = HFTokenizer.from_file(tok_file)
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        model_cfg = _read_json(os.path.join(path, "config.json"))
-        gen_cfg = _read_json(os.path.join(path, "generation_config.json"))
+        cfg = read_json(os.path.join(path, "tokenizer_config.json"))
+        model_cfg = read_json(os.path.join(path, "config.json"))
 
         self.special_tokens: dict[str, str] = {}
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
@@ -137,13 +122,12 @@ class Tokenizer:
         self.eos_token = self.special_tokens.get("eos_token")
         self.bos_token_id = self.hf.token_to_id(self.bos_token) if self.bos_token else None
         if self.bos_token_id is None:
-            ids = _as_id_list(model_cfg.get("bos_token_id"))
+            ids = token_ids(model_cfg.get("bos_token_id"))
             self.bos_token_id = ids[0] if ids else None
         add_bos = cfg.get("add_bos_token")
         self.add_bos_token: bool | None = add_bos if isinstance(add_bos, bool) else None
 
-        eos: set[int] = set(_as_id_list(gen_cfg.get("eos_token_id")))
-        eos |= set(_as_id_list(model_cfg.get("eos_token_id")))
+        eos = set(config_eos_token_ids(path))
         if self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:
             eos.add(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos)

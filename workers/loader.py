@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from phaseserve.model_files import config_eos_token_ids
+
 log = structlog.get_logger(__name__)
 
 # architecture -> (whether q/k/v carry a bias by design)
@@ -63,14 +65,6 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
 
 
-def _as_ids(x) -> set[int]:
-    if x is None:
-        return set()
-    if isinstance(x, int):
-        return {x}
-    return {int(i) for i in x}
-
-
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either the transformers 4.x keys (rope_theta + rope_scaling)
     or the 5.x `rope_parameters` dict."""
@@ -110,10 +104,10 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
 
-    eos = _as_ids(cfg.get("eos_token_id"))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        eos |= _as_ids(_read_json(gen_path).get("eos_token_id"))
+    try:
+        eos = config_eos_token_ids(model_dir)
+    except ValueError as e:  # a generation_config.json that is not JSON
+        raise ModelLoadError(str(e)) from e
 
     sliding = cfg.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
@@ -136,7 +130,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        eos_token_ids=frozenset(eos),
+        eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
         checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         raw=cfg,
