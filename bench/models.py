@@ -15,6 +15,8 @@ from pathlib import Path
 
 import structlog
 
+from phaseserve.settings import bundled_model_path
+
 log = structlog.get_logger("bench.models")
 
 SMALL_200M = dict(num_hidden_layers=16, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
@@ -29,16 +31,10 @@ def default_cache_dir() -> Path:
     return Path(base) / "phaseserve" / "bench"
 
 
-def bundled_model_dir() -> Path:
-    import phaseserve
-
-    return Path(phaseserve.__file__).resolve().parent / "bundled_model"
-
-
 def resolve_model(name: str, cache_dir: str | Path | None = None) -> Path:
     """A model name or folder -> a folder with config.json (building small-200m on first use)."""
     if name == "bundled":
-        path = bundled_model_dir()
+        path = Path(bundled_model_path())
     elif name == "small-200m":
         path = build_small_200m(Path(cache_dir) if cache_dir else default_cache_dir())
     else:
@@ -75,7 +71,7 @@ def _write_tokenizer(dst: Path) -> tuple[int, int | None, int | None]:
     """Copy the bundled tokenizer (or make a byte-level one); return (vocab size, bos id, eos id)."""
     from tokenizers import Tokenizer
 
-    src = bundled_model_dir()
+    src = Path(bundled_model_path())
     if (src / "tokenizer.json").is_file():
         for f in TOKENIZER_FILES:
             if (src / f).is_file():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from bench.models import resolve_model
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
+from phaseserve.redis_server import free_port
 
 SERVERS = ("vllm", "phaseserve", "engine")
 TABLE = (("output tok/s", "output_throughput", "{:.1f}"), ("req/s", "request_throughput", "{:.2f}"),
@@ -29,12 +29,6 @@ TABLE = (("output tok/s", "output_throughput", "{:.1f}"), ("req/s", "request_thr
          ("ITL p99 ms", "p99_itl_ms", "{:.1f}"), ("E2E p99 ms", "p99_e2el_ms", "{:.0f}"),
          ("failed", "failed", "{}"))
 RATIOS = (("output tok/s", "output_throughput"), ("TTFT p99", "p99_ttft_ms"), ("TPOT p99", "p99_tpot_ms"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
