@@ -115,7 +115,7 @@ class Engine:
             self.scheduler.update(result)
         tail = self.scheduler.schedule()  # send the last releases so the runner forgets finished sequences
         if tail is not None:
-            self.runner.execute(tail)
+            self.scheduler.update(self.runner.execute(tail))  # settles the step, so none stays in flight
         out = [results[rid] for rid in request_ids]
         for c in out:
             c.text = self.decode(c.token_ids)
