@@ -23,7 +23,8 @@ log = structlog.get_logger(__name__)
 
 _RUNNER_SETTINGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory_bytes", "max_model_len", "seed",
                     "num_threads")
-_SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark")
+_SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark",
+                       "attention_horizon")
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Completion:
 class Engine:
     """`Engine(model_dir, **settings)`: runner settings (dtype, device, block_size, num_blocks,
     kv_cache_memory_bytes, max_model_len, seed, num_threads) and scheduler settings (max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, watermark)."""
+    max_num_batched_tokens, enable_chunked_prefill, watermark, attention_horizon: None or absent = the
+    runner's estimate for the model, 0 = every token costs 1 budget unit)."""
 
     def __init__(self, model_dir: str | Path, **settings):
         unknown = set(settings) - set(_RUNNER_SETTINGS) - set(_SCHEDULER_SETTINGS)
@@ -47,9 +49,11 @@ class Engine:
             raise TypeError(f"unknown Engine settings: {', '.join(sorted(unknown))}")
         self.runner = ModelRunner(model_dir, **{k: v for k, v in settings.items() if k in _RUNNER_SETTINGS})
         r = self.runner
+        policy = {k: v for k, v in settings.items() if k in _SCHEDULER_SETTINGS}
+        if policy.get("attention_horizon") is None:
+            policy["attention_horizon"] = r.attention_horizon  # as the service does with WorkerInfo's
         self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=r.num_blocks, block_size=r.block_size, max_model_len=r.max_model_len,
-            **{k: v for k, v in settings.items() if k in _SCHEDULER_SETTINGS}))
+            num_blocks=r.num_blocks, block_size=r.block_size, max_model_len=r.max_model_len, **policy))
         self.tokenizer = None
         tok_path = Path(model_dir) / "tokenizer.json"
         if tok_path.is_file():

@@ -89,9 +89,13 @@ SETTINGS: list[Setting] = [
     Setting("max_num_seqs", "PHASESERVE_MAX_NUM_SEQS", 64, int,
             "sequences in one step at most", ("scheduler", "up")),
     Setting("max_num_batched_tokens", "PHASESERVE_MAX_NUM_BATCHED_TOKENS", 512, int,
-            "token budget of one step (decodes + prefill chunks)", ("scheduler", "up")),
+            "token budget of one step (decodes + prefill chunks; tokens weighted by context, see --attention-horizon)", ("scheduler", "up")),
     Setting("enable_chunked_prefill", "PHASESERVE_CHUNKED_PREFILL", True, parse_bool,
             "split long prompts into chunks that fit beside the decodes", ("scheduler", "up")),
+    Setting("attention_horizon", "PHASESERVE_ATTENTION_HORIZON", None, int,
+            "prefill cost model: a token attending to c tokens costs 1 + c/K of the step's token budget, so "
+            "chunks deep in a long prompt are smaller; K default: each worker's estimate from its model's "
+            "shape; 0 = off (every token costs 1)", ("scheduler", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,

@@ -308,10 +308,14 @@ class WorkerInfo:
     max_model_len: int
     pid: int = 0
     started_at: float = 0.0
+    # context length at which a token's attention costs as much as its linear layers: the scheduler's
+    # prefill cost model (0 = unknown / off, as in messages from older workers)
+    attention_horizon: int = 0
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
-            "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at")})
+            "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
+            "attention_horizon")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

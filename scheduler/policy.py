@@ -13,14 +13,30 @@ Each `schedule()` builds one `StepPlan` for one worker:
    waiting queue in (priority, arrival) order, FCFS (the first one that does
    not fit stops admission, so a large prompt is not overtaken forever).
 
+Budget units. `max_num_batched_tokens` is a budget of cost units. With
+`attention_horizon` K = 0 a token costs 1 (the budget counts tokens). With
+K > 0 a token whose query attends to c keys (itself and every earlier
+position) costs 1 + c / K: the linear layers' work plus attention's, which
+grows with the context and equals the linears' at a context of K tokens. So a
+chunk of n tokens at positions p..p+n-1 costs n + n * (p + (n + 1) / 2) / K
+(`chunk_cost`) and a decode at position p costs 1 + (p + 1) / K. A prefill
+chunk gets the largest n whose cost fits in what is left
+(`max_chunk_tokens`), so chunks shrink as a long prompt's prefix grows and
+every step costs about the same time. Decodes are charged too but never
+dropped. Two exceptions let a step exceed the budget by one token: the head
+of the queue (below) and a step that would otherwise be empty always get at
+least one token.
+
 Starvation rule (a short prompt behind a long one): when the head of the
 waiting queue could be admitted this step, it is reserved
-min(its prefill, ceil(P / 2)) tokens of the P tokens left after decodes;
-partially-prefilled sequences share the rest. So the head of the queue starts
-on the very next plan, and a sequence with k startable sequences ahead of it
-starts within k + 1 plans -- as long as a max_num_seqs slot and KV blocks
-(above the watermark) are free and no preemption happened in that step. A
-prompt of up to ceil(P / 2) tokens at the head is prefilled in that one step.
+min(its prefill's cost, max(ceil(P / 2), one token's cost)) of the P units
+left after decodes; partially-prefilled sequences share the rest, and the head
+gets at least one token even if decodes left less than that. So the head of
+the queue starts on the very next plan, and a sequence with k startable
+sequences ahead of it starts within k + 1 plans -- as long as a max_num_seqs
+slot and KV blocks (above the watermark) are free and no preemption happened
+in that step. A prompt costing up to ceil(P / 2) units at the head is
+prefilled in that one step.
 
 Blocks. Admitting a sequence requires blocks for its whole prefill (+ the
 first decode slot) on top of the watermark and of the blocks promised to
@@ -30,7 +46,7 @@ preempt, may eat into those promises. No admission happens in a step that
 preempted (the victim would come straight back).
 
 Chunked prefill off (the "stall" baseline): a prompt is scheduled whole, and
-only when it fits in the budget left -- except the first prefill of a step,
+only when its cost fits in the budget left -- except the first prefill of a step,
 which runs whole even if that makes the step exceed the budget (with the
 step's decodes, which are never dropped); otherwise a prompt larger than what
 decodes leave would never run.
@@ -51,6 +67,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass
 
 import structlog
@@ -69,6 +86,32 @@ def _by_rank(seq: Sequence) -> tuple:
     return seq.sort_key
 
 
+def chunk_cost(start: int, n: int, horizon: int) -> float:
+    """Budget units of n tokens at positions start..start+n-1: sum over j=1..n of 1 + (start + j) / horizon
+    (the token at position start + j - 1 attends to start + j keys); horizon 0 = 1 unit a token."""
+    if horizon <= 0:
+        return n
+    return n + n * (start + (n + 1) / 2) / horizon
+
+
+def max_chunk_tokens(start: int, budget: float, horizon: int) -> int:
+    """The largest n >= 0 with chunk_cost(start, n, horizon) <= budget."""
+    if budget <= 0:
+        return 0
+    if horizon <= 0:
+        return math.floor(budget)
+    # chunk_cost <= budget  <=>  n^2 + 2*b*n - 2*budget*K <= 0 with b = K + start + 1/2; the positive root,
+    # written as c / (b + sqrt(b^2 + c)) so a large b loses no precision to cancellation
+    b = horizon + start + 0.5
+    c = 2.0 * budget * horizon
+    n = math.floor(c / (b + math.sqrt(b * b + c)))
+    while chunk_cost(start, n + 1, horizon) <= budget:  # float rounding: at most a step either way
+        n += 1
+    while n > 0 and chunk_cost(start, n, horizon) > budget:
+        n -= 1
+    return n
+
+
 @dataclass
 class SchedulerConfig:
     num_blocks: int
@@ -78,6 +121,9 @@ class SchedulerConfig:
     max_model_len: int = 2048  # must equal the worker's: the scheduler plans no decode past it
     enable_chunked_prefill: bool = True
     watermark: float = 0.01  # fraction of blocks kept free when admitting
+    # K: a token attending to c keys costs 1 + c / K budget units (0 = off: 1 unit a token); the worker
+    # estimates K from its model's shape (WorkerInfo.attention_horizon)
+    attention_horizon: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -88,6 +134,9 @@ class SchedulerConfig:
             # every running sequence's decode must fit in one step, or decode-first cannot hold
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
+        if not isinstance(self.attention_horizon, int) or self.attention_horizon < 0:
+            raise ValueError(f"SchedulerConfig.attention_horizon must be an integer >= 0, got "
+                             f"{self.attention_horizon!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
 
@@ -172,6 +221,8 @@ class Scheduler:
         preempted = False
 
         # 1) decodes first: one token for every running sequence past its prefill
+        horizon = cfg.attention_horizon
+        left = cfg.max_num_batched_tokens  # budget units (see the module docstring)
         for seq in list(self._running):
             if seq.status is not RUNNING or seq.is_prefilling or seq.reaches_limit(cfg.max_model_len):
                 continue
@@ -190,7 +241,7 @@ class Scheduler:
             seq.num_inflight_samples += 1
             sampled.append(seq)
             scheduled.add(seq)
-        left = cfg.max_num_batched_tokens - len(decodes)
+            left -= chunk_cost(pos, 1, horizon)  # may go below 0: decodes are never dropped
 
         def plan_prefill(seq: Sequence, n: int) -> None:
             start = seq.num_computed_tokens
@@ -209,24 +260,28 @@ class Scheduler:
 
         chunking = cfg.enable_chunked_prefill
         head = next((s for s in self._waiting if self._startable(s)), None)
+        head_admitted = chunking and head is not None and admissible(head)
         reserve = 0
-        if chunking and head is not None and left > 0 and admissible(head):
-            reserve = min(head.num_prompt_tokens + len(head.output_ids), (left + 1) // 2)
+        if head_admitted:
+            whole = chunk_cost(0, head.num_prompt_tokens + len(head.output_ids), horizon)
+            reserve = min(whole, max(math.ceil(left / 2), chunk_cost(0, 1, horizon)))
 
         # 2a) the next chunks of partially-prefilled sequences (none exist with chunking off)
         allow = left - reserve
         for seq in list(self._running):
-            if allow <= 0:
-                break
             if not seq.is_prefilling or seq in scheduled:
                 continue
-            room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - seq.num_computed_tokens
-            n = min(seq.num_prefill_remaining, allow, room)
+            start = seq.num_computed_tokens
+            room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - start
+            n = min(seq.num_prefill_remaining, room, max_chunk_tokens(start, allow, horizon))
+            if n <= 0 and not (decodes or prefills or head_admitted) and room > 0:
+                n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
-                continue  # decodes took its promised blocks; they will finish or preempt
+                continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
             plan_prefill(seq, n)
-            allow -= n
-            left -= n
+            spent = chunk_cost(start, n, horizon)
+            allow -= spent
+            left -= spent
 
         # 2b) admit waiting sequences, FCFS by rank
         for seq in list(self._waiting):
@@ -234,11 +289,13 @@ class Scheduler:
                 continue
             need = seq.num_prompt_tokens + len(seq.output_ids)
             if chunking:
-                if left <= 0:
-                    break
-                n = min(need, left)
+                n = min(need, max_chunk_tokens(0, left, horizon))
+                if n <= 0:
+                    if seq is not head or not head_admitted:
+                        break
+                    n = 1  # the head starts on this plan even when decodes used up the budget
             else:
-                if need > left and prefills:
+                if chunk_cost(0, need, horizon) > left and prefills:
                     break  # whole prompts only; the first prefill of a step may exceed the budget
                 n = need
             if not admissible(seq):
@@ -252,7 +309,7 @@ class Scheduler:
                 starts.append(seq.seq_start())
                 seq.on_worker = True
             plan_prefill(seq, n)
-            left -= n
+            left -= chunk_cost(0, n, horizon)
 
         if not decodes and not prefills and not self._releases:
             return None

@@ -58,6 +58,7 @@ class PolicyLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
+    attention_horizon: int | None = None  # None: each worker's own (WorkerInfo); 0: cost model off
 
 
 class SchedulerService:
@@ -143,13 +144,16 @@ class SchedulerService:
             num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
             max_num_seqs=self.limits.max_num_seqs, max_num_batched_tokens=self.limits.max_num_batched_tokens,
             enable_chunked_prefill=self.limits.enable_chunked_prefill,
+            attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
+            else self.limits.attention_horizon,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         await self.client.xtrim(self.keys.steps(info.worker_id), maxlen=0)
         self.workers[info.worker_id] = WorkerSlot(info, Scheduler(cfg, info.worker_id))
         self._stats_dirty = True
         log.info("worker joined", worker_id=info.worker_id, model=info.model, num_blocks=info.num_blocks,
-                 block_size=info.block_size, max_model_len=info.max_model_len)
+                 block_size=info.block_size, max_model_len=info.max_model_len,
+                 attention_horizon=cfg.attention_horizon)
 
     def retire_worker(self, wid: str, why: str) -> None:
         slot = self.workers.pop(wid)
@@ -370,7 +374,8 @@ class SchedulerService:
 
 async def serve(args) -> None:
     client = aioredis.Redis.from_url(args.redis_url)
-    limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
+    limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
+                          args.attention_horizon)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -388,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("scheduler", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve scheduler: --redis-url (or REDIS_URL) is required")
+    if args.attention_horizon is not None and args.attention_horizon < 0:
+        raise SystemExit(f"phaseserve scheduler: --attention-horizon must be >= 0 (0 = off), "
+                         f"got {args.attention_horizon}")
     try:
         import uvloop
         uvloop.run(serve(args))

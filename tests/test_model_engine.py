@@ -29,6 +29,7 @@ def test_engine_greedy_matches_transformers_with_chunking(setup):
     assert [c.token_ids for c in out] == expected
     assert all(c.finish_reason == "length" for c in out)
     assert engine.num_steps > 24  # 4 seqs at a time and 32-token steps: many steps, chunked prefills
+    assert engine.scheduler.config.attention_horizon == engine.runner.attention_horizon > 0  # cost model on
     assert not engine.runner.seqs  # every finished sequence was released
 
 
@@ -40,7 +41,8 @@ def test_engine_preemption_keeps_outputs_exact(setup):
     out = engine.generate(prompts + prompts[:2], [GREEDY] * len(prompts) + [seeded, seeded])
     assert engine.scheduler.num_preemptions > 0
     assert [c.token_ids for c in out[:len(prompts)]] == expected
-    roomy = Engine(path, dtype="float32", num_blocks=256)
+    roomy = Engine(path, dtype="float32", num_blocks=256, attention_horizon=0)  # 0: every token costs 1
+    assert roomy.scheduler.config.attention_horizon == 0
     ref = roomy.generate(prompts[:2], seeded)
     assert [c.token_ids for c in out[len(prompts):]] == [c.token_ids for c in ref]
 

@@ -14,18 +14,26 @@ SeqStart of a recomputed sequence carries exactly what was published.
 
 from __future__ import annotations
 
+import json
 import random
 import zlib
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
 
+import msgpack
 import pytest
 
 from phaseserve.params import SamplingParams, finish_reason
-from phaseserve.wire import StepPlan, StepResult, SubmitRequest, TokenEvent
+from phaseserve.settings import bundled_model_path
+from phaseserve.wire import PROTOCOL_VERSION, StepPlan, StepResult, SubmitRequest, TokenEvent, WorkerInfo
 from scheduler.block_manager import BlockManager
-from scheduler.policy import Scheduler, SchedulerConfig
+from scheduler.policy import Scheduler, SchedulerConfig, chunk_cost, max_chunk_tokens
+from workers.loader import read_config
+from workers.runner import ATTENTION_EFFICIENCY
+from workers.runner import attention_horizon as runner_attention_horizon
 
 VOCAB = 50_000
 
@@ -154,13 +162,26 @@ class Checker:
                 assert owner.setdefault(b, c.seq_id) == c.seq_id, f"block {b} in two tables"
         prefills = [c for c, k in zip(plan.chunks, kinds) if k == "p"]
         if cfg.enable_chunked_prefill:
-            assert plan.num_tokens <= cfg.max_num_batched_tokens
+            # over budget only through decodes (never dropped) and the one token that the head of the
+            # queue, or an otherwise empty step, always gets
+            cost = plan_cost(plan, cfg.attention_horizon)
+            assert cost <= cfg.max_num_batched_tokens + 1e-9 or [c.num_tokens for c in prefills] in ([], [1]), \
+                (cost, plan.chunks)
+            if cfg.attention_horizon == 0:
+                assert plan.num_tokens <= cfg.max_num_batched_tokens
         else:  # whole prompts only; only a step's single prefill may take it over the budget
             assert all(c.start_pos == 0 and c.num_tokens == self.prefill_len[c.seq_id] for c in prefills)
             assert plan.num_tokens <= cfg.max_num_batched_tokens or len(prefills) == 1
         assert s.num_running <= cfg.max_num_seqs
         assert s.num_used_blocks + s.num_free_blocks == cfg.num_blocks
         assert s.num_used_blocks == sum(len(q.block_table) for q in s._running)
+
+
+def plan_cost(plan: StepPlan, horizon: int) -> float:
+    """Budget units of a plan, summed token by token (independent of chunk_cost's closed form)."""
+    if horizon == 0:
+        return plan.num_tokens
+    return sum(1 + (p + 1) / horizon for c in plan.chunks for p in range(c.start_pos, c.start_pos + c.num_tokens))
 
 
 def drive(sched: Scheduler, worker: FakeWorker, *, depth: int = 1, arrivals: dict | None = None,
@@ -523,12 +544,13 @@ def test_max_num_seqs_bounds_running_sequences():
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("horizon", [0, 100])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked):
+def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, horizon):
     rng = random.Random(7 + depth)
     cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=12, max_num_batched_tokens=128,
-                          max_model_len=320, enable_chunked_prefill=chunked)
+                          max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=horizon)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     arrivals: dict[int, list] = {}
     reqs = []
@@ -618,3 +640,189 @@ def test_bad_config_and_requests_are_rejected_clearly():
     with pytest.raises(ValueError, match="max_tokens"):
         sched.add_request(make_req("done", 4, max_tokens=2), output_ids=[1, 2])
     assert sched.num_waiting == 1
+
+
+# ---------------------------------------------------------------------------- cost-aware budget
+
+
+def test_chunk_cost_is_the_sum_of_its_token_costs():
+    for horizon in (0, 1, 3, 7, 980, 4032):
+        for start in (0, 1, 15, 100, 1983):
+            for n in (0, 1, 2, 5, 64, 496):
+                brute = n if horizon == 0 else sum(1 + (start + j) / horizon for j in range(1, n + 1))
+                assert chunk_cost(start, n, horizon) == pytest.approx(brute, rel=1e-12, abs=1e-12)
+    assert chunk_cost(2000, 1, 980) == pytest.approx(1 + 2001 / 980)  # a decode at position 2000
+
+
+def test_max_chunk_tokens_is_the_largest_chunk_that_fits():
+    def brute(start: int, budget: float, horizon: int) -> int:
+        n = 0  # exact rational arithmetic, token by token: no closed form, no float rounding
+        total = Fraction(0)
+        while True:
+            nxt = total + (1 if horizon == 0 else 1 + Fraction(start + n + 1, horizon))
+            if nxt > Fraction(budget):
+                return n
+            total, n = nxt, n + 1
+
+    grid = [(s, b, k) for k in (0, 1, 2, 3, 50, 980, 4032) for s in (0, 1, 15, 500, 2000)
+            for b in (-3, 0, 0.5, 1, 1.0001, 2, 7.3, 54, 64, 496, 512.25)]
+    rng = random.Random(3)
+    grid += [(rng.randint(0, 5000), rng.uniform(0, 600), rng.choice([1, 2, 9, 980, 4032])) for _ in range(300)]
+    for start, budget, horizon in grid:
+        n = max_chunk_tokens(start, budget, horizon)
+        assert n == brute(start, budget, horizon), (start, budget, horizon)
+        assert chunk_cost(start, n, horizon) <= budget or n == 0
+        assert chunk_cost(start, n + 1, horizon) > budget
+    # the closed form stays exact where the prefix dwarfs the horizon (no cancellation in the root)
+    assert max_chunk_tokens(10**9, 10**4, 1) == brute(10**9, 10**4, 1) == 0
+    assert max_chunk_tokens(10**6, 10**5, 3) == brute(10**6, 10**5, 3)
+
+
+@pytest.mark.parametrize("horizon", [0, 980])
+def test_long_prompt_chunks_shrink_as_its_prefix_grows(horizon):
+    cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          attention_horizon=horizon)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    shorts = [make_req(f"d{i}", 8, max_tokens=60) for i in range(16)]
+    long = make_req("long", 2048, max_tokens=4)
+    steps: list[tuple] = []  # (long's chunk, plan cost, decodes in the plan)
+
+    def on_plan(idx, plan):
+        mine = [c for c in plan.chunks if c.seq_id == "long" and c.num_tokens > 1]
+        if mine:
+            steps.append((mine[0], plan_cost(plan, horizon), sum(c.seq_id != "long" for c in plan.chunks)))
+
+    drive(sched, worker, arrivals={0: shorts, 3: [long]}, on_plan=on_plan)
+    sizes = [c.num_tokens for c, _, _ in steps]
+    assert sum(sizes) == 2048 and all(d == 16 for _, _, d in steps), "the decodes stay in every step"
+    full = steps[:-1]  # every chunk but the remainder is as large as the budget allows
+    if horizon == 0:
+        assert sizes == [496, 496, 496, 496, 64]
+    else:
+        assert all(a > b for a, b in zip(sizes, sizes[1:-1])), sizes  # strictly smaller, deeper in the prompt
+        assert sizes[0] < 496 and sizes[-2] < sizes[0] * 0.6, sizes
+    for c, cost, _ in full:  # each step fills the budget: less than one more token would fit
+        assert 512 - chunk_cost(c.start_pos + c.num_tokens, 1, horizon) < cost <= 512
+    assert_reference(worker, shorts + [long], cfg.max_model_len)
+    assert sched.num_preemptions == 0
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_stay_within_the_cost_budget(seed, depth):
+    # mostly short prompts with long outputs, some long prompts, contexts up to 10x the horizon and a small
+    # budget: decodes alone sometimes exceed it. Checker bounds every plan's cost, summed token by token.
+    rng = random.Random(100 + seed)
+    horizon = rng.choice([20, 60, 300])
+    cfg = SchedulerConfig(num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=32,
+                          max_model_len=256, attention_horizon=horizon, watermark=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs, arrivals = [], {}
+    for i in range(32):
+        prompt_len = rng.randint(1, 16) if rng.random() < 0.7 else rng.randint(40, 160)
+        r = make_req(f"r{i}", prompt_len, max_tokens=rng.randint(1, 90), priority=rng.choice([0, 0, 1]))
+        reqs.append(r)
+        arrivals.setdefault(rng.randint(0, 60), []).append(r)
+    drive(sched, worker, depth=depth, arrivals=arrivals)
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+    assert sched.stats()["num_finished"] == 32
+
+
+@pytest.mark.parametrize("horizon", [0, 980])
+def test_waiting_sequence_starts_within_k_plus_one_plans_with_costs(horizon):
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          attention_horizon=horizon)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
+    first: dict[str, int] = {}
+    done: dict[str, int] = {}
+
+    def on_plan(i, p):
+        for c in p.chunks:
+            first.setdefault(c.seq_id, i)
+            if c.seq_id == "S" and c.start_pos + c.num_tokens == 10:
+                done["S"] = i
+
+    drive(sched, worker, arrivals={0: reqs}, on_plan=on_plan)
+    assert first == {"L1": 0, "L2": 1, "L3": 2, "S": 3}  # k sequences ahead -> starts in plan k (FCFS)
+    assert done["S"] == 3, "a short prompt at the head is prefilled whole in its first plan"
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_head_starts_even_when_decodes_use_up_the_budget():
+    # a budget of 4 units, and three decodes that cost 1 + (p + 1) / 8 units each: from position 2 on they
+    # use it all up, yet the head of the queue starts on the very next plan (with one token)
+    cfg = SchedulerConfig(num_blocks=128, block_size=8, max_num_seqs=4, max_num_batched_tokens=4,
+                          max_model_len=256, attention_horizon=8, watermark=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    olds = [make_req(f"o{i}", 1, max_tokens=60) for i in range(3)]  # all three prefilled in one step
+    for r in olds:
+        sched.add_request(r)
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.update(worker.run(plan))
+    assert sorted((c.seq_id, c.start_pos) for c in plan.chunks) == [("o0", 2), ("o1", 2), ("o2", 2)]
+    new = make_req("new", 20, max_tokens=3)
+    sched.add_request(new)
+    plan = sched.schedule()
+    assert plan_cost(plan, 8) - chunk_cost(0, 1, 8) > 4, "the decodes alone exceed the budget"
+    assert [(c.seq_id, c.start_pos, c.num_tokens) for c in plan.chunks if c.seq_id == "new"] == [("new", 0, 1)]
+    assert [s.seq_id for s in plan.starts] == ["new"]
+    sched.update(worker.run(plan))
+    drive(sched, worker)  # its prefill waits for budget beside the decodes, then finishes
+    assert_reference(worker, olds + [new], cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_a_lone_prefill_progresses_when_one_token_costs_more_than_the_budget():
+    cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=4,
+                          max_model_len=256, attention_horizon=8, watermark=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    req = make_req("deep", 100, max_tokens=2)
+    plans = drive(sched, worker, arrivals={0: [req]})  # drive fails if a plan is empty while work is left
+    chunks = [c for p in plans for c in p.chunks if c.start_pos < 100]
+    expected, pos = [], 0  # as many tokens as fit in 4 units, summed token by token; at least one
+    while pos < 100:
+        n = 0
+        while pos + n < 100 and sum(1 + (pos + j) / 8 for j in range(1, n + 2)) <= 4:
+            n += 1
+        expected.append(max(n, 1))
+        pos += max(n, 1)
+    assert [c.num_tokens for c in chunks] == expected
+    forced = [c for c in chunks if chunk_cost(c.start_pos, 1, 8) > 4]
+    assert len(forced) > 60 and all(c.num_tokens == 1 for c in forced)  # from position 24 on: 1 + 25/8 > 4
+    assert_reference(worker, [req], cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_attention_horizon_is_validated():
+    with pytest.raises(ValueError, match="attention_horizon"):
+        SchedulerConfig(num_blocks=8, attention_horizon=-1)
+    with pytest.raises(ValueError, match="attention_horizon"):
+        SchedulerConfig(num_blocks=8, attention_horizon=2.5)
+
+
+# ---------------------------------------------------------------------------- horizon: worker -> scheduler
+
+
+def test_worker_info_carries_the_attention_horizon():
+    info = WorkerInfo("w1", "mixed", "m", 100, 16, 2048, 42, 1.5, attention_horizon=991)
+    assert WorkerInfo.from_wire(info.to_wire()) == info
+    old = msgpack.packb({"v": PROTOCOL_VERSION, "k": WorkerInfo.KIND, "worker_id": "w0", "role": "mixed",
+                         "model": "m", "num_blocks": 10, "block_size": 16, "max_model_len": 512, "pid": 1,
+                         "started_at": 2.0}, use_bin_type=True)  # from a worker that predates the field
+    decoded = WorkerInfo.from_wire(old)
+    assert decoded.attention_horizon == 0 and decoded.num_blocks == 10
+
+
+def test_attention_horizon_from_the_model_shape(tmp_path):
+    # bundled model: 2 * 724,992 weights * 6 layers per token / (4 * 6 * 8 * 32) = 1416; * 0.7 -> 991
+    assert runner_attention_horizon(read_config(bundled_model_path())) == 991
+    shape = json.loads((Path(bundled_model_path()) / "config.json").read_text())
+    shape.update(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=64, num_hidden_layers=16)  # the 200M benchmark model
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    assert runner_attention_horizon(read_config(tmp_path)) == round(ATTENTION_EFFICIENCY * 5760) == 4032

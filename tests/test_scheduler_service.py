@@ -142,6 +142,9 @@ async def test_requests_flow_to_a_worker_and_tokens_back(model_dir, reference, r
         s = await stats(client, keys)
         assert s["kv_blocks_total"] == 64 and s["num_workers"] == 1
         assert await client.keys(keys.request_record("*")) == []  # records deleted when done
+        # the worker's cost-model horizon reaches its policy (PolicyLimits.attention_horizon unset)
+        horizon = worker.service.runner.attention_horizon
+        assert horizon > 0 and sched.workers["w1"].policy.config.attention_horizon == horizon
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()

@@ -148,7 +148,7 @@ class WorkerService:
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
-            started_at=time.time(),
+            started_at=time.time(), attention_horizon=runner.attention_horizon,
         )
         self.heartbeat = Heartbeat(client, keys, self.info, heartbeat_interval, heartbeat_ttl)
         self.reader = PlanReader(client, keys, worker_id, block_ms, self.stopping)
