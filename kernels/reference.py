@@ -29,9 +29,9 @@ def rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
-    # torch's fused kernel: x * rsqrt(mean(x^2) + eps) in one op instead of five
-    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * h.to(x.dtype), residual
+    # torch's rms_norm takes its statistics in fp32 and rounds the normalized value back to x's dtype,
+    # bit for bit what Hugging Face does, so x needs no fp32 copy of its own (nor a cast back)
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps), residual
 
 
 def rotary_embedding(
@@ -43,7 +43,25 @@ def rotary_embedding(
     Rotates the first `rotary_dim` features of every head; returns new q, k.
     """
     cos, sin = _rotary_factors(positions, cos_sin_cache)
+    qk = _adjacent_heads(q, k)
+    if qk is not None:
+        # q and k cut from one qkv row: one pass over both (half the ops); the results are views of one buffer
+        out = _rotate(qk, cos, sin)
+        return out[:, :q.shape[1]], out[:, q.shape[1]:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, KVH, D] as one [T, H + KVH, D] view when k's heads directly follow q's in
+    memory with the same strides (both sliced from a fused qkv GEMM output), else None.
+    Plain tuple and pointer tests, the pointer first: this runs once per layer, in the per-op overhead."""
+    T, H, D = q.shape
+    qs, ks = q.stride(), k.stride()
+    if (k.data_ptr() - q.data_ptr() != H * D * q.element_size() or qs[1:] != (D, 1) or ks[1:] != (D, 1)
+            or (T > 1 and ks[0] != qs[0]) or k.shape[0] != T or k.shape[2] != D or k.dtype != q.dtype
+            or k.device != q.device):
+        return None
+    return q.as_strided((T, H + k.shape[1], D), (qs[0], D, 1))
 
 
 # Every layer of a step rotates at the same positions: the gathered factors of the last call are
@@ -73,10 +91,12 @@ def _rotary_factors(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tup
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rd = cos.shape[-1]
-    xr = x[..., :rd].float()
-    swapped = torch.cat((xr[..., rd // 2:], xr[..., :rd // 2]), dim=-1)
-    out = (xr * cos + swapped * sin).to(x.dtype)  # not addcmul: its fused rounding differs
-    return torch.cat((out, x[..., rd:]), dim=-1) if rd < x.shape[-1] else out
+    whole = rd == x.shape[-1]
+    xr = (x if whole else x[..., :rd]).to(torch.float32, copy=True)  # our own fp32 buffer, updated in place
+    swapped = xr.roll(rd // 2, -1).mul_(sin)  # [x2, x1] * (-sin, sin)
+    # x cos + swapped sin in fp32, rounded once to x's dtype (not addcmul: its fused rounding differs)
+    out = xr.mul_(cos).add_(swapped).to(x.dtype)
+    return out if whole else torch.cat((out, x[..., rd:]), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The CPU fast paths give the same results as the plain computations they replace: prepacked
 oneDNN linears, the top-k/top-p filter on a sorted prefix, decode attention in batches of
-sequences, the per-step rotary factors, and the runner's trimmed block tables."""
+sequences, the per-step rotary factors, rotary over q and k in one pass, rms_norm without an fp32
+copy, and the runner's trimmed block tables."""
 
 import pytest
 import torch
@@ -86,6 +87,37 @@ def test_rotary_factors_follow_in_place_edits_of_positions():
     got = ref.rotary_embedding(positions, q, k, cache)
     expected = ref.rotary_embedding(positions.clone(), q, k, cache)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,rotary_dim", [(1, 16), (6, 16), (6, 8)])
+def test_rotary_on_views_of_one_qkv_row_equals_separate_tensors(dtype, tokens, rotary_dim):
+    g = torch.Generator().manual_seed(tokens)
+    H, KVH, D = 4, 2, 16
+    qkv = torch.randn(tokens, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q, k, _ = qkv.split((H * D, KVH * D, KVH * D), dim=-1)
+    q, k = q.view(tokens, H, D), k.view(tokens, KVH, D)
+    cache, positions = torch.randn(50, rotary_dim, generator=g), torch.randint(0, 50, (tokens,), generator=g)
+    assert ref._adjacent_heads(q, k) is not None and ref._adjacent_heads(k, q) is None
+    before = qkv.clone()
+    qo, ko = ref.rotary_embedding(positions, q, k, cache)
+    eq, ek = ref.rotary_embedding(positions.clone(), q.clone(), k.clone(), cache)
+    assert torch.equal(qo, eq) and torch.equal(ko, ek)
+    assert torch.equal(qkv, before)  # the inputs are left as they were
+    assert not torch.equal(qo, q)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_equals_the_transformers_formula_bit_for_bit(with_residual):
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(7, 256, generator=g) * 4).bfloat16(), torch.randn(7, 256, generator=g).bfloat16()
+    w = (torch.randn(256, generator=g) * 0.1 + 1).bfloat16()
+    h = x + res if with_residual else x
+    hf = h.float()  # transformers' LlamaRMSNorm: fp32 statistics, normalized value rounded to bf16, then * weight
+    expected = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    out, new_res = ref.rms_norm(x, w, 1e-6, res if with_residual else None)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert (new_res is None) != with_residual and (new_res is None or torch.equal(new_res, h))
 
 
 def test_block_tables_are_cut_to_the_blocks_in_use(tmp_path):
