@@ -12,7 +12,8 @@ from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.linear import Linear
-from workers.runner import ModelRunner
+from runner_driver import run
+from workers.runner import MIN_BUCKET_BLOCKS, ModelRunner, decode_buckets
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -132,3 +133,42 @@ def test_block_tables_are_cut_to_the_blocks_in_use(tmp_path):
     assert decode.block_tables.shape == (1, -(-20 // bs)) and prefill.block_tables.shape == (1, 1)
     assert inp.positions.tolist() == [19, 0, 1, 2, 3, 4]
     assert inp.slot_mapping.tolist() == [1 * bs + 3] + [10 * bs + i for i in range(5)]
+
+
+def test_decode_buckets_split_only_where_padding_would_be_large():
+    bs = 16
+    blocks = lambda *n: [b * bs for b in n]  # noqa: E731 -- lengths of exactly n blocks
+    assert decode_buckets([], bs) == []
+    assert decode_buckets(blocks(1, 2, 5, 16), bs) == [(0, 4)]  # all within MIN_BUCKET_BLOCKS
+    assert decode_buckets(blocks(13, 13, 14, 125), bs) == [(0, 3), (3, 4)]  # one long sequence alone
+    assert decode_buckets(blocks(1, 16, 17, 34, 35, 128), bs) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    # every bucket's longest needs at most max(2 x its shortest, MIN_BUCKET_BLOCKS) blocks
+    lengths = sorted(torch.randint(1, 4000, (200,), generator=torch.Generator().manual_seed(0)).tolist())
+    ranges = decode_buckets(lengths, bs)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(lengths)
+    assert all(a1 == b0 for (_, a1), (b0, _) in zip(ranges, ranges[1:]))
+    for a, b in ranges:
+        assert -(-lengths[b - 1] // bs) <= max(2 * -(-lengths[a] // bs), MIN_BUCKET_BLOCKS)
+
+
+def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path):
+    """A long sequence decoding beside short ones is attended in its own bucket; every sequence's
+    greedy tokens match a run of that sequence alone."""
+    path = make_model(tmp_path, "llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (9, 300, 12, 5)]
+    together = run(ModelRunner(path, dtype="float32", num_blocks=128), prompts, greedy, chunk_size=512)
+    runner = ModelRunner(path, dtype="float32", num_blocks=128)
+    for seq, prompt in zip(together, prompts):
+        alone = run(runner, [prompt], greedy, chunk_size=512)[0]
+        assert seq.outputs == alone.outputs
+    # the step's decodes really were split: 3 short ones together, the 300-token one alone
+    runner = ModelRunner(path, dtype="float32", num_blocks=128)
+    bs = runner.block_size
+    starts = [SeqStart(f"s{i}", "g", p, greedy) for i, p in enumerate(prompts)]
+    tables = [list(range(i * 32, i * 32 + 32)) for i in range(len(prompts))]
+    runner.execute(StepPlan(0, "w", starts, [ScheduledChunk(f"s{i}", 0, len(p), tables[i])
+                                             for i, p in enumerate(prompts)]))
+    inp, ordered = runner._inputs([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
+    assert [c.seq_id for c in ordered] == ["s3", "s0", "s2", "s1"]
+    assert [g.block_tables.shape for g in inp.groups] == [(3, 1), (1, -(-301 // bs))]

@@ -46,6 +46,30 @@ def attention_horizon(cfg: ModelConfig) -> int:
     return max(1, round(ATTENTION_EFFICIENCY * linear_flops / attention_flops))
 
 
+# A decode bucket never splits below this many blocks: one more attention call per layer costs more
+# than padding short sequences to a common length.
+MIN_BUCKET_BLOCKS = 16
+
+
+def decode_buckets(lengths: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Ranges [a, b) of decodes, sorted by context length, that the CPU path attends in one batched call.
+    That call pads every row to the bucket's longest context, so a bucket stops before a sequence that
+    needs more than twice the blocks of the bucket's shortest (and MIN_BUCKET_BLOCKS): one 2,000-token
+    sequence among sixteen 200-token ones is then attended alone instead of making all 17 rows read
+    2,000 positions."""
+    buckets: list[tuple[int, int]] = []
+    start = 0
+    for i, n in enumerate(lengths):
+        if i > start:
+            first = -(-lengths[start] // block_size)
+            if -(-n // block_size) > max(2 * first, MIN_BUCKET_BLOCKS):
+                buckets.append((start, i))
+                start = i
+    if lengths:
+        buckets.append((start, len(lengths)))
+    return buckets
+
+
 @dataclass
 class SequenceState:
     seq_id: str
@@ -97,7 +121,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
         self.seqs: dict[str, SequenceState] = {}
-        # CPU attends all decodes in one batched call; a GPU kernel takes the whole packed batch at once
+        # CPU attends decodes in batched calls of similar lengths (decode_buckets); a GPU kernel takes the
+        # whole packed batch at once
         self._split_decodes = self.device.type == "cpu"
         log.info("model runner ready", model=self.model_name, dtype=str(self.dtype), num_blocks=self.num_blocks,
                  block_size=block_size, max_model_len=self.max_model_len)
@@ -172,6 +197,8 @@ class ModelRunner:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
+        if self._split_decodes:
+            decodes.sort(key=lambda c: c.start_pos)  # shortest first, for the length buckets below
         ordered = decodes + prefills
         bs = self.block_size
         seqs = self.seqs
@@ -197,8 +224,11 @@ class ModelRunner:
         tables = torch.tensor([(list(c.block_table) + [0] * width)[:width] for c in ordered], dtype=torch.int64)
         slots = tables[row, positions // bs] * bs + positions % bs
         nd = len(decodes)
-        if self._split_decodes and decodes and prefills:
-            groups = [self._group(decodes, 0, tables[:nd]), self._group(prefills, nd, tables[nd:])]
+        if self._split_decodes:
+            groups = [self._group(decodes[a:b], a, tables[a:b])
+                      for a, b in decode_buckets([c.start_pos + 1 for c in decodes], bs)]
+            if prefills:
+                groups.append(self._group(prefills, nd, tables[nd:]))
         else:
             groups = [self._group(ordered, 0, tables)]
         d = self.device
