@@ -27,10 +27,11 @@ log = structlog.get_logger(__name__)
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 # Attention runs at about this fraction of the linear layers' FLOP rate (small per-head matmuls, softmax,
-# gathering paged K/V). Chosen so the bundled model lands near its measured horizon: on this CPU a step
-# fits t = a*n + b*n*(p + n/2) with a/b ~ 980 tokens, against a FLOP ratio of 1416 (without the lm_head);
-# 0.7 gives 991.
-ATTENTION_EFFICIENCY = 0.7
+# gathering paged K/V). Fitted on the bundled model served with K = 991 (0.7): its ~240-unit chunk steps
+# rose from 17.7 to 29 ms across a 1984-token prompt instead of staying flat, which fits a horizon of
+# ~450 tokens (its FLOP ratio is 1416). Smaller chunks attend less efficiently than the 496-token ones of
+# the first fit (K ~ 980), and a low K only makes late chunks smaller, so the constant errs that way.
+ATTENTION_EFFICIENCY = 0.32
 
 
 def attention_horizon(cfg: ModelConfig) -> int:
