@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from bench import workloads
 from bench.metrics import DEFAULT_PERCENTILES, calculate_metrics, format_report, parse_goodput
 from bench.models import NAMES as MODEL_NAMES
 from bench.models import resolve_model
+from phaseserve import event_loop
 
 log = structlog.get_logger("bench")
 
@@ -71,7 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of this result (and of --compare results) here")
     p.add_argument("--compare", nargs="+", default=[], metavar="JSON", help="earlier results to plot beside this one")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="LIST",
+                   help="run the load generator on these CPUs only, e.g. 1 or 2,3 (a client on the server's "
+                        "machine otherwise takes CPU from whatever core it lands on, the worker's included)")
     return p
+
+
+def _cpu_list(text: str) -> list[int]:
+    try:
+        cpus = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of CPU numbers: {text!r}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError("give at least one CPU")
+    return cpus
 
 
 def _engine_settings(pairs: list[str]) -> dict:
@@ -170,6 +185,20 @@ async def run_openai(args, specs, make_long, vocab) -> tuple[list, float, dict]:
         return results, duration, info
 
 
+@contextlib.contextmanager
+def client_on(cpus: list[int] | None):
+    """Run the block on `cpus` (this thread only), then restore: servers started later must not inherit it."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def run_benchmark(args) -> dict:
     """Run one benchmark as configured by build_parser()'s args; return the JSON-able result."""
     percentiles = [float(x) for x in str(args.percentiles).split(",") if x.strip()]
@@ -199,7 +228,9 @@ def run_benchmark(args) -> dict:
         metrics = throughput_only(calculate_metrics(results, duration, None, percentiles))
         groups = {}
     else:
-        results, duration, info = asyncio.run(run_openai(args, specs, make_long, vocab))
+        # uvloop: a lighter client takes less CPU from the server it measures (the same client for every server)
+        with client_on(args.client_cpus):
+            results, duration, info = event_loop.run(run_openai(args, specs, make_long, vocab))
         metrics = calculate_metrics([r for r in results if r.group in ("main", "short")], duration,
                                     goodput, percentiles)
         groups = {}

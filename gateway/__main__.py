@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from gateway.app import create_app
 from phaseserve import logs, settings
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+from phaseserve.event_loop import new_event_loop
 
 
 def main(argv: list[str] | None = None) -> None:

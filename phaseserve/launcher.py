@@ -25,6 +25,7 @@ import structlog
 from phaseserve import logs, settings
 from phaseserve.procs import die_with_parent
 from phaseserve.redis_server import EmbeddedRedis
+from workers.service import usable_cores, worker_threads
 
 log = structlog.get_logger("phaseserve.up")
 
@@ -58,6 +59,39 @@ def health_url(host: str, port: int) -> str:
     return f"http://{h}:{port}"
 
 
+def core_placement(values: dict) -> dict[str, list[int]] | None:
+    """Which CPUs each service runs on, or None (anywhere). With bind_cores and a worker that uses fewer
+    threads than there are cores, the worker gets cores of its own and the rest share the others: on a
+    2-core machine the bundled model's worker otherwise loses ~10% of its steps to the gateway,
+    scheduler and Redis waking up on its core (workload A, docs/architecture.md)."""
+    if not values.get("bind_cores") or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = usable_cores()
+    n = worker_threads(values.get("num_threads") or 0, values["model"], len(cores))
+    if n >= len(cores):
+        return None
+    rest = cores[n:]
+    return {"worker": cores[:n], "gateway": rest, "scheduler": rest, "redis": rest}
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of a running process onto `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def child_setup(cpus: list[int] | None):
+    """preexec_fn of a service: die with `up`, and run on `cpus` when given."""
+    if cpus is None:
+        return die_with_parent
+
+    def setup() -> None:
+        die_with_parent()
+        os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 @dataclass
 class Stack:
     """The running children of one `up`, plus the embedded Redis if it started one."""
@@ -68,15 +102,19 @@ class Stack:
     output: object = None  # where the children write their logs (a file); None: the launcher's own stderr
 
     def start(self) -> None:
+        placement = core_placement(self.values)
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis().start()
             self.values["redis_url"] = self.redis.url
+            if placement:
+                pin(self.redis.proc.pid, placement["redis"])
             log.info("embedded redis started", url=self.redis.url)
         for service in SERVICES:
             cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
             log.debug("starting", service=service, cmd=cmd)
+            cpus = placement.get(service) if placement else None
             self.procs[service] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
-                                                   stderr=self.output, preexec_fn=die_with_parent)
+                                                   stderr=self.output, preexec_fn=child_setup(cpus))
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():

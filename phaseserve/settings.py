@@ -84,6 +84,9 @@ SETTINGS: list[Setting] = [
             "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),
     Setting("num_threads", "PHASESERVE_NUM_THREADS", 0, int,
             "torch CPU threads for the worker; 0 = auto: all cores for models of 100 MB or more, else all but one (left to the other services)", ("worker", "up")),
+    Setting("bind_cores", "PHASESERVE_BIND_CORES", True, parse_bool,
+            "`up` only: when the worker uses fewer threads than there are cores, run it on cores of its own "
+            "and the gateway, scheduler and Redis on the rest, so they never preempt a model step", ("up",)),
     Setting("max_model_len", "PHASESERVE_MAX_MODEL_LEN", 0, int,
             "longest sequence (prompt + output); 0 = the model's limit", ("worker", "gateway", "up")),
     Setting("max_num_seqs", "PHASESERVE_MAX_NUM_SEQS", 64, int,

@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
+from phaseserve import event_loop
 from phaseserve.wire import (
     FIELD, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo,
     peek_kind,
@@ -396,9 +397,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_horizon is not None and args.attention_horizon < 0:
         raise SystemExit(f"phaseserve scheduler: --attention-horizon must be >= 0 (0 = off), "
                          f"got {args.attention_horizon}")
-    try:
-        import uvloop
-        uvloop.run(serve(args))
-    except ImportError:
-        asyncio.run(serve(args))
+    event_loop.run(serve(args))
     return 0

@@ -55,3 +55,24 @@ def test_plot_combines_saved_results(tmp_path, capsys):
     assert bench_main(["plot", str(out), str(a), str(b)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert bench_main(["plot", str(out)]) == 2
+
+
+def test_client_cpus_pin_only_the_run_and_parse_strictly():
+    import argparse
+    import os
+
+    import pytest
+
+    from bench import cli
+
+    assert cli._cpu_list("1") == [1] and cli._cpu_list("3, 2,3") == [2, 3]
+    for bad in ("", "a", "1;2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._cpu_list(bad)
+    before = os.sched_getaffinity(0)
+    one = min(before)
+    with cli.client_on([one]):
+        assert os.sched_getaffinity(0) == {one}
+    assert os.sched_getaffinity(0) == before  # servers started after the run must not inherit it
+    with cli.client_on(None):
+        assert os.sched_getaffinity(0) == before

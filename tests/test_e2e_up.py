@@ -12,6 +12,7 @@ import time
 import openai
 import psutil
 
+from phaseserve.launcher import core_placement
 from phaseserve.redis_server import free_port
 
 
@@ -43,6 +44,14 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
         names = " ".join(" ".join(c.cmdline()) for c in children)
         for part in ("redis-server", "-m scheduler", "-m workers", "-m gateway"):
             assert part in names, f"{part} not running under up: {names}"
+        placement = core_placement({"bind_cores": True, "num_threads": 0, "model": str(e2e_model)})
+        if placement:  # a small model on a machine of 2+ cores: the worker has its cores, the rest the others
+            for c in children:
+                cmd = " ".join(c.cmdline())
+                service = next((s for s in ("worker", "gateway", "scheduler") if f"-m {s}" in cmd),
+                               "redis" if "redis-server" in cmd else None)
+                if service:
+                    assert sorted(c.cpu_affinity()) == placement[service], (service, c.cpu_affinity())
 
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                            timeout=120) as client:

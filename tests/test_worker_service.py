@@ -131,3 +131,18 @@ def test_auto_threads_leave_a_core_only_for_small_models():
     assert auto_threads(0, cores=2, weight_bytes=11 << 20) == 1  # overhead-bound: leave a core
     assert auto_threads(0, cores=2, weight_bytes=LARGE_MODEL_BYTES) == 2  # compute-bound: every core
     assert auto_threads(0, cores=1, weight_bytes=0) == 1
+
+
+def test_core_placement_gives_a_small_model_worker_cores_of_its_own(monkeypatch, tmp_path):
+    from phaseserve import launcher
+
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)  # a small model: auto threads = cores - 1
+    values = {"bind_cores": True, "num_threads": 0, "model": str(tmp_path)}
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1, 2, 3])
+    assert launcher.core_placement(values) == {"worker": [0, 1, 2], "gateway": [3], "scheduler": [3],
+                                               "redis": [3]}
+    assert launcher.core_placement({**values, "num_threads": 1})["worker"] == [0]
+    assert launcher.core_placement({**values, "num_threads": 4}) is None  # the worker wants every core
+    assert launcher.core_placement({**values, "bind_cores": False}) is None
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [5])
+    assert launcher.core_placement(values) is None  # one core: nothing to split

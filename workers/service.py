@@ -262,12 +262,21 @@ def auto_threads(num_threads: int, cores: int, weight_bytes: int) -> int:
     return cores if weight_bytes >= LARGE_MODEL_BYTES else max(1, cores - 1)
 
 
+def usable_cores() -> list[int]:
+    """The CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def worker_threads(num_threads: int, model_dir: str, cores: int | None = None) -> int:
+    """What auto_threads gives for this model folder's weights on `cores` CPUs (default: ours)."""
+    weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return auto_threads(num_threads, len(usable_cores()) if cores is None else cores, weight_bytes)
+
+
 def set_threads(num_threads: int, model_dir: str) -> int:
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    n = auto_threads(num_threads, cores, weight_bytes)
+    n = worker_threads(num_threads, model_dir)
     torch.set_num_threads(n)
     return n
 
