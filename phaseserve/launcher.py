@@ -103,6 +103,8 @@ class Stack:
 
     def start(self) -> None:
         placement = core_placement(self.values)
+        if placement:  # the pinned worker would count only its own cores when choosing threads
+            self.values["num_threads"] = len(placement["worker"])
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis().start()
             self.values["redis_url"] = self.redis.url
