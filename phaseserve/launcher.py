@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve import logs, settings
-from phaseserve.procs import die_with_parent
+from phaseserve.procs import child_setup
 from phaseserve.redis_server import EmbeddedRedis
 from workers.service import usable_cores, worker_threads
 
@@ -74,24 +74,6 @@ def core_placement(values: dict) -> dict[str, list[int]] | None:
     return {"worker": cores[:n], "gateway": rest, "scheduler": rest, "redis": rest}
 
 
-def pin(pid: int, cpus: list[int]) -> None:
-    """Every thread of a running process onto `cpus`."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
-
-
-def child_setup(cpus: list[int] | None):
-    """preexec_fn of a service: die with `up`, and run on `cpus` when given."""
-    if cpus is None:
-        return die_with_parent
-
-    def setup() -> None:
-        die_with_parent()
-        os.sched_setaffinity(0, cpus)
-
-    return setup
-
-
 @dataclass
 class Stack:
     """The running children of one `up`, plus the embedded Redis if it started one."""
@@ -106,10 +88,8 @@ class Stack:
         if placement:  # the pinned worker would count only its own cores when choosing threads
             self.values["num_threads"] = len(placement["worker"])
         if not self.values.get("redis_url"):
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url
-            if placement:
-                pin(self.redis.proc.pid, placement["redis"])
             log.info("embedded redis started", url=self.redis.url)
         for service in SERVICES:
             cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]

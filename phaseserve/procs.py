@@ -1,8 +1,9 @@
-"""Child-process helpers: children that die with their parent, and stopping them in order."""
+"""Child-process helpers: children that die with their parent (optionally on given CPUs), and stopping them."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,18 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def child_setup(cpus: list[int] | None = None):
+    """preexec_fn of a service: die with the parent, and run on `cpus` when given."""
+    if cpus is None:
+        return die_with_parent
+
+    def setup() -> None:
+        die_with_parent()
+        os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:

@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from phaseserve.procs import die_with_parent, stop_process
+from phaseserve.procs import child_setup, stop_process
 
 
 class RedisServerError(RuntimeError):
@@ -50,8 +50,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` -- a private redis-server, stopped on exit."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0,
+                 cpus: list[int] | None = None):
         self.host = host
+        self.cpus = cpus  # run the server on these CPUs (None: anywhere)
         self.port = port or free_port(host)
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
@@ -72,7 +74,7 @@ class EmbeddedRedis:
             "--logfile", os.path.join(self._dir.name, "redis.log"),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+                                     stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus))
         atexit.register(self.stop)
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.start_timeout
