@@ -41,6 +41,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def context_length_exceeded(message: str, param: str | None) -> APIError:
+    """A prompt (+ completion) longer than the model's context or than any worker's KV cache holds: OpenAI's code."""
+    return bad_request(message, param, "context_length_exceeded")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 

@@ -19,12 +19,13 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.backend import RequestStream
-from gateway.errors import (REQUEST_ID, APIError, bad_request, internal_error, model_not_found, too_many_requests,
-                            unavailable)
+from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, internal_error,
+                            model_not_found, too_many_requests, unavailable)
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.tokenizer import ChatTemplateError
-from phaseserve.wire import SubmitRequest
+from phaseserve.wire import ERROR_REJECTED, SubmitRequest, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -95,22 +96,59 @@ class Generation:
 
     # ------------------------------------------------------------------ admission
 
-    def _max_tokens(self, max_len: int) -> int:
+    @property
+    def _what(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+    def _max_tokens(self, workers: list[WorkerInfo]) -> int:
+        """The request's max_tokens, or a 400 when no live worker could ever hold prompt + completion."""
+        max_len = self.gw.max_model_len(workers)
         prompt_len = len(self.prompt_ids)
-        what = "messages" if self.kind == "chat" else "prompt"
+        what = self._what
         if prompt_len >= max_len:
-            raise bad_request(f"This model's maximum context length is {max_len} tokens. However, your {what} "
-                              f"has {prompt_len} tokens. Please reduce the length of the {what}.", what)
+            raise context_length_exceeded(f"This model's maximum context length is {max_len} tokens. However, your "
+                                          f"{what} has {prompt_len} tokens. Please reduce the length of the {what}.",
+                                          what)
         requested = self.req.requested_max_tokens() if self.kind == "chat" else self.req.max_tokens
-        room = max_len - prompt_len
+        param = "max_completion_tokens" if self.kind == "chat" and self.req.max_completion_tokens else "max_tokens"
+        if requested is not None and prompt_len + requested > max_len:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                f"completion). Please reduce the length of the {what} or completion.", param)
+        # the KV cache: the scheduler admits a sequence only if one worker's cache can hold all of it
+        caches = self.gw.kv_capacities(workers)
         if requested is None:  # chat: as much as fits (vLLM); completions: 16, or what fits
-            return room if self.kind == "chat" else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-        if prompt_len + requested > max_len:
-            param = "max_completion_tokens" if self.kind == "chat" and self.req.max_completion_tokens else "max_tokens"
-            raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                              f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
-                              f"completion). Please reduce the length of the {what} or completion.", param)
+            room = max_len - prompt_len
+            fits = max((c.max_new_tokens(prompt_len) for c in caches), default=room)
+            chosen = min(room if self.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS, room, fits)
+            if chosen < 1:
+                raise self._kv_exceeded(caches, None, param)
+            return chosen
+        if caches and not any(c.admits(prompt_len, requested) for c in caches):
+            raise self._kv_exceeded(caches, requested, param)
         return requested
+
+    def _kv_exceeded(self, caches: list[KVCapacity], requested: int | None, param: str) -> APIError:
+        prompt_len, what = len(self.prompt_ids), self._what
+        longest = max(c.max_prompt_len(1) for c in caches)
+        if requested is None or prompt_len > longest:
+            return context_length_exceeded(
+                f"This model's KV cache (the largest of its live workers') holds a {what} of at most {longest} "
+                f"tokens. However, your {what} has {prompt_len} tokens. Please reduce the length of the {what}.",
+                what)
+        most = max(c.max_new_tokens(prompt_len) for c in caches)
+        return context_length_exceeded(
+            f"This model's KV cache (the largest of its live workers') holds your {prompt_len}-token {what} with at "
+            f"most {most} tokens of completion. However, you requested {prompt_len + requested} tokens "
+            f"({prompt_len} in the {what}, {requested} in the completion). Please reduce the length of the {what} "
+            f"or completion.", param)
+
+    def _failure(self, out: SequenceOutput | Delta) -> APIError:
+        """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
+        if out.error_kind == ERROR_REJECTED:
+            return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
+        return internal_error(f"Generation failed: {out.error or 'worker error'}")
 
     async def _submit(self) -> None:
         gw = self.gw
@@ -119,7 +157,7 @@ class Generation:
         workers = await gw.backend.alive_workers()
         if not workers:
             raise unavailable("No worker is alive to serve the request; retry later.")
-        base = P.sampling_params(self.req, self._max_tokens(gw.max_model_len(workers)))
+        base = P.sampling_params(self.req, self._max_tokens(workers))
         arrival_wall = time.time()
         submits = [SubmitRequest(seq_id, gw.gateway_id, self.prompt_ids,
                                  replace(base, seed=None if base.seed is None else base.seed + i),
@@ -203,11 +241,12 @@ class Generation:
     # ------------------------------------------------------------------ whole response
 
     async def _respond_whole(self) -> web.Response:
-        async for _ in self._deltas():
-            pass
+        async for _, d in self._deltas():
+            if d.error_kind == ERROR_REJECTED:
+                break  # answered 400 whatever its other choices do (they are cancelled)
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
-            raise internal_error(f"Generation failed: {failed[0].error or 'worker error'}")
+            raise self._failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
         model = self.gw.model_name
         if self.kind == "chat":
             choices = [P.chat_choice(o.index, o.text, self._logprobs(o.logprobs), o.finish_reason)
@@ -246,7 +285,7 @@ class Generation:
                     await send(make([P.completion_choice(o.index, self.echo_text, None, None)]))
             async for out, d in self._deltas():
                 if d.error:
-                    await send(P.error_chunk(internal_error(f"Generation failed: {d.error}")))
+                    await send(P.error_chunk(self._failure(d)))
                     break
                 if not (d.text or d.logprobs or d.finish_reason):
                     continue

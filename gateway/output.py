@@ -28,6 +28,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str | None = None  # TokenEvent.error_kind of an error
     num_tokens: int = 0  # tokens this delta consumed
 
 
@@ -45,6 +46,7 @@ class SequenceOutput:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_kind: str | None = None
         self.stopped_by_string = False  # the gateway ended it: the worker must be told (CancelRequest)
 
     @property
@@ -76,11 +78,13 @@ class SequenceOutput:
                 pieces.append(self.matcher.flush())
             delta.finish_reason = "stop" if stopped else ("error" if ev.error else ev.finish_reason)
             delta.error = ev.error
+            delta.error_kind = ev.error_kind if ev.error else None
         delta.text = "".join(pieces)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason
         self.error = delta.error
+        self.error_kind = delta.error_kind
         return delta
 
 

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.model_files import read_json
 from phaseserve.settings import resolve_model
 from phaseserve.tokenizer import Tokenizer
@@ -43,6 +44,12 @@ class Gateway:
         if not limits and self.config_max_len:
             limits.append(self.config_max_len)
         return min(limits) if limits else 0
+
+    @staticmethod
+    def kv_capacities(workers: list[WorkerInfo]) -> list[KVCapacity]:
+        """Each live worker's KV cache, as the scheduler admits by (its policies run with the default watermark)."""
+        return [KVCapacity(w.num_blocks, w.block_size, w.max_model_len) for w in workers
+                if w.num_blocks > 0 and w.block_size > 0 and w.max_model_len > 0]
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -230,12 +230,20 @@ class StepPlan:
 # --------------------------------------------------------------- worker -> gateway / scheduler
 
 
+# TokenEvent.error_kind of an "error" finish: the scheduler refused to admit the sequence because its
+# prompt + max_tokens can never fit a worker (max_model_len or KV cache). The request was bad input, so a
+# gateway answers 400 (context_length_exceeded) with `error` as the message. Any other error (error_kind
+# None) is a failure while serving: 500.
+ERROR_REJECTED = "rejected"
+
+
 @dataclass
 class TokenEvent:
     """New output tokens of one sequence; `offset` is the index of token_ids[0] in its output.
 
     `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
     `finish_reason` is "stop", "length", "abort" or "error" on the last event of a sequence.
+    `error_kind` says what an "error" was (ERROR_REJECTED, or None: a serving failure).
     """
 
     seq_id: str
@@ -244,9 +252,13 @@ class TokenEvent:
     finish_reason: str | None = None
     logprobs: list | None = None
     error: str | None = None
+    error_kind: str | None = None
 
     def to_list(self) -> list:
-        return [self.seq_id, self.offset, self.token_ids, self.finish_reason, self.logprobs, self.error]
+        x = [self.seq_id, self.offset, self.token_ids, self.finish_reason, self.logprobs, self.error]
+        if self.error_kind is not None:  # only when set: every other event stays as older receivers know it
+            x.append(self.error_kind)
+        return x
 
     @classmethod
     def from_list(cls, x: list) -> "TokenEvent":

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from phaseserve.kv_admission import cdiv, watermark_blocks
 
 
 class BlockManager:
@@ -26,7 +24,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # blocks kept free when admitting new work, so running decodes can grow without preempting at once
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = watermark_blocks(num_blocks, watermark)
         self._free: deque[int] = deque(range(num_blocks))
         self._used: set[int] = set()
 

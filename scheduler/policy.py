@@ -43,7 +43,9 @@ first decode slot) on top of the watermark and of the blocks promised to
 partially-prefilled sequences; a chunk allocates only what it covers. So
 prefills never deadlock each other on blocks; only decodes, which can always
 preempt, may eat into those promises. No admission happens in a step that
-preempted (the victim would come straight back).
+preempted (the victim would come straight back). Whether a sequence can ever be
+admitted (`add_request`) is phaseserve/kv_admission.py's rule, which the
+gateway applies too, so what it lets through is what the policy accepts.
 
 Chunked prefill off (the "stall" baseline): a prompt is scheduled whole, and
 only when its cost fits in the budget left -- except the first prefill of a step,
@@ -72,6 +74,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from phaseserve.kv_admission import DEFAULT_WATERMARK, KVCapacity, promised_len
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence, SequenceStatus
@@ -80,6 +83,11 @@ log = structlog.get_logger("scheduler.policy")
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
+
+
+class AdmissionError(ValueError):
+    """A request that can never be admitted as given: its prompt + max_tokens does not fit the worker's
+    max_model_len or KV cache. Bad input, not a scheduler fault (the service tells the gateway so)."""
 
 
 def _by_rank(seq: Sequence) -> tuple:
@@ -120,7 +128,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048  # must equal the worker's: the scheduler plans no decode past it
     enable_chunked_prefill: bool = True
-    watermark: float = 0.01  # fraction of blocks kept free when admitting
+    watermark: float = DEFAULT_WATERMARK  # fraction of blocks kept free when admitting
     # K: a token attending to c keys costs 1 + c / K budget units (0 = off: 1 unit a token); the worker
     # estimates K from its model's shape (WorkerInfo.attention_horizon)
     attention_horizon: int = 0
@@ -146,6 +154,8 @@ class Scheduler:
         self.config = config
         self.worker_id = worker_id
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
+        # the admission rule, shared with the gateway's up-front check (phaseserve/kv_admission.py)
+        self.capacity = KVCapacity(config.num_blocks, config.block_size, config.max_model_len, config.watermark)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._waiting: list[Sequence] = []  # sorted by rank; no blocks
         self._running: list[Sequence] = []  # sorted by rank; hold blocks
@@ -165,8 +175,8 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, req: SubmitRequest, output_ids: list[int] | None = None) -> None:
-        """Queue a sequence. Non-empty `output_ids`: a recomputed/migrated one, prefilled over prompt + outputs."""
-        cfg = self.config
+        """Queue a sequence. Non-empty `output_ids`: a recomputed/migrated one, prefilled over prompt + outputs.
+        Raises AdmissionError if this worker can never hold it, ValueError for a malformed request."""
         rid = req.request_id
         if rid in self._seqs:
             raise ValueError(f"request {rid!r} is already scheduled")
@@ -177,16 +187,10 @@ class Scheduler:
         if len(outputs) >= req.params.max_tokens:
             raise ValueError(f"request {rid!r} already has {len(outputs)} outputs, max_tokens is "
                              f"{req.params.max_tokens}")
-        if prompt_len + len(outputs) >= cfg.max_model_len:
-            raise ValueError(f"request {rid!r}: {prompt_len + len(outputs)} tokens leave no room to generate "
-                             f"within max_model_len {cfg.max_model_len}")
+        reason = self.capacity.rejection(prompt_len, req.params.max_tokens, len(outputs))
+        if reason is not None:
+            raise AdmissionError(f"request {rid!r}: {reason}")
         seq = Sequence(req, next(self._arrivals), outputs)
-        bm = self.block_manager
-        most = bm.blocks_for(self._final_len(seq) - 1)  # the last token's KV is never computed
-        admit = bm.blocks_for(self._promised_len(seq, prompt_len + len(outputs)))
-        if most > bm.num_blocks or admit > bm.num_blocks - bm.watermark_blocks:
-            raise ValueError(f"request {rid!r} needs up to {most} KV blocks of {cfg.block_size} tokens; the "
-                             f"worker has {bm.num_blocks} (watermark {bm.watermark_blocks})")
         self._seqs[rid] = seq
         bisect.insort(self._waiting, seq, key=_by_rank)
 
@@ -415,11 +419,11 @@ class Scheduler:
         return seq.num_inflight_samples == 0 and seq.seq_id not in self._releases
 
     def _final_len(self, seq: Sequence) -> int:
-        return min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.config.max_model_len)
+        return self.capacity.final_len(seq.num_prompt_tokens, seq.request.params.max_tokens)
 
     def _promised_len(self, seq: Sequence, prefill_len: int) -> int:
         """Positions a prefill is promised blocks for: itself plus the first decode (if there is one)."""
-        return min(prefill_len + 1, self._final_len(seq) - 1)
+        return promised_len(prefill_len, self._final_len(seq))
 
     def _promised_blocks(self) -> int:
         """Blocks partially-prefilled sequences will still take to finish their prefill."""

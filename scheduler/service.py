@@ -33,10 +33,10 @@ from redis.exceptions import ResponseError
 
 from phaseserve import event_loop
 from phaseserve.wire import (
-    FIELD, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo,
+    ERROR_REJECTED, FIELD, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo,
     peek_kind,
 )
-from scheduler.policy import Scheduler, SchedulerConfig
+from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig
 
 log = structlog.get_logger("scheduler.service")
 
@@ -168,12 +168,15 @@ class SchedulerService:
         if self.workers:
             self.place_parked()
 
-    def pick_worker(self, req: SubmitRequest) -> WorkerSlot | None:
-        """Least loaded: fewest unfinished sequences, then most free blocks."""
-        fits = [s for s in self.workers.values() if len(req.prompt_ids) < s.info.max_model_len] or \
-            list(self.workers.values())
-        if not fits:
+    def pick_worker(self, req: SubmitRequest, output_ids: list[int] | None = None) -> WorkerSlot | None:
+        """Least loaded (fewest unfinished sequences, then most free blocks) of the workers that can hold it.
+        If none can, the largest, whose policy then rejects it with the nearest miss in its message."""
+        if not self.workers:
             return None
+        fits = [s for s in self.workers.values() if s.policy.capacity.rejection(
+            len(req.prompt_ids), req.params.max_tokens, len(output_ids or ())) is None]
+        if not fits:
+            return max(self.workers.values(), key=lambda s: (s.info.max_model_len, s.info.num_blocks))
         return min(fits, key=lambda s: (s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                                         s.info.worker_id))
 
@@ -185,15 +188,18 @@ class SchedulerService:
     # ------------------------------------------------------------------ requests
 
     def admit(self, req: SubmitRequest, output_ids: list[int] | None = None) -> bool:
-        slot = self.pick_worker(req)
+        slot = self.pick_worker(req, output_ids)
         if slot is None:
             self.parked.append((req, output_ids))
             return True
         try:
             slot.policy.add_request(req, output_ids=output_ids or None)
         except ValueError as e:  # e.g. a prompt no worker can hold: fail this request, not the scheduler
-            log.warning("request rejected", request_id=req.request_id, error=str(e))
-            self._fail_request(req, str(e))
+            # a new request too big for every worker is the client's error; a resumed one whose surviving
+            # workers are smaller than the one it started on is the cluster's
+            rejected = isinstance(e, AdmissionError) and not output_ids
+            log.warning("request rejected", request_id=req.request_id, error=str(e), bad_input=rejected)
+            self._fail_request(req, str(e), ERROR_REJECTED if rejected else None)
             return False
         self.owner[req.request_id] = slot.info.worker_id
         self._pending_ops.append(("hset", self.keys.request_record(req.request_id), slot.info.worker_id))
@@ -203,8 +209,8 @@ class SchedulerService:
         self._stats_dirty = True
         return True
 
-    def _fail_request(self, req: SubmitRequest, message: str) -> None:
-        event = TokenEvent(req.request_id, 0, [], "error", None, message)
+    def _fail_request(self, req: SubmitRequest, message: str, error_kind: str | None = None) -> None:
+        event = TokenEvent(req.request_id, 0, [], "error", None, message, error_kind)
         self._pending_ops.append(("publish", self.keys.gateway_channel(req.gateway_id),
                                   TokenBatch(-1, "scheduler", [event]).to_wire()))
         self._pending_ops.append(("delete", self.keys.request_record(req.request_id)))

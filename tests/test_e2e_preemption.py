@@ -1,6 +1,6 @@
 """Preemption end to end: a stack whose KV cache holds far fewer blocks than its concurrent
 requests need must preempt (recompute) instead of failing, and still produce exactly what the
-in-process engine produces."""
+in-process engine produces; a prompt the whole cache cannot hold is refused with a 400."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from e2e_reference import engine_texts, metric, prompts
 from e2e_stack import running_stack, wait_for
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.tokenizer import Tokenizer
 from workers.kv_cache import bytes_per_block
 from workers.loader import read_config, resolve_dtype
@@ -50,19 +51,42 @@ async def test_preemption_keeps_outputs_exact(small_kv_stack):
     assert metric(s.base_url, "kv_blocks_used") == 0
 
 
-async def test_a_prompt_larger_than_the_kv_cache_fails_alone(small_kv_stack):
-    """The scheduler rejects what no worker can hold; the client gets an error, not a hang."""
+async def test_a_prompt_beyond_the_kv_cache_is_400_and_one_at_its_limit_runs(small_kv_stack):
+    """Within the context but more than the KV cache holds is bad input: a 400 in OpenAI's shape before it is
+    queued. A prompt of exactly the largest admissible length runs: the gateway's limit is the scheduler's."""
     s = small_kv_stack
+    assert wait_for(lambda: metric(s.base_url, "kv_blocks_total") == NUM_BLOCKS, 10)
     tokenizer = Tokenizer.from_folder(str(s.model_dir))
-    cache_tokens, context = NUM_BLOCKS * BLOCK_SIZE, read_config(s.model_dir).max_position_embeddings
+    context = read_config(s.model_dir).max_position_embeddings
+    cap = KVCapacity(NUM_BLOCKS, BLOCK_SIZE, context)  # the scheduler runs the default watermark
     long_prompt = "hello world"
-    while len(tokenizer.encode(long_prompt)) <= cache_tokens:  # more than the cache holds, less than the context
+    while len(tokenizer.encode(long_prompt)) <= NUM_BLOCKS * BLOCK_SIZE:  # more than the cache, less than the context
         long_prompt += " hello world"
-    assert len(tokenizer.encode(long_prompt)) + 4 < context
+    prompt_len = len(tokenizer.encode(long_prompt))
+    assert prompt_len + 4 < context
     async with openai.AsyncOpenAI(base_url=s.api_url, api_key="unused", max_retries=0, timeout=60) as client:
-        with pytest.raises(openai.APIStatusError) as err:
-            await client.completions.create(model=s.model, prompt=long_prompt, max_tokens=4)
-        assert err.value.status_code == 500 and "KV blocks" in str(err.value)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model=s.model, prompt=long_prompt, max_tokens=4, stream=stream)
+            e = err.value
+            assert e.status_code == 400 and e.type == "invalid_request_error"
+            assert e.code == "context_length_exceeded" and e.param == "prompt"
+            assert e.body["message"] == (
+                f"This model's KV cache (the largest of its live workers') holds a prompt of at most "
+                f"{cap.max_prompt_len(1)} tokens. However, your prompt has {prompt_len} tokens. Please reduce the "
+                f"length of the prompt.")
+
+        ids = tokenizer.encode(long_prompt * 2)
+        limit = cap.max_prompt_len(4)
+        assert len(ids) > limit + 1
+        at_limit = await client.completions.create(model=s.model, prompt=ids[:limit], max_tokens=4,
+                                                   extra_body={"ignore_eos": True})
+        assert at_limit.usage.prompt_tokens == limit and at_limit.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError) as err:  # one more token: its completion no longer fits
+            await client.completions.create(model=s.model, prompt=ids[:limit + 1], max_tokens=4)
+        assert err.value.code == "context_length_exceeded" and err.value.param == "max_tokens"
+
         ok = await client.completions.create(model=s.model, prompt="short", max_tokens=3,
                                              extra_body={"ignore_eos": True})
         assert ok.usage.completion_tokens == 3
+    assert s.alive()

@@ -25,7 +25,9 @@ from gateway.app import create_app
 from phaseserve import settings
 from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.tokenizer import Tokenizer
-from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind
+from phaseserve.kv_admission import KVCapacity
+from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
+                             WorkerInfo, peek_kind)
 from text_model_factory import make_text_model
 
 MODEL = "tiny-text"
@@ -61,8 +63,8 @@ async def gw(redis_server, text_model):
     await r.aclose()
 
 
-async def add_worker(g, max_model_len: int = 256, worker_id: str = "w1") -> None:
-    info = WorkerInfo(worker_id, "mixed", MODEL, 100, 16, max_model_len, os.getpid(), time.time())
+async def add_worker(g, max_model_len: int = 256, worker_id: str = "w1", num_blocks: int = 100) -> None:
+    info = WorkerInfo(worker_id, "mixed", MODEL, num_blocks, 16, max_model_len, os.getpid(), time.time())
     await g.redis.sadd(g.keys.workers, worker_id)
     await g.redis.set(g.keys.worker_heartbeat(worker_id), info.to_wire(), px=60_000)
 
@@ -164,7 +166,7 @@ async def test_http_errors_in_openai_format(gw):
     await asyncio.sleep(0.6)  # the gateway caches the worker list for 0.5 s
     status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 38})
     assert status == 400
-    assert_openai_error(body, "invalid_request_error", "max_tokens")
+    assert_openai_error(body, "invalid_request_error", "max_tokens", "context_length_exceeded")
     assert "maximum context length is 40 tokens" in body["error"]["message"]
 
     # the openai client sees the same errors as typed exceptions
@@ -173,6 +175,89 @@ async def test_http_errors_in_openai_format(gw):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         await gw.oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
+
+
+async def test_a_prompt_no_workers_kv_cache_holds_is_400_before_it_is_queued(gw):
+    # 4 blocks of 16 tokens: the KV cache holds far less than the 256-token context
+    await add_worker(gw, max_model_len=256, num_blocks=4)
+    cap = KVCapacity(4, 16, 256)
+    limit = cap.max_prompt_len(1)
+    assert 16 < limit < 100
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": [5] * (limit + 1), "max_tokens": 1})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert body["error"]["message"] == (
+        f"This model's KV cache (the largest of its live workers') holds a prompt of at most {limit} tokens. "
+        f"However, your prompt has {limit + 1} tokens. Please reduce the length of the prompt.")
+
+    # a prompt that fits, with a completion that does not: the completion's parameter is named
+    most = cap.max_new_tokens(limit)
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": [5] * limit, "max_tokens": most + 1})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "max_tokens", "context_length_exceeded")
+    assert f"holds your {limit}-token prompt with at most {most} tokens of completion" in body["error"]["message"]
+
+    # the openai client sees it as a typed error; a chat's prompt is its messages
+    content = "hello world"
+    while len(gw.tok.encode_chat([{"role": "user", "content": content}])) <= limit:
+        content += " hello world"
+    assert len(gw.tok.encode_chat([{"role": "user", "content": content}])) < 256  # within the context
+    with pytest.raises(openai.BadRequestError) as e:
+        await gw.oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                             stream=True)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert "KV cache" in e.value.body["message"]
+    assert await gw.redis.xlen(gw.keys.requests) == 0  # none of them reached the scheduler
+
+    # a request without max_tokens still runs: its default completion is what the cache holds, not the context
+    reader = RequestsReader(gw)
+
+    async def worker():
+        sub = await reader.next()
+        prompt_len = len(sub.prompt_ids)
+        assert sub.params.max_tokens == cap.max_new_tokens(prompt_len) < 256 - prompt_len
+        await play_text(gw, sub.request_id, "Hi there", finish="stop")
+        sub = await reader.next()  # the long prompt, once a worker with a larger cache is alive
+        assert len(sub.prompt_ids) == limit + 1
+        await play_text(gw, sub.request_id, "Fine", finish="length")
+
+    task = asyncio.create_task(worker())
+    resp = await gw.oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}])
+    assert resp.choices[0].message.content == "Hi there" and resp.choices[0].finish_reason == "stop"
+
+    # any live worker that can hold it will do
+    await add_worker(gw, max_model_len=256, worker_id="w-big", num_blocks=100)
+    await asyncio.sleep(0.6)  # the gateway caches the worker list for 0.5 s
+    resp = await gw.oai.completions.create(model=MODEL, prompt=[5] * (limit + 1), max_tokens=1)
+    assert resp.choices[0].text == "Fine"
+    await task
+
+
+async def test_a_scheduler_rejection_is_400_with_its_message_in_or_out_of_a_stream(gw):
+    """The heartbeat the gateway checked can be stale: the scheduler may still refuse the request."""
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    message = "request 'r-0': needs up to 9 KV blocks of 16 tokens; the worker has 4 (watermark 0)"
+
+    async def scheduler():
+        for _ in range(2):
+            sub = await reader.next()
+            await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, message, ERROR_REJECTED))
+
+    task = asyncio.create_task(scheduler())
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert body["error"]["message"] == message
+
+    # a stream's headers are sent before the scheduler answers: the same error comes as its last event
+    async with gw.http.post(gw.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}) as r:
+        assert r.status == 200
+        events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+    await task
+    assert_openai_error(events[-1], "invalid_request_error", "messages", "context_length_exceeded")
+    assert events[-1]["error"]["message"] == message
 
 
 async def test_no_worker_is_503_and_health_follows_heartbeats(gw):

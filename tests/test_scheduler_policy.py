@@ -28,9 +28,11 @@ import pytest
 
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.settings import bundled_model_path
-from phaseserve.wire import PROTOCOL_VERSION, StepPlan, StepResult, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import (ERROR_REJECTED, PROTOCOL_VERSION, StepPlan, StepResult, SubmitRequest, TokenBatch,
+                             TokenEvent, WorkerInfo)
 from scheduler.block_manager import BlockManager
-from scheduler.policy import Scheduler, SchedulerConfig, chunk_cost, max_chunk_tokens
+from phaseserve.kv_admission import KVCapacity
+from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig, chunk_cost, max_chunk_tokens
 from workers.loader import read_config
 from workers.runner import ATTENTION_EFFICIENCY
 from workers.runner import attention_horizon as runner_attention_horizon
@@ -642,6 +644,57 @@ def test_bad_config_and_requests_are_rejected_clearly():
     assert sched.num_waiting == 1
 
 
+# ---------------------------------------------------------------------------- the shared admission rule
+
+
+def _policy_admits(cfg: SchedulerConfig, prompt_len: int, max_tokens: int) -> bool:
+    try:
+        Scheduler(cfg).add_request(make_req("probe", prompt_len, max_tokens))
+    except AdmissionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("num_blocks,block_size,watermark,max_model_len,max_tokens", [
+    (8, 4, 0.0, 64, 1),  # one output: its KV is never computed, so no decode slot is promised
+    (8, 4, 0.0, 64, 2),
+    (8, 4, 0.0, 64, 9),  # the whole cache bounds prompt + max_tokens
+    (100, 4, 0.1, 1024, 3),  # the watermark (10 blocks) bounds the prefill
+    (10, 16, 0.01, 2048, 16),
+    (40, 16, 0.0, 200, 16),  # the cache holds more than max_model_len: the context is the limit
+])
+def test_largest_admissible_prompt_is_exactly_what_the_policy_admits(num_blocks, block_size, watermark,
+                                                                     max_model_len, max_tokens):
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64,
+                          max_model_len=max_model_len, watermark=watermark)
+    cap = KVCapacity(num_blocks, block_size, max_model_len, watermark)
+    limit = cap.max_prompt_len(max_tokens)
+    assert 1 <= limit < max_model_len
+    assert _policy_admits(cfg, limit, max_tokens)
+    with pytest.raises(AdmissionError):
+        Scheduler(cfg).add_request(make_req("over", limit + 1, max_tokens))
+    # the largest completion for that prompt, likewise, and a prompt at the limit really runs to its end
+    most = cap.max_new_tokens(limit)
+    assert most >= min(max_tokens, max_model_len - limit) and _policy_admits(cfg, limit, most)
+    if limit + most < max_model_len:  # beyond that max_model_len caps the output, so more changes nothing
+        assert not _policy_admits(cfg, limit, most + 1)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    req = make_req("at-limit", limit, max_tokens)
+    drive(sched, worker, arrivals={0: [req]})
+    assert_reference(worker, [req], max_model_len)
+    assert_idle(sched)
+
+
+def test_admission_rule_matches_the_policy_for_every_prompt():
+    for watermark, max_tokens in ((0.0, 1), (0.0, 3), (0.25, 5), (0.25, 40)):
+        cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_batched_tokens=64, max_model_len=64,
+                              watermark=watermark)
+        cap = KVCapacity(12, 4, 64, watermark)
+        admitted = [p for p in range(1, 70) if _policy_admits(cfg, p, max_tokens)]
+        assert admitted == list(range(1, cap.max_prompt_len(max_tokens) + 1)), (watermark, max_tokens)
+        assert all(cap.admits(p, max_tokens) == (p in admitted) for p in range(1, 64))
+
+
 # ---------------------------------------------------------------------------- cost-aware budget
 
 
@@ -816,6 +869,15 @@ def test_worker_info_carries_the_attention_horizon():
                          "started_at": 2.0}, use_bin_type=True)  # from a worker that predates the field
     decoded = WorkerInfo.from_wire(old)
     assert decoded.attention_horizon == 0 and decoded.num_blocks == 10
+
+
+def test_token_event_error_kind_is_additive():
+    rejected = TokenEvent("s", 0, [], "error", None, "needs up to 9 KV blocks", ERROR_REJECTED)
+    batch = TokenBatch(-1, "scheduler", [rejected, TokenEvent("t", 3, [7, 8], "length")])
+    assert TokenBatch.from_wire(batch.to_wire()).events == batch.events
+    # an event without a kind is encoded exactly as before the field existed, and such old events decode
+    assert TokenEvent("t", 3, [7, 8], "length").to_list() == ["t", 3, [7, 8], "length", None, None]
+    assert TokenEvent.from_list(["s", 0, [], "error", None, "boom"]).error_kind is None
 
 
 def test_attention_horizon_from_the_model_shape(tmp_path):

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
-from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch
+from phaseserve.wire import ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, WorkerInfo
 from scheduler.service import PolicyLimits, SchedulerService
 from workers.runner import ModelRunner
 from workers.service import WorkerService
@@ -59,6 +59,7 @@ class Gateway:
         self.client, self.keys, self.gateway_id = client, keys, gateway_id
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
+        self.errors: dict[str, tuple[str | None, str]] = {}  # seq id -> (error_kind, message)
         self.duplicates = 0
 
     async def listen(self, ready: asyncio.Event):
@@ -76,6 +77,8 @@ class Gateway:
                 out.extend(new)
                 if ev.finish_reason:
                     self.finish[ev.seq_id] = ev.finish_reason
+                if ev.error:
+                    self.errors[ev.seq_id] = (ev.error_kind, ev.error)
 
     async def submit(self, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -207,3 +210,34 @@ async def test_a_restarted_scheduler_recovers_accepted_requests(model_dir, refer
     finally:
         await stop(client, sched, gw, tasks)
         w1.stop()
+
+
+async def test_requests_go_to_a_worker_that_can_hold_them_and_the_rest_are_rejected_as_bad_input(redis_server):
+    keys = Keys("t4")
+    r = aioredis.Redis.from_url(redis_server)
+    for wid, num_blocks in (("big", 64), ("small", 4)):  # 1024 and 64 tokens of KV; heartbeats only, no model
+        await r.sadd(keys.workers, wid)
+        await r.set(keys.worker_heartbeat(wid), WorkerInfo(wid, "mixed", "m", num_blocks, 16, 2048, 1, 1.0).to_wire(),
+                    px=60_000)
+    await r.aclose()
+    client, sched, gw, tasks = await start(redis_server, keys)
+    try:
+        await gw.wait(lambda: len(sched.workers) == 2, 10)
+        await gw.submit("short", [5, 6, 7], max_tokens=4)  # the emptier cache wins a tie: big
+        await gw.wait(lambda: "short" in sched.owner, 10)
+        # small is now the less loaded worker, but only big can hold this one
+        await gw.submit("long", list(range(1, 300)), max_tokens=8)
+        await gw.submit("huge", list(range(1, 1100)), max_tokens=8)  # more than any cache, less than the context
+        await gw.wait(lambda: "huge" in gw.finish)
+        assert sched.owner == {"short": "big", "long": "big"}
+        assert gw.finish["huge"] == "error" and gw.errors["huge"][0] == ERROR_REJECTED
+        # the largest cache is the one named: 1099 + 8 - 1 positions of KV need 70 blocks
+        assert "needs up to 70 KV blocks of 16 tokens; the worker has 64" in gw.errors["huge"][1]
+        # a sequence moved off a dead worker that no survivor can hold: the cluster failed it, not the client
+        sched.admit(SubmitRequest("resumed", gw.gateway_id, list(range(1, 1100)),
+                                  SamplingParams(max_tokens=8, temperature=0.0)), output_ids=[3])
+        await gw.wait(lambda: "resumed" in gw.finish)
+        assert gw.finish["resumed"] == "error" and gw.errors["resumed"][0] is None
+        assert "long" not in gw.finish
+    finally:
+        await stop(client, sched, gw, tasks)
