@@ -78,6 +78,32 @@ def test_decode_attention_in_batches_equals_one_batch(monkeypatch):
     torch.testing.assert_close(ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25), whole)
 
 
+def test_per_step_state_follows_in_place_edits_of_the_step_tensors():
+    """Slot validity and the decode layout are computed once a step and reused by every layer: an edit
+    of the same tensor object in place must not reuse a stale answer."""
+    g = torch.Generator().manual_seed(0)
+    KVH, D, bs = 2, 8, 4
+    k, v = torch.randn(3, KVH, D, generator=g), torch.randn(3, KVH, D, generator=g)
+    k_cache, v_cache = torch.zeros(6, bs, KVH, D), torch.zeros(6, bs, KVH, D)
+    slots = torch.tensor([0, 5, 9])
+    ref.write_kv_cache(k, v, k_cache, v_cache, slots)
+    slots[1] = -1  # now skipped
+    k_cache.zero_()
+    ref.write_kv_cache(k, v, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, KVH, D)
+    assert torch.equal(flat[0], k[0]) and torch.equal(flat[9], k[2]) and not flat[5].any()
+
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([8, 3], dtype=torch.int32)
+    q = torch.randn(2, 4, D, generator=g)
+    k_cache, v_cache = torch.randn(6, bs, KVH, D, generator=g), torch.randn(6, bs, KVH, D, generator=g)
+    ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.5)
+    seq_lens[1] = 7
+    tables[0, 0] = 5
+    got = ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.5)
+    assert torch.equal(got, ref._decode_attention(q, k_cache, v_cache, tables.clone(), seq_lens.clone(), 0.5))
+
+
 def test_rotary_factors_follow_in_place_edits_of_positions():
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(50, 8, generator=g)
