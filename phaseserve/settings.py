@@ -99,6 +99,10 @@ SETTINGS: list[Setting] = [
             "prefill cost model: a token attending to c tokens costs 1 + c/K of the step's token budget, so "
             "chunks deep in a long prompt are smaller; K default: each worker's estimate from its model's "
             "shape; 0 = off (every token costs 1)", ("scheduler", "up")),
+    Setting("long_prefill_threshold", "PHASESERVE_LONG_PREFILL_THRESHOLD", 256, int,
+            "prompts longer than this many tokens are long: their prefill chunks take at most this many units "
+            "of a step's budget together, so streams decoding beside a long prompt stall less while short "
+            "prompts still fill the budget; 0 = no cap", ("scheduler", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,

@@ -27,16 +27,25 @@ dropped. Two exceptions let a step exceed the budget by one token: the head
 of the queue (below) and a step that would otherwise be empty always get at
 least one token.
 
+Long prompts. A sequence whose prefill is longer than `long_prefill_threshold`
+T tokens is long: all long prefill chunks of a step together cost at most T
+units (vLLM's `long_prefill_token_threshold`). A long prompt's chunks then
+stay small while streams decode beside it, and shorter prompts can still fill
+the rest of the budget, so a burst of short prompts is prefilled as fast as
+before. The first long chunk of a step gets at least one token when the budget
+allows it, so a long prompt always progresses; the head of the queue keeps its
+rule below. T = 0 turns the cap off.
+
 Starvation rule (a short prompt behind a long one): when the head of the
 waiting queue could be admitted this step, it is reserved
 min(its prefill's cost, max(ceil(P / 2), one token's cost)) of the P units
 left after decodes; partially-prefilled sequences share the rest, and the head
-gets at least one token even if decodes left less than that. So the head of
-the queue starts on the very next plan, and a sequence with k startable
-sequences ahead of it starts within k + 1 plans -- as long as a max_num_seqs
-slot and KV blocks (above the watermark) are free and no preemption happened
-in that step. A prompt costing up to ceil(P / 2) units at the head is
-prefilled in that one step.
+gets at least one token even if decodes (or the long-prompt cap) left less
+than that. So the head of the queue starts on the very next plan, and a
+sequence with k startable sequences ahead of it starts within k + 1 plans --
+as long as a max_num_seqs slot and KV blocks (above the watermark) are free
+and no preemption happened in that step. A prompt of at most T tokens costing
+up to ceil(P / 2) units at the head is prefilled in that one step.
 
 Blocks. Admitting a sequence requires blocks for its whole prefill (+ the
 first decode slot) on top of the watermark and of the blocks promised to
@@ -132,6 +141,9 @@ class SchedulerConfig:
     # K: a token attending to c keys costs 1 + c / K budget units (0 = off: 1 unit a token); the worker
     # estimates K from its model's shape (WorkerInfo.attention_horizon)
     attention_horizon: int = 0
+    # T: the prefill chunks of prompts longer than T tokens take at most T budget units of a step
+    # together (0 = no cap); see "Long prompts" in the module docstring
+    long_prefill_threshold: int = 256
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -145,6 +157,9 @@ class SchedulerConfig:
         if not isinstance(self.attention_horizon, int) or self.attention_horizon < 0:
             raise ValueError(f"SchedulerConfig.attention_horizon must be an integer >= 0, got "
                              f"{self.attention_horizon!r}")
+        if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
+            raise ValueError(f"SchedulerConfig.long_prefill_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_threshold!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
 
@@ -270,6 +285,26 @@ class Scheduler:
             whole = chunk_cost(0, head.num_prompt_tokens + len(head.output_ids), horizon)
             reserve = min(whole, max(math.ceil(left / 2), chunk_cost(0, 1, horizon)))
 
+        # what long prefills may still take of this step (see "Long prompts"); inf: no cap
+        threshold = cfg.long_prefill_threshold if chunking else 0
+        long_left = float(threshold) if threshold else math.inf
+
+        def chunk_tokens(prefill_len: int, start: int, budget: float) -> int:
+            """The most tokens of a prefill of `prefill_len` from `start` that fit `budget` and the long cap."""
+            if prefill_len <= threshold or not threshold:
+                return max_chunk_tokens(start, budget, horizon)
+            n = max_chunk_tokens(start, min(budget, long_left), horizon)
+            if n == 0 and long_left == threshold:  # the step's first long chunk: a long prompt always moves
+                n = min(1, max_chunk_tokens(start, budget, horizon))
+            return n
+
+        def spend(prefill_len: int, start: int, n: int) -> float:
+            nonlocal long_left
+            cost = chunk_cost(start, n, horizon)
+            if threshold and prefill_len > threshold:
+                long_left -= cost
+            return cost
+
         # 2a) the next chunks of partially-prefilled sequences (none exist with chunking off)
         allow = left - reserve
         for seq in list(self._running):
@@ -277,13 +312,13 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - start
-            n = min(seq.num_prefill_remaining, room, max_chunk_tokens(start, allow, horizon))
+            n = min(seq.num_prefill_remaining, room, chunk_tokens(seq.prefill_len, start, allow))
             if n <= 0 and not (decodes or prefills or head_admitted) and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
             plan_prefill(seq, n)
-            spent = chunk_cost(start, n, horizon)
+            spent = spend(seq.prefill_len, start, n)
             allow -= spent
             left -= spent
 
@@ -293,7 +328,7 @@ class Scheduler:
                 continue
             need = seq.num_prompt_tokens + len(seq.output_ids)
             if chunking:
-                n = min(need, max_chunk_tokens(0, left, horizon))
+                n = min(need, chunk_tokens(need, 0, left))
                 if n <= 0:
                     if seq is not head or not head_admitted:
                         break
@@ -313,7 +348,7 @@ class Scheduler:
                 starts.append(seq.seq_start())
                 seq.on_worker = True
             plan_prefill(seq, n)
-            left -= chunk_cost(0, n, horizon)
+            left -= spend(need, 0, n)
 
         if not decodes and not prefills and not self._releases:
             return None

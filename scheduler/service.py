@@ -60,6 +60,7 @@ class PolicyLimits:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     attention_horizon: int | None = None  # None: each worker's own (WorkerInfo); 0: cost model off
+    long_prefill_threshold: int = 256  # see SchedulerConfig; 0: no cap
 
 
 class SchedulerService:
@@ -147,6 +148,7 @@ class SchedulerService:
             enable_chunked_prefill=self.limits.enable_chunked_prefill,
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
+            long_prefill_threshold=self.limits.long_prefill_threshold,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         await self.client.xtrim(self.keys.steps(info.worker_id), maxlen=0)
@@ -382,7 +384,7 @@ class SchedulerService:
 async def serve(args) -> None:
     client = aioredis.Redis.from_url(args.redis_url)
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
-                          args.attention_horizon)
+                          args.attention_horizon, args.long_prefill_threshold)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -403,5 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_horizon is not None and args.attention_horizon < 0:
         raise SystemExit(f"phaseserve scheduler: --attention-horizon must be >= 0 (0 = off), "
                          f"got {args.attention_horizon}")
+    if args.long_prefill_threshold < 0:
+        raise SystemExit(f"phaseserve scheduler: --long-prefill-threshold must be >= 0 (0 = no cap), "
+                         f"got {args.long_prefill_threshold}")
     event_loop.run(serve(args))
     return 0

@@ -257,7 +257,8 @@ def test_block_manager_allocate_append_free_watermark():
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
-    cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          long_prefill_threshold=0)  # the budget alone (cap: tests below)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     shorts = [make_req(f"d{i}", 8, max_tokens=40) for i in range(16)]
     long = make_req("long", 2048, max_tokens=4)
@@ -288,7 +289,8 @@ def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_short_prompt_behind_long_one_starts_on_the_next_plan(depth):
-    cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          long_prefill_threshold=0)  # the budget alone (cap: tests below)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     long, short = make_req("long", 2048, max_tokens=2), make_req("short", 10, max_tokens=2)
     first_plan: dict[str, int] = {}
@@ -310,7 +312,8 @@ def test_short_prompt_behind_long_one_starts_on_the_next_plan(depth):
 
 
 def test_waiting_sequence_starts_within_k_plus_one_plans():
-    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096)
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          long_prefill_threshold=0)  # the budget alone (cap: tests below)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
     first: dict[str, int] = {}
@@ -546,13 +549,15 @@ def test_max_num_seqs_bounds_running_sequences():
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("threshold", [0, 48])
 @pytest.mark.parametrize("horizon", [0, 100])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, horizon):
+def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, horizon, threshold):
     rng = random.Random(7 + depth)
     cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=12, max_num_batched_tokens=128,
-                          max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=horizon)
+                          max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=horizon,
+                          long_prefill_threshold=threshold)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     arrivals: dict[int, list] = {}
     reqs = []
@@ -734,7 +739,7 @@ def test_max_chunk_tokens_is_the_largest_chunk_that_fits():
 @pytest.mark.parametrize("horizon", [0, 980])
 def test_long_prompt_chunks_shrink_as_its_prefix_grows(horizon):
     cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
-                          attention_horizon=horizon)
+                          attention_horizon=horizon, long_prefill_threshold=0)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     shorts = [make_req(f"d{i}", 8, max_tokens=60) for i in range(16)]
     long = make_req("long", 2048, max_tokens=4)
@@ -769,7 +774,8 @@ def test_random_mixes_stay_within_the_cost_budget(seed, depth):
     rng = random.Random(100 + seed)
     horizon = rng.choice([20, 60, 300])
     cfg = SchedulerConfig(num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=32,
-                          max_model_len=256, attention_horizon=horizon, watermark=0.0)
+                          max_model_len=256, attention_horizon=horizon, watermark=0.0,
+                          long_prefill_threshold=rng.choice([0, 12, 40]))
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     reqs, arrivals = [], {}
     for i in range(32):
@@ -786,7 +792,7 @@ def test_random_mixes_stay_within_the_cost_budget(seed, depth):
 @pytest.mark.parametrize("horizon", [0, 980])
 def test_waiting_sequence_starts_within_k_plus_one_plans_with_costs(horizon):
     cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
-                          attention_horizon=horizon)
+                          attention_horizon=horizon, long_prefill_threshold=0)
     sched, worker = Scheduler(cfg), FakeWorker(cfg)
     reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
     first: dict[str, int] = {}
@@ -802,6 +808,65 @@ def test_waiting_sequence_starts_within_k_plus_one_plans_with_costs(horizon):
     assert first == {"L1": 0, "L2": 1, "L3": 2, "S": 3}  # k sequences ahead -> starts in plan k (FCFS)
     assert done["S"] == 3, "a short prompt at the head is prefilled whole in its first plan"
     assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("horizon", [0, 980])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_long_prompts_share_the_cap_while_short_prompts_fill_the_budget(depth, horizon):
+    """Prompts over T tokens take at most T units of a step together; a burst of short prompts still gets
+    the rest of the budget, prefilled whole in its first plan; every decode stays in every step."""
+    T = 128
+    cfg = SchedulerConfig(num_blocks=512, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          attention_horizon=horizon, long_prefill_threshold=T)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    streams = [make_req(f"d{i}", 8, max_tokens=80) for i in range(16)]
+    longs = [make_req("long1", 1500, max_tokens=3), make_req("long2", 700, max_tokens=3)]
+    burst = [make_req(f"s{i}", 100, max_tokens=3) for i in range(3)]
+    prompt_len = {r.request_id: len(r.prompt_ids) for r in streams + longs + burst}
+    long_cost_per_plan, both_long, burst_plans, decodes_beside_long = [], 0, set(), []
+
+    def on_plan(idx, plan):
+        nonlocal both_long
+        long_chunks = [c for c in plan.chunks if c.seq_id.startswith("long") and c.num_tokens > 1]
+        cost = sum(chunk_cost(c.start_pos, c.num_tokens, horizon) for c in long_chunks)
+        if long_chunks:
+            long_cost_per_plan.append(cost)
+            decodes_beside_long.append(sum(c.seq_id.startswith("d") for c in plan.chunks))
+            assert cost <= T
+        both_long += len(long_chunks) == 2
+        for c in plan.chunks:
+            if c.seq_id.startswith("s") and c.start_pos < 100:
+                assert c.start_pos == 0 and c.num_tokens == 100  # whole, in one plan
+                burst_plans.add(idx)
+
+    drive(sched, worker, depth=depth, arrivals={0: streams, 3: longs[:1], 4: longs[1:], 6: burst}, on_plan=on_plan)
+    assert len(burst_plans) == 1, "the burst is prefilled in one plan beside the long chunks"
+    assert both_long > 0, "the two long prompts overlapped and shared the cap"
+    assert max(long_cost_per_plan) > T - chunk_cost(1500, 1, horizon)  # the cap is filled, not undershot
+    assert sum(decodes_beside_long) > 0 and all(d in (0, 16) for d in decodes_beside_long)
+    if horizon == 0:
+        assert [c for c in long_cost_per_plan[:3]] == [128, 128, 128]
+    assert_reference(worker, streams + longs + burst, cfg.max_model_len)
+    assert sched.num_preemptions == 0
+    assert_idle(sched)
+
+
+def test_a_long_prompt_moves_every_plan_even_when_one_token_costs_more_than_the_cap():
+    # T = 2 units; from position 8 on a token costs 1 + (p + 1) / 8 > 2: the step's first long chunk still
+    # gets one token, so the prompt progresses every plan beside the decodes and finishes
+    cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=256, attention_horizon=8, long_prefill_threshold=2)
+    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    streams = [make_req(f"d{i}", 2, max_tokens=60) for i in range(2)]  # 2 tokens: not long
+    long = make_req("long", 40, max_tokens=2)
+    chunks = []
+    drive(sched, worker, arrivals={0: streams, 1: [long]},
+          on_plan=lambda i, p: chunks.extend((i, c.num_tokens) for c in p.chunks if c.seq_id == "long"))
+    prefill = chunks[:40]
+    assert [n for _, n in prefill] == [1] * 40, "one token a plan: the cap holds it to the minimum"
+    assert [i for i, _ in prefill] == list(range(1, 41)), "and it moves on every plan"
+    assert_reference(worker, streams + [long], cfg.max_model_len)
     assert_idle(sched)
 
 

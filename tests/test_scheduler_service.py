@@ -102,7 +102,8 @@ async def stats(client: aioredis.Redis, keys: Keys) -> dict:
 
 async def start(url: str, keys: Keys):
     client = aioredis.Redis.from_url(url)
-    sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64), heartbeat_interval=0.1)
+    sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40),
+                             heartbeat_interval=0.1)
     gw = Gateway(aioredis.Redis.from_url(url), keys)
     ready = asyncio.Event()
     tasks = [asyncio.create_task(sched.run()), asyncio.create_task(gw.listen(ready))]
@@ -148,6 +149,7 @@ async def test_requests_flow_to_a_worker_and_tokens_back(model_dir, reference, r
         # the worker's cost-model horizon reaches its policy (PolicyLimits.attention_horizon unset)
         horizon = worker.service.runner.attention_horizon
         assert horizon > 0 and sched.workers["w1"].policy.config.attention_horizon == horizon
+        assert sched.workers["w1"].policy.config.long_prefill_threshold == 40
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()
