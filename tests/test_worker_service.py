@@ -146,3 +146,30 @@ def test_core_placement_gives_a_small_model_worker_cores_of_its_own(monkeypatch,
     assert launcher.core_placement({**values, "bind_cores": False}) is None
     monkeypatch.setattr(launcher, "usable_cores", lambda: [5])
     assert launcher.core_placement(values) is None  # one core: nothing to split
+
+
+def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_server):
+    """At debug level the worker logs one line per step (decodes, prefill tokens, context, model time),
+    which bench.step_trace groups; at info level it computes none of it."""
+    from structlog.testing import capture_logs
+
+    from bench import step_trace
+
+    service = WorkerService(runner, redis.Redis.from_url(redis_server), Keys("trace"), "w9")
+    assert not service.log_steps  # the tests' root logger is not at debug level
+    service.log_steps = True
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    starts = [SeqStart("p", "gw", list(range(3, 15)), params), SeqStart("q", "gw", [8, 9], params)]
+    plans = [StepPlan(0, "w9", starts, [ScheduledChunk("p", 0, 12, [2]), ScheduledChunk("q", 0, 2, [3])]),
+             StepPlan(1, "w9", [], [ScheduledChunk("p", 12, 1, [2]), ScheduledChunk("q", 2, 1, [3])])]
+    with capture_logs() as logs:
+        for plan in plans:
+            service.run_step(b"0-1", {FIELD.encode(): plan.to_wire()})
+    steps = [e for e in logs if e["event"] == "step"]
+    assert [(s["step_id"], s["decodes"], s["prefill_tokens"], s["context"]) for s in steps] == \
+        [(0, 0, 14, 12), (1, 2, 0, 0)]
+    assert all(s["step_ms"] > 0 and s["log_level"] == "debug" for s in steps)
+    groups = {g.name: g for g in step_trace.summarize(steps, long_context=10)}
+    assert set(groups) == {"decodes only", "prefill, context >= 10"}
+    assert groups["decodes only"].decodes == [2] and groups["prefill, context >= 10"].prefill == [14]
+    assert "| decodes only | 1 |" in step_trace.table(list(groups.values()))

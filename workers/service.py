@@ -14,6 +14,7 @@ makes the scheduler think the worker died.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -155,6 +156,8 @@ class WorkerService:
         self.publisher = ResultPublisher(client)
         self.steps_run = 0
         self.busy_s = 0.0  # time in steps (model + handing off the writes): up_s - busy_s is waiting for plans
+        # one line a step at debug level (what `python -m bench.step_trace` reads); none of its work otherwise
+        self.log_steps = logging.getLogger().isEnabledFor(logging.DEBUG)
 
     def _join_group(self) -> None:
         try:
@@ -217,6 +220,12 @@ class WorkerService:
         result.step_time_s = result.step_time_s or (time.perf_counter() - t0)
         result.step_id, result.worker_id = plan.step_id, self.worker_id
         self.publish(plan, result, entry_id)
+        if self.log_steps:
+            prefills = [c for c in plan.chunks if c.num_tokens > 1]
+            log.debug("step", step_id=plan.step_id, decodes=len(plan.chunks) - len(prefills),
+                      prefill_tokens=sum(c.num_tokens for c in prefills),
+                      context=max((c.start_pos + c.num_tokens for c in prefills), default=0),
+                      step_ms=round(result.step_time_s * 1e3, 3))
         self.steps_run += 1
         self.busy_s += time.perf_counter() - t0
 
