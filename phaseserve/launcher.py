@@ -71,7 +71,7 @@ def core_placement(values: dict) -> dict[str, list[int]] | None:
     if n >= len(cores):
         return None
     rest = cores[n:]
-    return {"worker": cores[:n], "gateway": rest, "scheduler": rest, "redis": rest}
+    return {"worker": cores[:n], "relay": rest, "gateway": rest, "scheduler": rest, "redis": rest}
 
 
 @dataclass
@@ -87,6 +87,8 @@ class Stack:
         placement = core_placement(self.values)
         if placement:  # the pinned worker would count only its own cores when choosing threads
             self.values["num_threads"] = len(placement["worker"])
+            # its Redis relay runs beside the other services, off the model's cores
+            self.values["relay_cpus"] = ",".join(map(str, placement["relay"]))
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url

@@ -87,6 +87,9 @@ SETTINGS: list[Setting] = [
     Setting("bind_cores", "PHASESERVE_BIND_CORES", True, parse_bool,
             "`up` only: when the worker uses fewer threads than there are cores, run it on cores of its own "
             "and the gateway, scheduler and Redis on the rest, so they never preempt a model step", ("up",)),
+    Setting("relay_cpus", "PHASESERVE_RELAY_CPUS", None, str,
+            "CPUs of the worker's Redis relay process, e.g. 1 or 2-3 (`up --bind-cores` gives it the other "
+            "services' cores); default: wherever the worker may run", ("worker",)),
     Setting("max_model_len", "PHASESERVE_MAX_MODEL_LEN", 0, int,
             "longest sequence (prompt + output); 0 = the model's limit", ("worker", "gateway", "up")),
     Setting("max_num_seqs", "PHASESERVE_MAX_NUM_SEQS", 64, int,

@@ -42,14 +42,15 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
 
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for part in ("redis-server", "-m scheduler", "-m workers", "-m gateway"):
+        for part in ("redis-server", "-m scheduler", "-m workers", "-m workers.relay", "-m gateway"):
             assert part in names, f"{part} not running under up: {names}"
         placement = core_placement({"bind_cores": True, "num_threads": 0, "model": str(e2e_model)})
         if placement:  # a small model on a machine of 2+ cores: the worker has its cores, the rest the others
             for c in children:
                 cmd = " ".join(c.cmdline())
-                service = next((s for s in ("worker", "gateway", "scheduler") if f"-m {s}" in cmd),
-                               "redis" if "redis-server" in cmd else None)
+                service = "relay" if "-m workers.relay" in cmd else next(
+                    (s for s in ("worker", "gateway", "scheduler") if f"-m {s}" in cmd),
+                    "redis" if "redis-server" in cmd else None)
                 if service:
                     assert sorted(c.cpu_affinity()) == placement[service], (service, c.cpu_affinity())
 

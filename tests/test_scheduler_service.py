@@ -21,7 +21,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, WorkerInfo
 from scheduler.service import PolicyLimits, SchedulerService
 from workers.runner import ModelRunner
-from workers.service import WorkerService
+from workers.service import RelayError, WorkerService
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]
 MAX_TOKENS = 12
@@ -42,10 +42,17 @@ def reference(model_dir):
 class WorkerThread:
     def __init__(self, model_dir, url: str, keys: Keys, worker_id: str, num_blocks: int = 64):
         runner = ModelRunner(model_dir, num_blocks=num_blocks)
-        self.service = WorkerService(runner, redis.Redis.from_url(url), keys, worker_id, heartbeat_interval=0.1,
+        self.service = WorkerService(runner, url, keys, worker_id, heartbeat_interval=0.1,
                                      heartbeat_ttl=0.6, block_ms=20)
-        self.thread = threading.Thread(target=self.service.run, daemon=True)
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _run(self):
+        try:
+            self.service.run()
+        except RelayError as e:  # its relay was killed (a worker dying without a word)
+            self.error = e
 
     def stop(self):
         self.service.request_stop()
@@ -172,8 +179,8 @@ async def test_a_dead_workers_sequences_finish_on_another(model_dir, reference, 
         w2 = WorkerThread(model_dir, redis_server, keys, "w2")
         await gw.wait(lambda: "w2" in sched.workers, 10)
         # w1 dies without a word: no more steps, no more heartbeats (its key expires)
-        w1.service.heartbeat.stopped.set()
         runner.execute = lambda plan: (dead.wait(), inner(plan))[1]
+        w1.service.relay.kill()  # its Redis side: heartbeat, plans and results
         await gw.wait(lambda: len(gw.finish) == len(PROMPTS))
         assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
         assert "w1" not in sched.workers

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from multiprocessing import Pipe
 
+import msgpack
 import pytest
 import redis
 
@@ -24,7 +26,7 @@ def runner(tmp_path_factory):
 def test_worker_runs_plans_and_routes_tokens_per_gateway(runner, redis_server):
     keys = Keys("t")
     client = redis.Redis.from_url(redis_server)
-    service = WorkerService(runner, client, keys, "w1", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
+    service = WorkerService(runner, redis_server, keys, "w1", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
     thread = threading.Thread(target=service.run, daemon=True)
     thread.start()
     try:
@@ -79,7 +81,7 @@ def test_worker_reads_plans_ahead_and_publishes_in_step_order(runner, redis_serv
     token batches arrive in step order, every plan acked."""
     keys = Keys("ahead")
     client = redis.Redis.from_url(redis_server)
-    service = WorkerService(runner, client, keys, "w2", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
+    service = WorkerService(runner, redis_server, keys, "w2", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
     thread = threading.Thread(target=service.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -139,8 +141,8 @@ def test_core_placement_gives_a_small_model_worker_cores_of_its_own(monkeypatch,
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)  # a small model: auto threads = cores - 1
     values = {"bind_cores": True, "num_threads": 0, "model": str(tmp_path)}
     monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1, 2, 3])
-    assert launcher.core_placement(values) == {"worker": [0, 1, 2], "gateway": [3], "scheduler": [3],
-                                               "redis": [3]}
+    assert launcher.core_placement(values) == {"worker": [0, 1, 2], "relay": [3], "gateway": [3],
+                                               "scheduler": [3], "redis": [3]}
     assert launcher.core_placement({**values, "num_threads": 1})["worker"] == [0]
     assert launcher.core_placement({**values, "num_threads": 4}) is None  # the worker wants every core
     assert launcher.core_placement({**values, "bind_cores": False}) is None
@@ -155,16 +157,21 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
 
     from bench import step_trace
 
-    service = WorkerService(runner, redis.Redis.from_url(redis_server), Keys("trace"), "w9")
+    service = WorkerService(runner, redis_server, Keys("trace"), "w9")
     assert not service.log_steps  # the tests' root logger is not at debug level
     service.log_steps = True
+    relay_end, service.writes = Pipe(duplex=False)  # what the relay would read
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     starts = [SeqStart("p", "gw", list(range(3, 15)), params), SeqStart("q", "gw", [8, 9], params)]
     plans = [StepPlan(0, "w9", starts, [ScheduledChunk("p", 0, 12, [2]), ScheduledChunk("q", 0, 2, [3])]),
              StepPlan(1, "w9", [], [ScheduledChunk("p", 12, 1, [2]), ScheduledChunk("q", 2, 1, [3])])]
     with capture_logs() as logs:
-        for plan in plans:
-            service.run_step(b"0-1", {FIELD.encode(): plan.to_wire()})
+        for i, plan in enumerate(plans):
+            service.run_step(f"0-{i}".encode(), plan.to_wire())
+    for i in range(2):  # each step's writes: the plan's entry id, its result, one token batch for "gw"
+        entry_id, result, batches = msgpack.unpackb(relay_end.recv_bytes())
+        assert entry_id == f"0-{i}".encode() and StepResult.from_wire(result).step_id == i
+        assert [gw for gw, _ in batches] == ["gw"]
     steps = [e for e in logs if e["event"] == "step"]
     assert [(s["step_id"], s["decodes"], s["prefill_tokens"], s["context"]) for s in steps] == \
         [(0, 0, 14, 12), (1, 2, 0, 0)]
@@ -173,3 +180,31 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
     assert set(groups) == {"decodes only", "prefill, context >= 10"}
     assert groups["decodes only"].decodes == [2] and groups["prefill, context >= 10"].prefill == [14]
     assert "| decodes only | 1 |" in step_trace.table(list(groups.values()))
+
+
+def test_a_worker_whose_relay_dies_stops_with_an_error(runner, redis_server):
+    """The relay is the worker's only way to Redis: if it dies, the model loop raises RelayError
+    (main() exits 1, so the launcher sees it) instead of waiting for plans that cannot come."""
+    from workers.service import RelayError
+
+    keys = Keys("relay-dies")
+    client = redis.Redis.from_url(redis_server)
+    service = WorkerService(runner, redis_server, keys, "w3", heartbeat_interval=0.1, heartbeat_ttl=1.0, block_ms=50)
+    errors: list[Exception] = []
+
+    def run():
+        try:
+            service.run()
+        except RelayError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while client.get(keys.worker_heartbeat("w3")) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.relay is not None and service.relay.poll() is None
+    service.relay.kill()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "relay process exited" in str(errors[0])

@@ -1,211 +1,119 @@
 """The worker service: the ModelRunner connected to Redis.
 
-Three threads, so the model never waits on a Redis round trip it does not need:
-- the model thread (the caller of `run`) takes plans from a local queue, runs them,
-  and hands each step's writes to the publisher;
-- a plan reader blocks on `steps:<worker>` (consumer group) and queues plans as
-  they come; with two plans in flight the next one is usually already here;
-- a result publisher sends, in ONE pipeline, one TokenBatch per gateway, the
-  StepResult to `results` and the XACK of the plan, in step order. Steps that
-  finish while a round trip is in flight go out together in the next one.
-A heartbeat thread keeps `worker:<id>` alive (with a TTL) so a long step never
-makes the scheduler think the worker died.
+The model runs in this process, with nothing else competing for its GIL; all Redis traffic runs in a
+child process, the relay (workers/relay.py): it reads step plans ahead into a pipe, sends each step's
+writes (one TokenBatch per gateway, the StepResult, the XACK of the plan) in one pipeline, in step
+order, and keeps the heartbeat alive (with a TTL) so a long step never makes the scheduler think the
+worker died. The model loop only moves bytes through two pipes: it never waits on a Redis round trip.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
+from multiprocessing import Pipe
 from pathlib import Path
 
-import redis
+import msgpack
 import structlog
 
-from phaseserve.wire import FIELD, Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
+from phaseserve.procs import child_setup, stop_process
+from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
+from workers.relay import RelayConfig, config_message
 
 log = structlog.get_logger("workers.service")
 
-STREAM_MAXLEN = 10_000  # approximate cap on the steps/results streams: acked entries are history only
-GIL_SWITCH_INTERVAL_S = 0.0002
-READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
 
-
-class Heartbeat(threading.Thread):
-    """Refreshes the heartbeat key every `interval` seconds, independent of the model step."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float):
-        super().__init__(name="heartbeat", daemon=True)
-        self.client, self.keys, self.info = client, keys, info
-        self.interval, self.ttl_ms = interval, max(1, int(ttl * 1000))
-        self.stopped = threading.Event()
-
-    def beat(self) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.keys.workers, self.info.worker_id)
-        pipe.set(self.keys.worker_heartbeat(self.info.worker_id), self.info.to_wire(), px=self.ttl_ms)
-        pipe.execute()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            try:
-                self.beat()
-            except redis.RedisError as e:  # keep trying: Redis may come back before the TTL runs out
-                log.warning("heartbeat failed", error=str(e))
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join(timeout=self.interval + 1)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.keys.worker_heartbeat(self.info.worker_id))
-        pipe.srem(self.keys.workers, self.info.worker_id)
-        pipe.execute()
-
-
-class PlanReader(threading.Thread):
-    """Reads step plans ahead into `plans` (entry id, fields); a Redis failure is queued as the exception."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, block_ms: int, stopping: threading.Event):
-        super().__init__(name="plan-reader", daemon=True)
-        self.client, self.keys, self.worker_id, self.block_ms = client, keys, worker_id, block_ms
-        self.stopping = stopping
-        self.plans: queue.Queue = queue.Queue()
-
-    def run(self) -> None:
-        streams = {self.keys.steps(self.worker_id): ">"}
-        try:
-            while not self.stopping.is_set():
-                resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, streams,
-                                              count=READ_AHEAD, block=self.block_ms)
-                for _stream, entries in resp or ():
-                    for entry in entries:
-                        self.plans.put(entry)
-        except Exception as e:  # the model thread re-raises it: a worker that cannot read plans must stop
-            self.plans.put(e)
-
-
-class ResultPublisher(threading.Thread):
-    """Sends each step's writes in step order, batching the steps that queued up during a round trip.
-
-    `send(ops)` takes a list of (redis pipeline method name, args, kwargs). A failed write is kept in
-    `error` for the model thread to raise; later writes are dropped (the worker is going down)."""
-
-    def __init__(self, client: redis.Redis):
-        super().__init__(name="result-publisher", daemon=True)
-        self.client = client
-        self.outbox: queue.Queue = queue.Queue()
-        self.error: Exception | None = None
-
-    def send(self, ops: list[tuple]) -> None:
-        self.outbox.put(ops)
-
-    def run(self) -> None:
-        done = False
-        while not done:
-            batch = [self.outbox.get()]
-            while True:  # everything already waiting goes in the same round trip
-                try:
-                    batch.append(self.outbox.get_nowait())
-                except queue.Empty:
-                    break
-            if batch[-1] is None:
-                done = True
-                batch.pop()
-            if not batch or self.error is not None:
-                continue
-            pipe = self.client.pipeline(transaction=False)
-            for ops in batch:
-                for name, args, kwargs in ops:
-                    getattr(pipe, name)(*args, **kwargs)
-            try:
-                pipe.execute()
-            except Exception as e:
-                log.error("publishing step results failed", error=str(e))
-                self.error = e
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop."""
-        self.outbox.put(None)
-        self.join(timeout)
+class RelayError(RuntimeError):
+    """The relay process failed (Redis unreachable, or it died): the worker cannot go on."""
 
 
 class WorkerService:
-    def __init__(self, runner, client: redis.Redis, keys: Keys, worker_id: str, *, role: str = "mixed",
-                 heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500):
+    def __init__(self, runner, redis_url: str, keys: Keys, worker_id: str, *, role: str = "mixed",
+                 heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500,
+                 relay_cpus: list[int] | None = None, log_level: str = "info", log_json: bool = False):
         self.runner = runner
-        self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        self.steps_key = keys.steps(worker_id)
-        self.block_ms = block_ms
-        self.stopping = threading.Event()
+        self.relay_cpus = relay_cpus  # None: wherever this process may run
+        self.stopping = False
         self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
             started_at=time.time(), attention_horizon=runner.attention_horizon,
         )
-        self.heartbeat = Heartbeat(client, keys, self.info, heartbeat_interval, heartbeat_ttl)
-        self.reader = PlanReader(client, keys, worker_id, block_ms, self.stopping)
-        self.publisher = ResultPublisher(client)
+        self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
+                                        heartbeat_ttl, block_ms, log_level, log_json)
+        self.relay: subprocess.Popen | None = None
+        self.plans = self.writes = None  # our ends of the two pipes, once the relay runs
         self.steps_run = 0
         self.busy_s = 0.0  # time in steps (model + handing off the writes): up_s - busy_s is waiting for plans
         # one line a step at debug level (what `python -m bench.step_trace` reads); none of its work otherwise
         self.log_steps = logging.getLogger().isEnabledFor(logging.DEBUG)
 
-    def _join_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.steps_key, self.keys.worker_group, id="$", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-            # a restarted worker with the same id: plans meant for its previous life are stale
-            self.client.xgroup_setid(self.steps_key, self.keys.worker_group, id="$")
+    def start_relay(self) -> None:
+        plans_read, plans_write = Pipe(duplex=False)
+        writes_read, writes_write = Pipe(duplex=False)
+        fds = (plans_write.fileno(), writes_read.fileno())
+        self.relay = subprocess.Popen([sys.executable, "-m", "workers.relay", *map(str, fds)], pass_fds=fds,
+                                      stdin=subprocess.DEVNULL, preexec_fn=child_setup(self.relay_cpus))
+        plans_write.close()  # the relay's ends: ours would keep the pipes open after it exits
+        writes_read.close()
+        self.plans, self.writes = plans_read, writes_write
+        self.writes.send_bytes(config_message(self.relay_config))
 
-    def announce(self) -> None:
-        """Join the steps group first, then heartbeat: the scheduler sends plans only to live workers."""
-        self._join_group()
-        self.heartbeat.beat()
-        self.heartbeat.start()
-        log.info("worker ready", worker_id=self.worker_id, model=self.info.model, num_blocks=self.info.num_blocks,
-                 block_size=self.info.block_size, max_model_len=self.info.max_model_len)
+    def stop_relay(self, timeout: float = 5.0) -> None:
+        """Close `writes`: the relay sends what is queued, removes the heartbeat and exits."""
+        if self.relay is None:
+            return
+        self.writes.close()
+        try:
+            self.relay.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("relay did not stop in time; stopping it")
+            stop_process(self.relay)
+        self.plans.close()
+
+    def next_plan(self, timeout: float):
+        """(entry id, plan bytes), or None if none came within `timeout`. Raises RelayError if the relay failed."""
+        try:
+            if not self.plans.poll(timeout):
+                return None
+            entry_id, data = msgpack.unpackb(self.plans.recv_bytes())
+        except (EOFError, OSError):
+            raise RelayError(f"the relay process exited (code {self.relay.poll()})") from None
+        if entry_id is None:
+            raise RelayError(data)
+        return entry_id, data
 
     def run(self) -> None:
-        self.announce()
-        self.publisher.start()
-        self.reader.start()
+        self.start_relay()
+        log.info("worker ready", worker_id=self.worker_id, model=self.info.model, num_blocks=self.info.num_blocks,
+                 block_size=self.info.block_size, max_model_len=self.info.max_model_len)
         started = time.perf_counter()
         try:
-            while not self.stopping.is_set():
-                if self.publisher.error is not None:
-                    raise self.publisher.error
-                try:
-                    item = self.reader.plans.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                self.run_step(*item)
+            while not self.stopping:
+                item = self.next_plan(0.1)
+                if item is not None:
+                    self.run_step(*item)
         finally:
-            self.stopping.set()
-            self.publisher.close()
-            self.reader.join(self.block_ms / 1000 + 1)
-            self.heartbeat.stop()
+            self.stop_relay()
             log.info("worker stopped", worker_id=self.worker_id, steps=self.steps_run,
                      busy_s=round(self.busy_s, 3), up_s=round(time.perf_counter() - started, 3))
 
-    def run_step(self, entry_id: bytes, fields: dict) -> None:
+    def run_step(self, entry_id: bytes, data: bytes) -> None:
         try:
-            plan = StepPlan.from_wire(fields[FIELD.encode()])
-        except (WireError, KeyError) as e:
+            plan = StepPlan.from_wire(data)
+        except WireError as e:
             log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
-            self.publisher.send([("xack", (self.steps_key, self.keys.worker_group, entry_id), {})])
+            self._send(msgpack.packb([entry_id, None, []]))  # acked, nothing to publish
             return
         for seq in plan.starts:
             self.gateway_of[seq.seq_id] = seq.gateway_id
@@ -220,16 +128,17 @@ class WorkerService:
         result.step_time_s = result.step_time_s or (time.perf_counter() - t0)
         result.step_id, result.worker_id = plan.step_id, self.worker_id
         self.publish(plan, result, entry_id)
+        self.steps_run += 1
+        self.busy_s += time.perf_counter() - t0
         if self.log_steps:
             prefills = [c for c in plan.chunks if c.num_tokens > 1]
             log.debug("step", step_id=plan.step_id, decodes=len(plan.chunks) - len(prefills),
                       prefill_tokens=sum(c.num_tokens for c in prefills),
                       context=max((c.start_pos + c.num_tokens for c in prefills), default=0),
                       step_ms=round(result.step_time_s * 1e3, 3))
-        self.steps_run += 1
-        self.busy_s += time.perf_counter() - t0
 
     def publish(self, plan: StepPlan, result: StepResult, entry_id: bytes) -> None:
+        """Hand the step's writes to the relay: one TokenBatch per gateway, the StepResult, the plan's ack."""
         by_gateway: dict[str, list[TokenEvent]] = defaultdict(list)
         for ev in result.events:
             gw = self.gateway_of.get(ev.seq_id)
@@ -241,16 +150,17 @@ class WorkerService:
         for seq_id in plan.releases:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
-        ops = [("publish", (self.keys.gateway_channel(gw), TokenBatch(plan.step_id, self.worker_id, events).to_wire()),
-                {}) for gw, events in by_gateway.items()]
-        ops.append(("xadd", (self.keys.results, {FIELD: result.to_wire()}),
-                    {"maxlen": STREAM_MAXLEN, "approximate": True}))
-        ops.append(("xack", (self.steps_key, self.keys.worker_group, entry_id), {}))
-        ops.append(("xdel", (self.steps_key, entry_id), {}))
-        self.publisher.send(ops)
+        batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
+        self._send(msgpack.packb([entry_id, result.to_wire(), batches]))
+
+    def _send(self, message: bytes) -> None:
+        try:
+            self.writes.send_bytes(message)
+        except OSError:  # the relay is gone: its exit code says why
+            raise RelayError(f"the relay process exited (code {self.relay.poll() if self.relay else None})") from None
 
     def request_stop(self, *_args) -> None:
-        self.stopping.set()
+        self.stopping = True
 
 
 def default_worker_id() -> str:
@@ -290,6 +200,17 @@ def set_threads(num_threads: int, model_dir: str) -> int:
     return n
 
 
+def parse_cpus(text: str | None) -> list[int] | None:
+    """"1", "0,2" or "2-3" -> CPU ids; None or "" -> None (anywhere)."""
+    if not text:
+        return None
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
 def _interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
@@ -303,9 +224,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
     model_dir = settings.resolve_model(args.model)
     threads = set_threads(args.num_threads, model_dir)
-    # the plan reader and result publisher need the GIL for a few microseconds per step; the model thread
-    # gives it up only in torch ops or when asked, and CPython asks after the switch interval (5 ms default)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker_id = args.worker_id or default_worker_id()
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
 
@@ -317,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    log.info("loading model", model=model_dir, device=device, dtype=args.dtype, threads=threads,
-)
+    log.info("loading model", model=model_dir, device=device, dtype=args.dtype, threads=threads)
     t0 = time.perf_counter()
     try:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
@@ -328,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     log.info("model loaded", seconds=round(time.perf_counter() - t0, 2), num_blocks=runner.num_blocks)
 
-    client = redis.Redis.from_url(args.redis_url)
-    service = WorkerService(runner, client, Keys(args.key_prefix), worker_id, role=args.role,
-                            heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl)
+    service = WorkerService(runner, args.redis_url, Keys(args.key_prefix), worker_id, role=args.role,
+                            heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
+                            relay_cpus=parse_cpus(args.relay_cpus), log_level=args.log_level,
+                            log_json=args.log_json)
     signal.signal(signal.SIGTERM, service.request_stop)
     signal.signal(signal.SIGINT, service.request_stop)
-    service.run()
+    try:
+        service.run()
+    except RelayError as e:  # without Redis the worker can do nothing: stop, and let the launcher see it
+        log.error("worker stopping", error=str(e))
+        return 1
     return 0
