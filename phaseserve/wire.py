@@ -32,6 +32,10 @@ class WireError(ValueError):
     """A payload that is not a message of this protocol version."""
 
 
+# approximate cap (XADD MAXLEN ~) on the steps and results streams: acked entries are history only
+STREAM_MAXLEN = 10_000
+
+
 class Keys:
     """Redis key, stream and channel names, all under one prefix."""
 

@@ -33,14 +33,13 @@ from redis.exceptions import ResponseError
 
 from phaseserve import event_loop
 from phaseserve.wire import (
-    ERROR_REJECTED, FIELD, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo,
-    peek_kind,
+    ERROR_REJECTED, FIELD, STREAM_MAXLEN, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent,
+    WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig
 
 log = structlog.get_logger("scheduler.service")
 
-STREAM_MAXLEN = 10_000
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
 READ_COUNT = 512
 FIELD_B = FIELD.encode()

@@ -32,11 +32,10 @@ import msgpack
 import redis
 import structlog
 
-from phaseserve.wire import FIELD, Keys, WorkerInfo
+from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, WorkerInfo
 
 log = structlog.get_logger("workers.relay")
 
-STREAM_MAXLEN = 10_000  # approximate cap on the results stream: acked entries are history only
 READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
 
 
