@@ -164,9 +164,10 @@ def paged_attention(
             continue
         nblk = (ctx + bs - 1) // bs
         blocks = block_tables[i, :nblk].long()
-        # [KVH, ctx, D]: the query heads that share a KV head attend to it together, so K/V are never repeated
-        kk = k_cache.index_select(0, blocks).view(-1, KVH, D)[:ctx].transpose(0, 1).contiguous().to(q.dtype)
-        vv = v_cache.index_select(0, blocks).view(-1, KVH, D)[:ctx].transpose(0, 1).contiguous().to(q.dtype)
+        # [KVH, nblk * bs, D]: the query heads that share a KV head attend to it together, so K/V are never
+        # repeated. Whole blocks: the tiles read up to a multiple of _KEY_QUANTUM keys (masked past ctx).
+        kk = k_cache.index_select(0, blocks).view(-1, KVH, D).transpose(0, 1).contiguous().to(q.dtype)
+        vv = v_cache.index_select(0, blocks).view(-1, KVH, D).transpose(0, 1).contiguous().to(q.dtype)
         qs = q[s:e] * scale  # scale folded into q (n rows, not n * ctx scores)
         for t0 in range(0, n, _PREFILL_TILE):
             t1 = min(n, t0 + _PREFILL_TILE)
@@ -177,24 +178,34 @@ def paged_attention(
 # Query rows per prefill attention tile: a tile's fp32 scores stay cache-sized, and each tile only
 # reads the keys its last query can see (a causal prefill computes half of the full score matrix).
 _PREFILL_TILE = 64
+# oneDNN builds (JIT-compiles) and caches a matmul primitive per shape; unrounded, every step's tiles had
+# shapes never seen before (workers/linear.py says what that cost). So a tile of several queries is
+# padded to a multiple of _QUERY_QUANTUM zero queries (dropped after) and reads its visible keys rounded
+# up to a multiple of _KEY_QUANTUM (the extra ones masked).
+_QUERY_QUANTUM = 16
+_KEY_QUANTUM = 32
 
 
 def _prefill_tile(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, visible: int) -> torch.Tensor:
     """Causal attention of m consecutive queries q [m, H, D] (pre-scaled) whose last one sits at position
-    visible - 1, over kk/vv [KVH, >= visible, D]. Explicit matmul-softmax-matmul: on CPU, bf16 GEMMs run
-    several times faster than SDPA's flash kernel. Softmax in fp32."""
+    visible - 1, over kk/vv [KVH, >= visible, D] (finite past visible). Explicit matmul-softmax-matmul: on
+    CPU, bf16 GEMMs run several times faster than SDPA's flash kernel. Softmax in fp32."""
     m, H, D = q.shape
     KVH = kk.shape[0]
     G = H // KVH
-    qi = q.view(m, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * m, D)
-    scores = torch.matmul(qi, kk[:, :visible].transpose(1, 2)).float()  # [KVH, G * m, visible]
-    if m > 1:
-        # only the last m key columns are causal for this tile: query j sees keys <= visible - m + j
-        diag = scores.view(KVH, G, m, visible)[..., visible - m:]
-        diag.masked_fill_(torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    rows = m if m == 1 else -(-m // _QUERY_QUANTUM) * _QUERY_QUANTUM
+    if rows > m:
+        q = F.pad(q, (0, 0, 0, 0, 0, rows - m))
+    width = min(kk.shape[1], -(-visible // _KEY_QUANTUM) * _KEY_QUANTUM)
+    qi = q.view(rows, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * rows, D)
+    scores = torch.matmul(qi, kk[:, :width].transpose(1, 2)).float()  # [KVH, G * rows, width]
+    if rows > 1 or width > visible:
+        # query j sees keys <= visible - m + j: only columns from visible - m on can be hidden
+        tail = scores.view(KVH, G, rows, width)[..., visible - m:]
+        tail.masked_fill_(torch.ones(tail.shape[-2:], dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
-    o = torch.matmul(probs, vv[:, :visible])  # [KVH, G * m, D]
-    return o.view(KVH, G, m, D).permute(2, 0, 1, 3).reshape(m, H, D)
+    o = torch.matmul(probs, vv[:, :width])  # [KVH, G * rows, D]
+    return o.view(KVH, G, rows, D)[:, :, :m].permute(2, 0, 1, 3).reshape(m, H, D)
 
 
 # Bytes of gathered K+V per decode attention batch: within a core's share of L2/L3.

@@ -17,7 +17,7 @@ from workers.runner import MIN_BUCKET_BLOCKS, ModelRunner, decode_buckets
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 33, 100])  # 33, 100: padded to a multiple of ROW_QUANTUM
 def test_packed_linear_matches_f_linear(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
@@ -76,6 +76,29 @@ def test_decode_attention_in_batches_equals_one_batch(monkeypatch):
     whole = ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
     monkeypatch.setattr(ref, "_DECODE_GATHER_BYTES", 2 * 20 * KVH * D * 4 * 3)  # 3 sequences per batch
     torch.testing.assert_close(ref._decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25), whole)
+
+
+def test_prefill_tiles_padded_for_the_primitive_cache_equal_exact_tiles(monkeypatch):
+    # chunks of 2..70 queries over cached prefixes, none a multiple of the quanta: padded query rows
+    # and masked extra keys (up to whole blocks, never past the sequence's own) change nothing
+    g = torch.Generator().manual_seed(3)
+    H, KVH, D, bs = 4, 2, 16, 8
+    chunks = [(0, 2), (5, 19), (40, 33), (13, 70), (0, 1), (90, 1)]  # (cached, new) per sequence
+    nblk = [-(-(c + n) // bs) for c, n in chunks]
+    k_cache, v_cache = torch.randn(sum(nblk), bs, KVH, D, generator=g), torch.randn(sum(nblk), bs, KVH, D, generator=g)
+    tables = torch.zeros(len(chunks), max(nblk), dtype=torch.int32)
+    ids = torch.randperm(sum(nblk), generator=g)
+    for i, n in enumerate(nblk):
+        tables[i, :n] = ids[sum(nblk[:i]):sum(nblk[:i]) + n]
+    news = torch.tensor([n for _, n in chunks])
+    qsl = torch.cat((torch.zeros(1, dtype=torch.int32), news.cumsum(0).int()))
+    seq_lens = torch.tensor([c + n for c, n in chunks], dtype=torch.int32)
+    q = torch.randn(int(news.sum()), H, D, generator=g)
+    args = (q, k_cache, v_cache, tables, seq_lens, qsl, 0.25, int(news.max()))
+    padded = ref.paged_attention(*args)
+    monkeypatch.setattr(ref, "_QUERY_QUANTUM", 1)
+    monkeypatch.setattr(ref, "_KEY_QUANTUM", 1)
+    torch.testing.assert_close(padded, ref.paged_attention(*args))
 
 
 def test_per_step_state_follows_in_place_edits_of_the_step_tensors():
