@@ -22,6 +22,7 @@ stalls the model's next torch op, even from another core. Measured on the bundle
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ import msgpack
 import redis
 import structlog
 
+from phaseserve.procs import die_with_parent
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, WorkerInfo
 
 log = structlog.get_logger("workers.relay")
@@ -49,6 +51,7 @@ class RelayConfig:
     block_ms: int = 500
     log_level: str = "info"
     log_json: bool = False
+    cpus: list[int] | None = None  # run on these CPUs (None: wherever the model process may run)
 
 
 class Heartbeat(threading.Thread):
@@ -195,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         config = RelayConfig(**msgpack.unpackb(writes.recv_bytes()))
     except EOFError:  # the model process went away before configuring us
         return 0
+    # done here, not in a preexec_fn of the model process: see WorkerService.start_relay
+    die_with_parent()
+    if config.cpus is not None:
+        os.sched_setaffinity(0, config.cpus)
     logs.configure("worker-relay", config.log_level, config.log_json)
     structlog.contextvars.bind_contextvars(worker_id=WorkerInfo.from_wire(config.info).worker_id)
     return Relay(config, plans, writes).run()

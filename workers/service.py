@@ -23,7 +23,7 @@ from pathlib import Path
 import msgpack
 import structlog
 
-from phaseserve.procs import child_setup, stop_process
+from phaseserve.procs import stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
 from workers.relay import RelayConfig, config_message
 
@@ -41,7 +41,6 @@ class WorkerService:
         self.runner = runner
         self.keys = keys
         self.worker_id = worker_id
-        self.relay_cpus = relay_cpus  # None: wherever this process may run
         self.stopping = False
         self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
         self.info = WorkerInfo(
@@ -50,7 +49,7 @@ class WorkerService:
             started_at=time.time(), attention_horizon=runner.attention_horizon,
         )
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
-                                        heartbeat_ttl, block_ms, log_level, log_json)
+                                        heartbeat_ttl, block_ms, log_level, log_json, relay_cpus)
         self.relay: subprocess.Popen | None = None
         self.plans = self.writes = None  # our ends of the two pipes, once the relay runs
         self.steps_run = 0
@@ -62,8 +61,12 @@ class WorkerService:
         plans_read, plans_write = Pipe(duplex=False)
         writes_read, writes_write = Pipe(duplex=False)
         fds = (plans_write.fileno(), writes_read.fileno())
+        # No preexec_fn (the relay sets its own CPUs and parent-death signal), so Python spawns it with
+        # vfork, not fork: a fork marks every page of this process copy-on-write, and each KV-cache and
+        # heap page then faulted once on its next write, hundreds of faults a prefill step for as long as
+        # the run kept reaching new cache blocks (bundled model: 341 -> under 1 a step; docs/architecture.md).
         self.relay = subprocess.Popen([sys.executable, "-m", "workers.relay", *map(str, fds)], pass_fds=fds,
-                                      stdin=subprocess.DEVNULL, preexec_fn=child_setup(self.relay_cpus))
+                                      stdin=subprocess.DEVNULL)
         plans_write.close()  # the relay's ends: ours would keep the pipes open after it exits
         writes_read.close()
         self.plans, self.writes = plans_read, writes_write
