@@ -13,6 +13,8 @@ Shapes (T = tokens in the packed step, H = query heads, KVH = kv heads, D = head
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -175,9 +177,11 @@ def paged_attention(
     return out
 
 
-# Query rows per prefill attention tile: a tile's fp32 scores stay cache-sized, and each tile only
-# reads the keys its last query can see (a causal prefill computes half of the full score matrix).
-_PREFILL_TILE = 64
+# Query rows per prefill attention tile: a tile's bf16 scores stay cache-sized (1 MiB for 8 query heads
+# over 512 keys), and each tile only reads the keys its last query can see (a causal prefill computes
+# about half of the full score matrix). 128 rather than 64 since the scores stopped being fp32: 1.7-3%
+# faster 200M prefills of 512-2000 tokens, 0-5% on the bundled model (docs/model-runner.md).
+_PREFILL_TILE = 128
 # oneDNN builds (JIT-compiles) and caches a matmul primitive per shape; unrounded, every step's tiles had
 # shapes never seen before (workers/linear.py says what that cost). So a tile of several queries is
 # padded to a multiple of _QUERY_QUANTUM zero queries (dropped after) and reads its visible keys rounded
@@ -198,14 +202,30 @@ def _prefill_tile(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, visible: 
         q = F.pad(q, (0, 0, 0, 0, 0, rows - m))
     width = min(kk.shape[1], -(-visible // _KEY_QUANTUM) * _KEY_QUANTUM)
     qi = q.view(rows, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * rows, D)
-    scores = torch.matmul(qi, kk[:, :width].transpose(1, 2)).float()  # [KVH, G * rows, width]
+    scores = torch.matmul(qi, kk[:, :width].transpose(1, 2))  # [KVH, G * rows, width]
     if rows > 1 or width > visible:
         # query j sees keys <= visible - m + j: only columns from visible - m on can be hidden
         tail = scores.view(KVH, G, rows, width)[..., visible - m:]
-        tail.masked_fill_(torch.ones(tail.shape[-2:], dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
+        tail.masked_fill_(_hidden(*tail.shape[-2:], q.device), float("-inf"))
+    probs = _softmax(scores)
     o = torch.matmul(probs, vv[:, :width])  # [KVH, G * rows, D]
     return o.view(KVH, G, rows, D)[:, :, :m].permute(2, 0, 1, 3).reshape(m, H, D)
+
+
+@functools.lru_cache(maxsize=256)
+def _hidden(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """[rows, cols] True above the diagonal: the tail of a tile's scores its queries may not see. Kept per
+    shape (the padded tiles have few): two fewer ops a tile. Read-only."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in fp32, rounded once to the scores' dtype: what Hugging Face computes as
+    softmax(scores.float()).to(dtype). torch's CPU softmax on bf16 already works in fp32 inside, so it gives
+    the same probabilities without the two fp32 copies (tested bit for bit)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.bfloat16:
+        return scores.softmax(dim=-1)
+    return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 # Bytes of gathered K+V per decode attention batch: within a core's share of L2/L3.
@@ -257,8 +277,8 @@ def _decode_rows(
     vv = v_cache.index_select(0, flat).view(B, L, KVH, D).transpose(1, 2).contiguous().to(q.dtype)
     # plain matmul-softmax-matmul: SDPA's CPU flash kernel is 1.1-1.5x slower from 16 sequences up.
     # Query heads are grouped by their KV head (GQA) so K and V are never repeated.
-    scores = torch.matmul(q.view(B, KVH, G, D) * scale, kk.transpose(-1, -2)).float()  # [B, KVH, G, L]
-    probs = scores.masked_fill_(padding, float("-inf")).softmax(dim=-1).to(q.dtype)
+    scores = torch.matmul(q.view(B, KVH, G, D) * scale, kk.transpose(-1, -2))  # [B, KVH, G, L]
+    probs = _softmax(scores.masked_fill_(padding, float("-inf")))
     return torch.matmul(probs, vv).view(B, H, D)
 
 

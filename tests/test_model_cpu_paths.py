@@ -83,7 +83,7 @@ def test_prefill_tiles_padded_for_the_primitive_cache_equal_exact_tiles(monkeypa
     # and masked extra keys (up to whole blocks, never past the sequence's own) change nothing
     g = torch.Generator().manual_seed(3)
     H, KVH, D, bs = 4, 2, 16, 8
-    chunks = [(0, 2), (5, 19), (40, 33), (13, 70), (0, 1), (90, 1)]  # (cached, new) per sequence
+    chunks = [(0, 2), (5, 19), (40, 33), (13, 70), (0, 1), (90, 1), (10, 300)]  # (cached, new); 300: 3 tiles
     nblk = [-(-(c + n) // bs) for c, n in chunks]
     k_cache, v_cache = torch.randn(sum(nblk), bs, KVH, D, generator=g), torch.randn(sum(nblk), bs, KVH, D, generator=g)
     tables = torch.zeros(len(chunks), max(nblk), dtype=torch.int32)
@@ -99,6 +99,26 @@ def test_prefill_tiles_padded_for_the_primitive_cache_equal_exact_tiles(monkeypa
     monkeypatch.setattr(ref, "_QUERY_QUANTUM", 1)
     monkeypatch.setattr(ref, "_KEY_QUANTUM", 1)
     torch.testing.assert_close(padded, ref.paged_attention(*args))
+    # and both equal plain causal attention, one query at a time
+    for i, (cached, new) in enumerate(chunks):
+        positions = torch.arange(cached + new)
+        slots = tables[i, positions // bs].long() * bs + positions % bs
+        keys = k_cache.view(-1, KVH, D)[slots].repeat_interleave(H // KVH, dim=1)  # [ctx, H, D]
+        values = v_cache.view(-1, KVH, D)[slots].repeat_interleave(H // KVH, dim=1)
+        for j in range(new):
+            seen = cached + j + 1
+            probs = (torch.einsum("hd,khd->hk", q[qsl[i] + j], keys[:seen]) * 0.25).softmax(-1)
+            torch.testing.assert_close(padded[qsl[i] + j], torch.einsum("hk,khd->hd", probs, values[:seen]))
+
+
+@pytest.mark.parametrize("shape", [(4, 128, 512), (16, 4, 2, 192), (3, 7, 1000)])
+def test_bf16_softmax_equals_the_fp32_formula_bit_for_bit(shape):
+    # attention takes its softmax straight on bf16 scores: it must round exactly as Hugging Face's
+    # softmax(scores.float()).to(bf16) does, masked (-inf) columns and a wide range of scores included
+    g = torch.Generator().manual_seed(len(shape))
+    scores = (torch.randn(*shape, generator=g) * 6).bfloat16()
+    scores[..., -37:] = float("-inf")
+    assert ref._softmax(scores).equal(scores.float().softmax(dim=-1).to(torch.bfloat16))
 
 
 def test_per_step_state_follows_in_place_edits_of_the_step_tensors():
