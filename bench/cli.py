@@ -22,6 +22,7 @@ from bench.metrics import DEFAULT_PERCENTILES, calculate_metrics, format_report,
 from bench.models import NAMES as MODEL_NAMES
 from bench.models import resolve_model
 from phaseserve import event_loop
+from phaseserve.procs import parse_cpus
 
 log = structlog.get_logger("bench")
 
@@ -74,16 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="+", default=[], metavar="JSON", help="earlier results to plot beside this one")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="LIST",
-                   help="run the load generator on these CPUs only, e.g. 1 or 2,3 (a client on the server's "
+                   help="run the load generator on these CPUs only, e.g. 1, 2,3 or 2-3 (a client on the server's "
                         "machine otherwise takes CPU from whatever core it lands on, the worker's included)")
     return p
 
 
 def _cpu_list(text: str) -> list[int]:
     try:
-        cpus = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of CPU numbers: {text!r}") from None
+        cpus = parse_cpus(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not cpus:
         raise argparse.ArgumentTypeError("give at least one CPU")
     return cpus

@@ -31,6 +31,28 @@ def child_setup(cpus: list[int] | None = None):
     return setup
 
 
+def parse_cpus(text: str | None) -> list[int] | None:
+    """"1", "0,2", "2-3" or "3, 2,3" -> sorted CPU ids; None or "" -> None (anywhere).
+    Raises ValueError for anything else."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"not a list of CPU numbers or ranges: {text!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a list of CPU numbers or ranges: {text!r}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"no CPU in {text!r}")
+    return sorted(cpus)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
     """SIGTERM, wait up to `timeout`, then SIGKILL. Returns the exit code."""
     if proc.poll() is None:

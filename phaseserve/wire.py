@@ -26,6 +26,7 @@ from phaseserve.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 FIELD = "m"  # every stream entry is {FIELD: <msgpack message>}
+FIELD_BYTES = FIELD.encode()  # the same key as redis-py returns it in read entries
 
 
 class WireError(ValueError):

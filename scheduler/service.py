@@ -33,8 +33,8 @@ from redis.exceptions import ResponseError
 
 from phaseserve import event_loop
 from phaseserve.wire import (
-    ERROR_REJECTED, FIELD, STREAM_MAXLEN, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch, TokenEvent,
-    WireError, WorkerInfo, peek_kind,
+    ERROR_REJECTED, FIELD, FIELD_BYTES, STREAM_MAXLEN, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch,
+    TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig
 
@@ -42,7 +42,6 @@ log = structlog.get_logger("scheduler.service")
 
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
 READ_COUNT = 512
-FIELD_B = FIELD.encode()
 
 
 @dataclass
@@ -324,7 +323,7 @@ class SchedulerService:
             ids = []
             for entry_id, fields in entries:
                 ids.append(entry_id)
-                data = fields.get(FIELD_B) if fields else None
+                data = fields.get(FIELD_BYTES) if fields else None
                 if data is None:
                     continue
                 try:

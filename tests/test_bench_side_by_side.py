@@ -66,7 +66,7 @@ def test_client_cpus_pin_only_the_run_and_parse_strictly():
     from bench import cli
 
     assert cli._cpu_list("1") == [1] and cli._cpu_list("3, 2,3") == [2, 3]
-    for bad in ("", "a", "1;2"):
+    for bad in ("", "a", "1;2", "3-1", "-1", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             cli._cpu_list(bad)
     before = os.sched_getaffinity(0)

@@ -135,6 +135,18 @@ def test_auto_threads_leave_a_core_only_for_small_models():
     assert auto_threads(0, cores=1, weight_bytes=0) == 1
 
 
+def test_cpu_lists_parse_numbers_and_ranges_strictly():
+    # the one parser of --relay-cpus and bench's --client-cpus; the launcher writes lists joined by ","
+    from phaseserve.procs import parse_cpus
+
+    assert parse_cpus(None) is None and parse_cpus("") is None
+    assert parse_cpus("1") == [1] and parse_cpus("0,2") == [0, 2] and parse_cpus("2-3") == [2, 3]
+    assert parse_cpus("3, 2,3") == [2, 3] and parse_cpus("0,4-5") == [0, 4, 5]
+    for bad in ("a", "1;2", "3-1", "-1", "1-", ",", "1-2-3"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
 def test_core_placement_gives_a_small_model_worker_cores_of_its_own(monkeypatch, tmp_path):
     from phaseserve import launcher
 

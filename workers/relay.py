@@ -22,7 +22,6 @@ stalls the model's next torch op, even from another core. Measured on the bundle
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -33,8 +32,8 @@ import msgpack
 import redis
 import structlog
 
-from phaseserve.procs import die_with_parent
-from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, WorkerInfo
+from phaseserve.procs import child_setup
+from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 
 log = structlog.get_logger("workers.relay")
 
@@ -120,7 +119,7 @@ class Relay:
                                               count=READ_AHEAD, block=self.config.block_ms)
                 for _stream, entries in resp or ():
                     for entry_id, fields in entries:
-                        self._send_plan(entry_id, fields.get(FIELD.encode(), b""))
+                        self._send_plan(entry_id, fields.get(FIELD_BYTES, b""))
         except Exception as e:  # a worker that cannot read plans must stop: tell the model process
             if not self.stopping.is_set():
                 log.error("reading plans failed", error=str(e))
@@ -198,10 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         config = RelayConfig(**msgpack.unpackb(writes.recv_bytes()))
     except EOFError:  # the model process went away before configuring us
         return 0
-    # done here, not in a preexec_fn of the model process: see WorkerService.start_relay
-    die_with_parent()
-    if config.cpus is not None:
-        os.sched_setaffinity(0, config.cpus)
+    # what the launcher's preexec_fn does for its children, done here: see WorkerService.start_relay
+    child_setup(config.cpus)()
     logs.configure("worker-relay", config.log_level, config.log_json)
     structlog.contextvars.bind_contextvars(worker_id=WorkerInfo.from_wire(config.info).worker_id)
     return Relay(config, plans, writes).run()

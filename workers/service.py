@@ -23,7 +23,7 @@ from pathlib import Path
 import msgpack
 import structlog
 
-from phaseserve.procs import stop_process
+from phaseserve.procs import parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
 from workers.relay import RelayConfig, config_message
 
@@ -203,17 +203,6 @@ def set_threads(num_threads: int, model_dir: str) -> int:
     return n
 
 
-def parse_cpus(text: str | None) -> list[int] | None:
-    """"1", "0,2" or "2-3" -> CPU ids; None or "" -> None (anywhere)."""
-    if not text:
-        return None
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return cpus
-
-
 def _interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
@@ -225,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("worker", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
+    try:
+        relay_cpus = parse_cpus(args.relay_cpus)
+    except ValueError as e:
+        raise SystemExit(f"phaseserve worker: --relay-cpus: {e}") from None
     model_dir = settings.resolve_model(args.model)
     threads = set_threads(args.num_threads, model_dir)
     worker_id = args.worker_id or default_worker_id()
@@ -250,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     service = WorkerService(runner, args.redis_url, Keys(args.key_prefix), worker_id, role=args.role,
                             heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
-                            relay_cpus=parse_cpus(args.relay_cpus), log_level=args.log_level,
+                            relay_cpus=relay_cpus, log_level=args.log_level,
                             log_json=args.log_json)
     signal.signal(signal.SIGTERM, service.request_stop)
     signal.signal(signal.SIGINT, service.request_stop)
