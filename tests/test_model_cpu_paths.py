@@ -30,6 +30,16 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     assert Linear(w, b, pack=False)(x).equal(F.linear(x, w, b))
 
 
+def test_linear_row_counts_fall_into_few_shapes():
+    # oneDNN compiles a primitive per row count: a step of any size up to 512 rows must reuse a few
+    from workers.linear import ROW_QUANTUM, padded_rows
+
+    shapes = {padded_rows(r) for r in range(1, 513)}
+    assert len(shapes) <= ROW_QUANTUM + 512 // ROW_QUANTUM
+    assert all(padded_rows(r) >= r and padded_rows(r) - r < ROW_QUANTUM for r in range(1, 513))
+    assert [padded_rows(r) for r in (1, 16, 17, 33, 512)] == [1, 16, 32, 48, 512]
+
+
 def _sample_args(B, V, seed, top_k, top_p, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     logits = scale * torch.randn(B, V, generator=g)
