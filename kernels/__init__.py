@@ -1,4 +1,5 @@
-"""The one dispatch point for kernels: Triton on CUDA tensors, torch on CPU.
+"""The one dispatch point for kernels: Triton on CUDA tensors, native C++ on a CPU that supports it
+(kernels/native), torch otherwise.
 
 Callers import the ops from here and never choose an implementation themselves.
 """
@@ -8,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
+from kernels.quant import QuantizedWeight
 
-_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample")
+_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
+        "pack_quantized", "quant_linear")
 
 
 def _triton():
@@ -43,4 +46,40 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-__all__ = list(_OPS)
+def _native_quant_gemm():
+    from kernels import native
+
+    return native.load("quant_gemm")
+
+
+def native_quant_available() -> bool:
+    """True when this CPU runs quant_linear natively (AVX512-BF16, the op compiled)."""
+    return _native_quant_gemm() is not None
+
+
+def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype):
+    """The form of `weight` that quant_linear reads fastest for activations of `dtype`: on a CPU with the
+    native op and bf16 activations, the native layout (kernels/native_quant.py, same bytes, reshuffled;
+    the QuantizedWeight is not kept); else the QuantizedWeight itself."""
+    from kernels import native_quant
+
+    if (weight.qdata.device.type == "cpu" and dtype == torch.bfloat16 and native_quant.can_pack(weight)
+            and native_quant_available()):
+        return native_quant.pack(weight)
+    return weight
+
+
+def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [T, in] @ W.T for W from pack_quantized: [T, out] in x's dtype."""
+    if isinstance(weight, QuantizedWeight):
+        if x.is_cuda:
+            return _triton().quant_linear(x, weight)
+        return reference.quant_linear(x, weight)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"quant_linear: a natively packed weight takes bfloat16 activations, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _native_quant_gemm().quant_linear(x, weight.qdata, weight.scales, weight.mins, weight.bits)
+
+
+__all__ = list(_OPS) + ["native_quant_available"]

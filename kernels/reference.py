@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import QuantizedWeight
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -112,6 +114,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     # x cos + swapped sin in fp32, rounded once to x's dtype (not addcmul: its fused rounding differs)
     out = xr.mul_(cos).add_(swapped).to(x.dtype)
     return out if whole else torch.cat((out, x[..., rd:]), dim=-1)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [T, in] @ W.T for a block-quantized W [out, in] (kernels/quant.py): the weight dequantized
+    to x's dtype (rounded once from fp32), then F.linear. Bias, if any, is the caller's."""
+    return F.linear(x, weight.dequantize(x.dtype))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

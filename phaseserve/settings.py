@@ -79,6 +79,10 @@ SETTINGS: list[Setting] = [
     Setting("dtype", "PHASESERVE_DTYPE", "auto", str,
             "model dtype: auto (checkpoint's; bf16 for fp16 checkpoints on CPU), bfloat16, float32",
             ("worker", "up"), ("auto", "bfloat16", "float32", "float16")),
+    Setting("quantization", "PHASESERVE_QUANTIZATION", "auto", str,
+            "linear weights in memory: none (model dtype), int8 or int4 (block-32, quantized at load unless "
+            "the GGUF file already is), auto (a GGUF file's Q8_0/Q4_0/Q4_1 weights as stored where a fast "
+            "quantized kernel runs, else none)", ("worker", "up"), ("none", "int8", "int4", "auto")),
     Setting("block_size", "PHASESERVE_BLOCK_SIZE", 16, int, "tokens per KV-cache block", ("worker", "up")),
     Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,
             "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),

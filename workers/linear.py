@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import kernels
+from kernels.quant import QuantizedWeight
+
 
 def _can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or weight.dim() != 2:
@@ -60,3 +63,26 @@ ROW_QUANTUM = 16
 
 def padded_rows(rows: int) -> int:
     return rows if rows <= ROW_QUANTUM else -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+
+
+class QuantizedLinear:
+    """y = x @ W.T + bias for a block-quantized W (kernels/quant.py), kept quantized in memory: the matmul
+    (kernels.quant_linear) reads the quantized bytes. Same call interface as Linear."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16):
+        self.out_features, self.in_features = weight.shape
+        self.kind = weight.kind
+        self.dtype = dtype
+        self.bias = bias
+        self.weight = kernels.pack_quantized(weight, dtype)
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes() + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.quant_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias

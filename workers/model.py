@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-import torch.nn.functional as F
 
 import kernels
 from workers.kv_cache import KVCache
-from workers.linear import Linear
 from workers.loader import ModelConfig, ModelLoadError
+from workers.quantization import Quantization, embed
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +75,7 @@ def build_cos_sin_cache(cfg: ModelConfig, max_positions: int, device) -> torch.T
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, quant: Quantization):
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = w.pop(prefix + name, None)
             if t is None and required:
@@ -88,12 +87,12 @@ class DecoderLayer:
         self.post_attn_norm = take("post_attention_layernorm.weight")
         q, k, v = (take(f"self_attn.{n}_proj.weight") for n in "qkv")
         biases = [take(f"self_attn.{n}_proj.bias", required=cfg.qkv_bias) for n in "qkv"]
-        self.qkv = Linear(torch.cat((q, k, v)), torch.cat(biases).contiguous() if biases[0] is not None else None)
-        self.o = Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", required=False))
+        self.qkv = quant.linear([q, k, v], torch.cat(biases).contiguous() if biases[0] is not None else None)
+        self.o = quant.linear([take("self_attn.o_proj.weight")], take("self_attn.o_proj.bias", required=False))
         mlp_biases = [take(f"mlp.{n}_proj.bias", required=cfg.mlp_bias) for n in ("gate", "up", "down")]
-        self.gate_up = Linear(torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))),
-                              torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None)
-        self.down = Linear(take("mlp.down_proj.weight"), mlp_biases[2])
+        self.gate_up = quant.linear([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")],
+                                    torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None)
+        self.down = quant.linear([take("mlp.down_proj.weight")], mlp_biases[2])
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -128,17 +127,25 @@ class DecoderLayer:
 
 
 class LlamaFamilyModel:
-    """Embedding -> N pre-norm decoder layers -> final norm -> lm_head (on the sampled rows only)."""
+    """Embedding -> N pre-norm decoder layers -> final norm -> lm_head (on the sampled rows only).
+
+    `quantization` (workers/quantization.py) decides which linears keep quantized weights; `dtype` is the
+    activations' dtype (the checkpoint's tensors are already in it)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", *, quantization: str = "none",
+                 dtype: torch.dtype | None = None):
         w = dict(weights)
         self.cfg = cfg
         self.device = torch.device(device)
-        self.embed = w.pop("model.embed_tokens.weight", None)
-        if self.embed is None:
+        embed_weight = w.pop("model.embed_tokens.weight", None)
+        if embed_weight is None:
             raise ModelLoadError("checkpoint is missing weight model.embed_tokens.weight")
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.dtype = dtype or embed_weight.dtype
+        quant = Quantization(quantization, self.dtype, self.device)
+        self.quantization = quantization
+        self.embed = quant.embedding(embed_weight)
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", quant) for i in range(cfg.num_layers)]
         self.norm = w.pop("model.norm.weight", None)
         if self.norm is None:
             raise ModelLoadError("checkpoint is missing weight model.norm.weight")
@@ -146,18 +153,18 @@ class LlamaFamilyModel:
         if lm_head is None:
             if not cfg.tie_word_embeddings:
                 raise ModelLoadError("checkpoint is missing weight lm_head.weight (and embeddings are not tied)")
-            lm_head = self.embed
-        self.lm_head = Linear(lm_head)  # packed copy: a tied embedding stays plain for the lookup
+            lm_head = embed_weight
+        self.lm_head = quant.linear([lm_head])  # packed copy: a tied embedding stays plain for the lookup
+        del embed_weight, lm_head
         unused = [k for k in w if not k.endswith("rotary_emb.inv_freq")]
         if unused:
             log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])
-        self.dtype = self.embed.dtype
         self.cos_sin_cache = build_cos_sin_cache(cfg, max_positions, self.device)
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, kv: KVCache) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows in `inp.logits_indices`."""
-        h = F.embedding(inp.input_ids, self.embed)
+        h = embed(self.embed, inp.input_ids, self.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])

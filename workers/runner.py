@@ -91,7 +91,7 @@ class ModelRunner:
         self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
-        num_threads: int | None = None,
+        num_threads: int | None = None, quantization: str = "auto",
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -111,7 +111,8 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
         self.max_model_len = max_model_len or limit
-        self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device)
+        self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device, quantization=quantization,
+                                      dtype=self.dtype)
         del weights
         if num_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_KV_CACHE_BYTES

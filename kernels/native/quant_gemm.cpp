@@ -1,0 +1,232 @@
+// y = x @ W^T for a block-quantized W (blocks of 32 weights along K with an fp16 scale d, and for int4 an
+// fp16 offset m: w = d*q (int8), w = d*q + m (int4)), bf16 activations, for CPUs with AVX512-BF16.
+//
+// Built against torch's stable ABI (torch/csrc/stable): a few seconds to compile, no ATen headers.
+// Registered as torch.ops.phaseserve_quant_gemm.{quant_linear, supported}.
+//
+// Layout (kernels/native_quant.py packs it at load): output rows in groups of 16; for each group and
+// block, 16 k-pairs, each one zmm of bf16 pairs (lane i = output i, k and k+1) once unpacked, as
+// oneDNN's bf16 GEMM lays out its weights. A k-pair multiplies a broadcast pair of activations
+// (vdpbf16ps), so accumulators hold 16 outputs and need no horizontal sum.
+//
+// The quantized values are unpacked to *exact* bf16 integers (int4: 128 + q by a shift and an OR,
+// int8: q via fp32) and the scales are applied once per block to the block's fp32 sums:
+//   y += d * sum(q' x) + (m - 128 d) * sum(x)     (int4, q' = 128 + q)
+//   y += d * sum(q x)                              (int8)
+// so unpacking costs 2 (int4) or 5 (int8) instructions per 32 weights and stays well below the
+// multiply-adds even for one activation row, while rounding happens only in fp32 (the weights are
+// never rounded to bf16). The weights are read once per tile of up to 6 activation rows.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int BLOCK = 32;
+constexpr int PAIRS = BLOCK / 2;       // k-pairs per block
+constexpr int GROUP = 16;              // output rows per group (one zmm of fp32)
+constexpr int64_t CHUNK_GROUPS = 4;    // groups a thread takes through every row tile (stay in L1)
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+struct Packed {
+  const uint8_t* q;    // [groups, blocks, PAIRS, 16 (int4) | 32 (int8) bytes]
+  const uint16_t* d;   // fp16 [groups, blocks, 16]
+  const uint16_t* m;   // fp16 [groups, blocks, 16] (int4)
+  int64_t nblocks;
+};
+
+template <bool INT4>
+constexpr int64_t pair_bytes() { return INT4 ? 16 : 32; }
+
+// One k-pair of one group as exact bf16 integers. int4: a 128-bit broadcast of 16 bytes, its 16-bit words
+// shifted right by 0 / 8 / 4 / 12 in the four 128-bit parts, leaves lane l's nibble in its low 4 bits (the
+// packer stored each nibble where this puts it); OR 0x4300 makes the bf16 value 128 + q.
+template <bool INT4>
+AVX512_BF16 inline __m512bh unpack_pair(const uint8_t* p) {
+  if constexpr (INT4) {
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0008000800080008LL, 0x0008000800080008LL,
+                                             0x0004000400040004LL, 0x0004000400040004LL,
+                                             0x000C000C000C000CLL, 0x000C000C000C000CLL);
+    const __m512i v = _mm512_srlv_epi16(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)), shifts);
+    // (v & 0x000F) | 0x4300 in one ternary-logic op (A & B) | C
+    return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
+  } else {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+AVX512_BF16 inline __m512bh broadcast_pair(const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// NW groups (16 * NW outputs from group g0) x TT activation rows, over the whole K.
+// xsum [TT rows, nblocks]: each row's block sums (int4's offset term).
+template <bool INT4, int NW, int TT>
+AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ldx, const float* xsum,
+                      uint16_t* out, int64_t ldo) {
+  __m512 acc[TT][NW];
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) acc[t][w] = _mm512_setzero_ps();
+  constexpr int64_t PB = pair_bytes<INT4>();
+  for (int64_t b = 0; b < W.nblocks; b++) {
+    __m512 blk[TT][NW];
+    for (int t = 0; t < TT; t++)
+      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_setzero_ps();
+    const uint8_t* qp[NW];
+    for (int w = 0; w < NW; w++) qp[w] = W.q + ((g0 + w) * W.nblocks + b) * PAIRS * PB;
+    const uint16_t* xb = x + b * BLOCK;
+    for (int p = 0; p < PAIRS; p++) {
+      __m512bh wv[NW];
+      for (int w = 0; w < NW; w++) wv[w] = unpack_pair<INT4>(qp[w] + p * PB);
+      for (int t = 0; t < TT; t++) {
+        const __m512bh xv = broadcast_pair(xb + t * ldx + 2 * p);
+        for (int w = 0; w < NW; w++) blk[t][w] = _mm512_dpbf16_ps(blk[t][w], wv[w], xv);
+      }
+    }
+    for (int w = 0; w < NW; w++) {
+      const int64_t s = ((g0 + w) * W.nblocks + b) * GROUP;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.d + s)));
+      if constexpr (INT4) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.m + s)));
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
+        for (int t = 0; t < TT; t++)
+          acc[t][w] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[t * W.nblocks + b]),
+                                      _mm512_fmadd_ps(blk[t][w], d, acc[t][w]));
+      } else {
+        for (int t = 0; t < TT; t++) acc[t][w] = _mm512_fmadd_ps(blk[t][w], d, acc[t][w]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++)
+      _mm256_storeu_si256((__m256i*)(out + t * ldo + (g0 + w) * GROUP), (__m256i)_mm512_cvtneps_pbh(acc[t][w]));
+}
+
+// Rows [t0, t0 + TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
+template <bool INT4, int NW, int TT>
+AVX512_BF16 void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const uint16_t* x, int64_t ldx,
+                          const float* xsum, uint16_t* out, int64_t ldo) {
+  int64_t g = g_begin;
+  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo);
+  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo);
+}
+
+template <bool INT4, int TT>
+AVX512_BF16 void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const uint16_t* x, int64_t ldx,
+                                const float* xsum, uint16_t* out, int64_t ldo, int64_t rows) {
+  if constexpr (TT > 0) {
+    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo);
+    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows);
+  }
+}
+
+// Block sums of every activation row (fp32, of the bf16 values the multiply-adds see).
+AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xsum) {
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t b = 0; b < nblocks; b++) {
+      const __m512i v = _mm512_loadu_si512(x + t * ldx + b * BLOCK);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      xsum[t * nblocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+
+template <bool INT4>
+AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T, int64_t groups, uint16_t* out,
+                      int64_t ldo) {
+  std::vector<float> xsum(INT4 ? T * W.nblocks : 1);
+  if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
+  const float* xs = xsum.data();
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
+      const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
+      // up to 3 rows: more groups per tile keep enough accumulators in flight; else 2 groups x 6 rows
+      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, xs, out, ldo);
+      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
+      else if (T == 3) row_tile<INT4, 4, 3>(W, c, c_end, x, ldx, xs, out, ldo);
+      else {
+        int64_t t0 = 0;
+        for (; t0 + 6 <= T; t0 += 6)
+          row_tile<INT4, 2, 6>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo);
+        if (t0 < T)
+          rows_remainder<INT4, 5>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
+      }
+    }
+  };
+  torch::stable::parallel_for(0, groups, CHUNK_GROUPS, body);
+}
+
+// x [T, K] bf16 (dense rows); qdata, scales, mins as kernels/native_quant.py packs them (mins is ignored
+// for int8); returns [T, N] bf16.
+Tensor quant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor mins, int64_t bits) {
+  STD_TORCH_CHECK(cpu_supported(), "quant_linear: this CPU lacks AVX512-BF16");
+  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::BFloat16 && x.stride(1) == 1,
+                  "quant_linear: x must be bfloat16 [T, K] with dense rows");
+  STD_TORCH_CHECK(x.is_cpu() && qdata.is_cpu() && scales.is_cpu() && mins.is_cpu(), "quant_linear: CPU tensors only");
+  STD_TORCH_CHECK(scales.dim() == 3 && scales.size(2) == GROUP && scales.scalar_type() == ScalarType::Half &&
+                      scales.is_contiguous(),
+                  "quant_linear: scales must be contiguous float16 [N / 16, K / 32, 16]");
+  const int64_t T = x.size(0), K = x.size(1), groups = scales.size(0), nblocks = scales.size(1);
+  STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
+  const int64_t pb = bits == 4 ? 16 : 32;
+  STD_TORCH_CHECK(qdata.is_contiguous() && qdata.dim() == 4 && qdata.size(0) == groups && qdata.size(1) == nblocks &&
+                      qdata.size(2) == PAIRS && qdata.size(3) == pb &&
+                      qdata.scalar_type() == (bits == 4 ? ScalarType::Byte : ScalarType::Char),
+                  "quant_linear: qdata must be contiguous [N / 16, K / 32, 16, 16] uint8 (int4) or "
+                  "[N / 16, K / 32, 16, 32] int8 (int8)");
+  if (bits == 4)
+    STD_TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == ScalarType::Half && mins.dim() == 3 &&
+                        mins.size(0) == groups && mins.size(1) == nblocks && mins.size(2) == GROUP,
+                    "quant_linear: int4 mins must be contiguous float16 [N / 16, K / 32, 16]");
+  Tensor out = torch::stable::new_empty(x, {T, groups * GROUP});
+  if (T == 0 || groups == 0) return out;
+  Packed W{static_cast<const uint8_t*>(qdata.const_data_ptr()), static_cast<const uint16_t*>(scales.const_data_ptr()),
+           static_cast<const uint16_t*>(mins.const_data_ptr()), nblocks};
+  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
+  if (bits == 4) gemm<true>(W, xp, x.stride(0), T, groups, o, groups * GROUP);
+  else gemm<false>(W, xp, x.stride(0), T, groups, o, groups * GROUP);
+  return out;
+}
+
+bool supported() { return cpu_supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_quant_gemm, m) {
+  m.def("quant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor mins, int bits) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
+  m.impl("quant_linear", TORCH_BOX(&quant_linear));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}

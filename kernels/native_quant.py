@@ -1,0 +1,69 @@
+"""The layout kernels/native/quant_gemm.cpp reads, packed once at load from a QuantizedWeight.
+
+Output rows in groups of 16; for each group and 32-weight block, 16 k-pairs, each unpacking to one
+zmm of bf16 pairs (lane i = output 16g + i, k and k + 1), as oneDNN lays out bf16 weights. int4 nibbles
+sit where the kernel's shift-by-part unpack finds them (`int4_element`); scales and offsets per block
+are fp16 vectors of the group's 16 outputs. A pure reshuffle: no value changes, the bytes per weight
+are those of the QuantizedWeight (fp16 scales: 0.625 B/weight for int4, 1.125 for int8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.quant import BLOCK, QuantizedWeight
+
+GROUP = 16
+PAIRS = BLOCK // 2
+
+
+def int4_element(lane: int) -> int:
+    """Which nibble of a k-pair's 16 bytes (0..15 low nibbles, 16..31 high) the kernel's unpack puts in
+    bf16 lane `lane`: a 128-bit broadcast whose 16-bit words are shifted by 0 / 8 / 4 / 12 in its four
+    128-bit parts."""
+    part, word = divmod(lane, 8)
+    return (16 if part >= 2 else 0) + 2 * word + part % 2
+
+
+# nibble position -> the lane it feeds
+_NIBBLE_LANE = torch.tensor(sorted(range(BLOCK), key=int4_element))
+
+
+@dataclass(frozen=True)
+class PackedQuantWeight:
+    bits: int  # 4 | 8
+    qdata: torch.Tensor  # uint8 [N/16, K/32, 16, 16] (int4) | int8 [N/16, K/32, 16, 32] (int8)
+    scales: torch.Tensor  # fp16 [N/16, K/32, 16]
+    mins: torch.Tensor  # fp16 [N/16, K/32, 16] (int4; for int8 the scales again, unused)
+    shape: tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.qdata.nbytes + self.scales.nbytes + (self.mins.nbytes if self.bits == 4 else 0)
+
+
+def can_pack(qw: QuantizedWeight) -> bool:
+    return qw.shape[0] % GROUP == 0 and qw.qdata.device.type == "cpu"
+
+
+def pack(qw: QuantizedWeight) -> PackedQuantWeight:
+    out_f, in_f = qw.shape
+    groups, blocks = out_f // GROUP, in_f // BLOCK
+    if qw.kind == "int4":
+        nib = qw.qdata.view(out_f, blocks, BLOCK // 2)
+        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1)
+    else:
+        q = qw.qdata.view(out_f, blocks, BLOCK)
+    # [group, block, pair, lane]: lane 2i + s holds output 16g + i at k = 32b + 2p + s
+    lanes = q.view(groups, GROUP, blocks, PAIRS, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, PAIRS, BLOCK)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.view(groups, GROUP, blocks).permute(0, 2, 1).half().contiguous()
+
+    scales = per_group(qw.scales)
+    if qw.kind == "int4":
+        nibbles = lanes[..., _NIBBLE_LANE]
+        qdata = (nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)).contiguous()
+        return PackedQuantWeight(4, qdata, scales, per_group(qw.mins), qw.shape)
+    return PackedQuantWeight(8, lanes.contiguous(), scales, scales, qw.shape)

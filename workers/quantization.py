@@ -1,0 +1,114 @@
+"""Which form each linear weight takes in memory: --quantization none | int8 | int4 | auto.
+
+Weights arrive as tensors (safetensors, already in the model dtype) or, from a GGUF file, as
+`QuantizedTensor`s (workers/gguf_weights.py: GGUF blocks as stored). This module turns each into what
+the model multiplies with: a plain tensor (Linear, bf16/fp32) or a block-quantized QuantizedWeight
+(QuantizedLinear, kernels/quant.py).
+
+  none  every weight dequantized / kept in the model dtype
+  int8  every linear block-32 int8 (GGUF Q8_0 kept as is; other GGUF types and tensors quantized)
+  int4  every linear block-32 int4 (GGUF Q4_0 / Q4_1 kept as is; others quantized)
+  auto  a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay as stored (int8 / int4: no round trip, the
+        file's own numbers, and decoding is faster than bf16 (bench/bench_quant.py)); every other
+        weight, and everything when no fast quantized kernel runs here, as in `none`. A safetensors
+        checkpoint is thus served exactly as trained; quantizing it is an explicit choice.
+
+Embedding lookups read a few rows a step: a table kept quantized (GGUF, int8/int4) is dequantized row by
+row at lookup; a float table stays float. The lm_head follows the linears' rule (tied: from the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+import kernels
+from kernels.quant import GGUF_TYPES, QuantizationError, QuantizedWeight, from_gguf, quantize
+from workers.linear import Linear, QuantizedLinear
+
+log = structlog.get_logger(__name__)
+
+MODES = ("none", "int8", "int4", "auto")
+
+
+def is_gguf_quantized(w: Any) -> bool:
+    """A GGUF QuantizedTensor (duck-typed: ggml_type, raw, shape, dequantize)."""
+    return hasattr(w, "ggml_type") and hasattr(w, "raw") and hasattr(w, "dequantize")
+
+
+def _fast_quantized_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda":
+        return True
+    return dtype == torch.bfloat16 and kernels.native_quant_available()
+
+
+@dataclass(frozen=True)
+class Quantization:
+    mode: str
+    dtype: torch.dtype  # the model's (activations') dtype
+    device: torch.device
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise QuantizationError(f"unknown quantization {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode in ("int8", "int4") and not _fast_quantized_kernel(self.device, self.dtype):
+            log.warning("no fast quantized matmul here (needs bf16 on a CPU with AVX512-BF16, or CUDA): "
+                        "every quantized linear dequantizes its weight on each call", quantization=self.mode,
+                        dtype=str(self.dtype))
+
+    def _keeps_gguf(self, w: Any) -> bool:
+        if w.ggml_type not in GGUF_TYPES:
+            return False
+        kind = GGUF_TYPES[w.ggml_type][0]
+        if self.mode == "auto":
+            return _fast_quantized_kernel(self.device, self.dtype)
+        return kind == self.mode
+
+    def weight(self, w: Any) -> torch.Tensor | QuantizedWeight:
+        """One linear weight in the form this mode gives it."""
+        if is_gguf_quantized(w):
+            if self._keeps_gguf(w):
+                return from_gguf(w.ggml_type, w.raw.to(self.device), tuple(w.shape))
+            w = w.dequantize(self.dtype).to(self.device)
+        if self.mode in ("int8", "int4"):
+            return quantize(w, self.mode)
+        return w
+
+    def linear(self, parts: list, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
+        """A linear of the weights `parts` stacked along the output dim (fused qkv, gate_up)."""
+        ws = [self.weight(p) for p in parts]
+        if all(isinstance(w, torch.Tensor) for w in ws):
+            return Linear(ws[0] if len(ws) == 1 else torch.cat(ws), bias)
+        kinds = {w.kind if isinstance(w, QuantizedWeight) else None for w in ws}
+        if len(kinds) > 1:  # mixed GGUF types in one fused linear: one form for all
+            dense = [w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w for w in ws]
+            if self.mode == "auto":
+                return Linear(torch.cat(dense), bias)
+            ws = [quantize(d, self.mode) for d in dense]
+        return QuantizedLinear(concat_rows(ws), bias, dtype=self.dtype)
+
+    def embedding(self, w: Any) -> torch.Tensor | QuantizedWeight:
+        """The lookup table: a GGUF table kept quantized when this mode keeps it, else a float tensor."""
+        if is_gguf_quantized(w):
+            if self._keeps_gguf(w) or (self.mode in ("int8", "int4") and w.ggml_type in GGUF_TYPES):
+                return from_gguf(w.ggml_type, w.raw.to(self.device), tuple(w.shape))
+            return w.dequantize(self.dtype).to(self.device)
+        return w
+
+
+def concat_rows(ws: list[QuantizedWeight]) -> QuantizedWeight:
+    """QuantizedWeights of one kind stacked along the output dim."""
+    if len(ws) == 1:
+        return ws[0]
+    return QuantizedWeight(ws[0].kind, torch.cat([w.qdata for w in ws]), torch.cat([w.scales for w in ws]),
+                           None if ws[0].mins is None else torch.cat([w.mins for w in ws]))
+
+
+def embed(table: torch.Tensor | QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the table in `dtype` (a quantized table: only those rows dequantized)."""
+    if isinstance(table, QuantizedWeight):
+        return table.rows(ids, dtype)
+    return torch.nn.functional.embedding(ids, table)
