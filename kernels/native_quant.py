@@ -59,7 +59,7 @@ def pack(qw: QuantizedWeight) -> PackedQuantWeight:
     lanes = q.view(groups, GROUP, blocks, PAIRS, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, PAIRS, BLOCK)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(groups, GROUP, blocks).permute(0, 2, 1).half().contiguous()
+        return t.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
 
     scales = per_group(qw.scales)
     if qw.kind == "int4":

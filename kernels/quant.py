@@ -1,8 +1,7 @@
 """The block-quantized weight format that `kernels.quant_linear` reads.
 
 A 2-D weight [out_features, in_features] is cut into blocks of 32 consecutive weights along the input
-dim, each with its own scale d (and for int4 an offset m), both fp16 values held as fp32 (exact; the
-kernels broadcast them straight from memory, no conversion in the inner loop):
+dim, each with its own fp16 scale d (and for int4 an fp16 offset m):
   int8: w = d * q,      q int8 in [-127, 127]      (GGUF Q8_0, as stored)
   int4: w = d * q + m,  q uint4 in [0, 15]         (GGUF Q4_1 as stored; Q4_0 is m = -8d, exact)
 int4 nibbles keep GGUF's order inside a block: byte i holds element i (low nibble) and i + 16 (high).
@@ -31,8 +30,8 @@ class QuantizationError(ValueError):
 class QuantizedWeight:
     kind: str  # "int8" | "int4"
     qdata: torch.Tensor  # int8 [out, in] | uint8 [out, in / 2]
-    scales: torch.Tensor  # fp32 [out, in / 32]: d (an fp16 value)
-    mins: torch.Tensor | None  # fp32 [out, in / 32]: m (an fp16 value; int4 only)
+    scales: torch.Tensor  # fp16 [out, in / 32]: d
+    mins: torch.Tensor | None  # fp16 [out, in / 32]: m (int4 only)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,15 +77,15 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
         d = (w.abs().amax(-1) / 127).half()
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = (w * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight("int8", q.reshape(out_f, in_f).contiguous(), d.float().contiguous(), None)
+        return QuantizedWeight("int8", q.reshape(out_f, in_f).contiguous(), d.contiguous(), None)
     lo, hi = w.amin(-1), w.amax(-1)
     m = lo.half()
     d = ((hi - m.float()) / 15).half()
     inv = torch.where(d == 0, 0.0, 1.0 / d.float())
     q = ((w - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
     packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
-    return QuantizedWeight("int4", packed.reshape(out_f, in_f // 2).contiguous(), d.float().contiguous(),
-                           m.float().contiguous())
+    return QuantizedWeight("int4", packed.reshape(out_f, in_f // 2).contiguous(), d.contiguous(),
+                           m.contiguous())
 
 
 def from_gguf(ggml_type: str, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
@@ -106,11 +105,11 @@ def from_gguf(ggml_type: str, raw: torch.Tensor, shape: tuple[int, int]) -> Quan
     d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(out_f, nblocks)
     if ggml_type == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).reshape(out_f, in_f)
-        return QuantizedWeight("int8", q, d.float(), None)
+        return QuantizedWeight("int8", q, d, None)
     if ggml_type == "Q4_1":
         m = blocks[..., 2:4].contiguous().view(torch.float16).reshape(out_f, nblocks)
         nib = blocks[..., 4:]
     else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d); -8d is exact in fp16 (a power-of-two multiple)
         m = d * -8
         nib = blocks[..., 2:]
-    return QuantizedWeight("int4", nib.reshape(out_f, in_f // 2).contiguous(), d.float(), m.float())
+    return QuantizedWeight("int4", nib.reshape(out_f, in_f // 2).contiguous(), d, m)

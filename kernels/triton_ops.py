@@ -580,3 +580,67 @@ def sample(
         BLOCK_V=block, num_warps=_warps(block),
     )
     return out
+
+
+# --------------------------------------------------------------------------- quant_linear
+
+_QUANT_BLOCK_T = 16  # tl.dot needs every dim >= 16
+_QUANT_BLOCK_N = 64
+_QBLOCK = 32  # weights per quantization block (kernels/quant.py)
+
+
+@triton.jit
+def _quant_linear_kernel(
+    x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, T, N, K, x_stride, out_stride,
+    INT4: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # one [BLOCK_T, BLOCK_N] output tile; each step dequantizes one 32-weight block of BLOCK_N rows
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    kk = tl.arange(0, QBLOCK)
+    row_ok = rows < T
+    col_ok = cols < N
+    nblocks = K // QBLOCK
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for b in range(0, nblocks):
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + b * QBLOCK + kk[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if INT4:
+            # element k of a block: byte k % 16, low nibble for k < 16, high for k >= 16
+            byte = tl.load(q_ptr + cols[None, :] * (K // 2) + b * (QBLOCK // 2) + (kk[:, None] % (QBLOCK // 2)),
+                           mask=col_ok[None, :], other=0).to(tl.int32)
+            q = ((byte >> ((kk[:, None] // (QBLOCK // 2)) * 4)) & 0xF).to(tl.float32)
+        else:
+            q = tl.load(q_ptr + cols[None, :] * K + b * QBLOCK + kk[:, None], mask=col_ok[None, :],
+                        other=0).to(tl.float32)
+        d = tl.load(d_ptr + cols * nblocks + b, mask=col_ok, other=0.0).to(tl.float32)
+        w = q * d[None, :]  # [QBLOCK, BLOCK_N]: the dequantized block, rounded once to x's dtype below
+        if INT4:
+            w += tl.load(m_ptr + cols * nblocks + b, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if UPCAST:  # fp32 x, or bf16 in the interpreter (its bf16 dot is wrong): rounded operands, fp32 dot
+            acc += tl.dot(x.to(tl.float32), w.to(x_ptr.dtype.element_ty).to(tl.float32),
+                          input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [T, in] @ W.T for a kernels.quant.QuantizedWeight W: [T, out] in x's dtype."""
+    out_f, in_f = weight.shape
+    if x.dim() != 2 or x.shape[1] != in_f:
+        raise ValueError(f"quant_linear: x must be [T, {in_f}], got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((x.shape[0], out_f), dtype=x.dtype, device=x.device)
+    if x.shape[0] > 0 and out_f > 0:
+        int4 = weight.kind == "int4"
+        grid = (triton.cdiv(x.shape[0], _QUANT_BLOCK_T), triton.cdiv(out_f, _QUANT_BLOCK_N))
+        _quant_linear_kernel[grid](
+            x, weight.qdata, weight.scales, weight.mins if int4 else weight.scales, out, x.shape[0], out_f, in_f,
+            x.stride(0), out.stride(0), INT4=int4, BLOCK_T=_QUANT_BLOCK_T, BLOCK_N=_QUANT_BLOCK_N,
+            QBLOCK=_QBLOCK, UPCAST=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _INTERPRETED),
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        )
+    return out

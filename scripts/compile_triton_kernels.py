@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from kernels import triton_ops  # noqa: E402
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-        torch.int32: "*i32", torch.int64: "*i64"}
+        torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
 
 
 class _Capture:
@@ -63,6 +63,11 @@ def capture_launches() -> list:
             triton_ops.paged_attention(q, cache, cache, bt, seq_lens, qsl, 0.1, 4)  # mixed
             triton_ops.paged_attention(q[:3], cache, cache, bt, seq_lens,
                                        torch.tensor([0, 1, 2, 3], dtype=torch.int32), 0.1, 1)  # decode
+        from kernels.quant import quantize
+        for kind in ("int8", "int4"):
+            qw = quantize(torch.randn(80, 64), kind)
+            for dt in (torch.float16, torch.bfloat16, torch.float32):
+                triton_ops.quant_linear(torch.randn(5, 64, dtype=dt), qw)
         triton_ops.sample(torch.randn(3, 5000), torch.ones(3), torch.zeros(3, dtype=torch.int32),
                           torch.ones(3), torch.zeros(3), torch.ones(3, 5000))
     finally:

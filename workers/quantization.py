@@ -26,7 +26,7 @@ import structlog
 import torch
 
 import kernels
-from kernels.quant import GGUF_TYPES, QuantizationError, QuantizedWeight, from_gguf, quantize
+from kernels.quant import BLOCK, GGUF_TYPES, QuantizationError, QuantizedWeight, from_gguf, quantize
 from workers.linear import Linear, QuantizedLinear
 
 log = structlog.get_logger(__name__)
@@ -74,6 +74,10 @@ class Quantization:
                 return from_gguf(w.ggml_type, w.raw.to(self.device), tuple(w.shape))
             w = w.dequantize(self.dtype).to(self.device)
         if self.mode in ("int8", "int4"):
+            if w.shape[-1] % BLOCK:
+                log.info("linear kept unquantized: in_features is not a multiple of the block",
+                         shape=tuple(w.shape), block=BLOCK)
+                return w
             return quantize(w, self.mode)
         return w
 
@@ -83,9 +87,9 @@ class Quantization:
         if all(isinstance(w, torch.Tensor) for w in ws):
             return Linear(ws[0] if len(ws) == 1 else torch.cat(ws), bias)
         kinds = {w.kind if isinstance(w, QuantizedWeight) else None for w in ws}
-        if len(kinds) > 1:  # mixed GGUF types in one fused linear: one form for all
+        if len(kinds) > 1:  # mixed types in one fused linear (GGUF Q4_1 beside Q8_0): one form for all
             dense = [w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w for w in ws]
-            if self.mode == "auto":
+            if self.mode not in ("int8", "int4") or any(d.shape[-1] % BLOCK for d in dense):
                 return Linear(torch.cat(dense), bias)
             ws = [quantize(d, self.mode) for d in dense]
         return QuantizedLinear(concat_rows(ws), bias, dtype=self.dtype)
