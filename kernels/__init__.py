@@ -79,7 +79,7 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
         raise TypeError(f"quant_linear: a natively packed weight takes bfloat16 activations, got {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _native_quant_gemm().quant_linear(x, weight.qdata, weight.scales, weight.mins, weight.bits)
+    return _native_quant_gemm().quant_linear(x, weight.data, weight.bits)
 
 
 __all__ = list(_OPS) + ["native_quant_available"]

@@ -2,9 +2,10 @@
 
 Output rows in groups of 16; for each group and 32-weight block, 16 k-pairs, each unpacking to one
 zmm of bf16 pairs (lane i = output 16g + i, k and k + 1), as oneDNN lays out bf16 weights. int4 nibbles
-sit where the kernel's shift-by-part unpack finds them (`int4_element`); scales and offsets per block
-are fp16 vectors of the group's 16 outputs. A pure reshuffle: no value changes, the bytes per weight
-are those of the QuantizedWeight (fp16 scales: 0.625 B/weight for int4, 1.125 for int8).
+sit where the kernel's shift-by-part unpack finds them (`int4_element`); after each block's k-pairs come
+its fp16 scales (and offsets) of the group's 16 outputs, so a group is one contiguous stream. A pure
+reshuffle: no value changes, the bytes per weight are those of the QuantizedWeight (0.625 B/weight for
+int4, 1.0625 for int8).
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ _NIBBLE_LANE = torch.tensor(sorted(range(BLOCK), key=int4_element))
 @dataclass(frozen=True)
 class PackedQuantWeight:
     bits: int  # 4 | 8
-    qdata: torch.Tensor  # uint8 [N/16, K/32, 16, 16] (int4) | int8 [N/16, K/32, 16, 32] (int8)
-    scales: torch.Tensor  # fp16 [N/16, K/32, 16]
-    mins: torch.Tensor  # fp16 [N/16, K/32, 16] (int4; for int8 the scales again, unused)
+    data: torch.Tensor  # uint8 [N/16, K/32, block bytes]: k-pairs, fp16 scales, (int4) fp16 offsets
     shape: tuple[int, int]
 
     def nbytes(self) -> int:
-        return self.qdata.nbytes + self.scales.nbytes + (self.mins.nbytes if self.bits == 4 else 0)
+        return self.data.nbytes
 
 
 def can_pack(qw: QuantizedWeight) -> bool:
@@ -58,12 +57,13 @@ def pack(qw: QuantizedWeight) -> PackedQuantWeight:
     # [group, block, pair, lane]: lane 2i + s holds output 16g + i at k = 32b + 2p + s
     lanes = q.view(groups, GROUP, blocks, PAIRS, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, PAIRS, BLOCK)
 
-    def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # fp16 [N, blocks] -> bytes [groups, blocks, 32]
+        return t.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    scales = per_group(qw.scales)
     if qw.kind == "int4":
         nibbles = lanes[..., _NIBBLE_LANE]
-        qdata = (nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)).contiguous()
-        return PackedQuantWeight(4, qdata, scales, per_group(qw.mins), qw.shape)
-    return PackedQuantWeight(8, lanes.contiguous(), scales, scales, qw.shape)
+        pairs = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)
+        parts = [pairs.reshape(groups, blocks, -1), per_group(qw.scales), per_group(qw.mins)]
+    else:
+        parts = [lanes.view(torch.uint8).reshape(groups, blocks, -1), per_group(qw.scales)]
+    return PackedQuantWeight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)

@@ -44,3 +44,14 @@ def keep_heap_memory() -> bool:
         (_M_TOP_PAD, TOP_PAD_BYTES)))
     _done = ok
     return ok
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free memory back to the kernel now (glibc malloc_trim), e.g. after a load that
+    freed weights it converted (quantized at load: the float copies); the raised trim threshold keeps it
+    otherwise. False where malloc is not glibc's."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    return trim(0) == 1

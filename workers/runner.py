@@ -16,7 +16,7 @@ import torch
 
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
-from workers.cpu_memory import keep_heap_memory
+from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.loader import ModelConfig, load_checkpoint
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
@@ -114,6 +114,8 @@ class ModelRunner:
         self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device, quantization=quantization,
                                       dtype=self.dtype)
         del weights
+        if self.device.type == "cpu":
+            release_free_heap()  # float weights converted at load (quantized) are gone: return their memory
         if num_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_KV_CACHE_BYTES
         self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,

@@ -6,7 +6,8 @@
 //
 // Layout (kernels/native_quant.py packs it at load): output rows in groups of 16; for each group and
 // block, 16 k-pairs, each one zmm of bf16 pairs (lane i = output i, k and k+1) once unpacked, as
-// oneDNN's bf16 GEMM lays out its weights. A k-pair multiplies a broadcast pair of activations
+// oneDNN's bf16 GEMM lays out its weights, then the block's 16 fp16 scales (and int4 offsets): a group
+// is one contiguous stream, read ahead with software prefetches (DRAM-bound at one activation row). A k-pair multiplies a broadcast pair of activations
 // (vdpbf16ps), so accumulators hold 16 outputs and need no horizontal sum.
 //
 // The quantized values are unpacked to *exact* bf16 integers (int4: 128 + q by a shift and an OR,
@@ -49,14 +50,18 @@ bool cpu_supported() {
 }
 
 struct Packed {
-  const uint8_t* q;    // [groups, blocks, PAIRS, 16 (int4) | 32 (int8) bytes]
-  const uint16_t* d;   // fp16 [groups, blocks, 16]
-  const uint16_t* m;   // fp16 [groups, blocks, 16] (int4)
-  int64_t nblocks;
+  const uint8_t* data;  // [groups, blocks, block_bytes<INT4>()]
+  int64_t nblocks, groups;
 };
 
 template <bool INT4>
 constexpr int64_t pair_bytes() { return INT4 ? 16 : 32; }
+
+// a block of one group: its k-pairs, 16 fp16 scales, (int4) 16 fp16 offsets
+template <bool INT4>
+constexpr int64_t block_bytes() { return PAIRS * pair_bytes<INT4>() + (INT4 ? 64 : 32); }
+
+constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
 
 // One k-pair of one group as exact bf16 integers. int4: a 128-bit broadcast of 16 bytes, its 16-bit words
 // shifted right by 0 / 8 / 4 / 12 in the four 128-bit parts, leaves lane l's nibble in its low 4 bits (the
@@ -91,13 +96,23 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
   __m512 acc[TT][NW];
   for (int t = 0; t < TT; t++)
     for (int w = 0; w < NW; w++) acc[t][w] = _mm512_setzero_ps();
-  constexpr int64_t PB = pair_bytes<INT4>();
+  constexpr int64_t PB = pair_bytes<INT4>(), BB = block_bytes<INT4>();
   for (int64_t b = 0; b < W.nblocks; b++) {
     __m512 blk[TT][NW];
     for (int t = 0; t < TT; t++)
       for (int w = 0; w < NW; w++) blk[t][w] = _mm512_setzero_ps();
     const uint8_t* qp[NW];
-    for (int w = 0; w < NW; w++) qp[w] = W.q + ((g0 + w) * W.nblocks + b) * PAIRS * PB;
+    for (int w = 0; w < NW; w++) qp[w] = W.data + ((g0 + w) * W.nblocks + b) * BB;
+    // PREFETCH_BLOCKS ahead in each group's stream; near its end, the start of the next tile's groups
+    // (each tile's first blocks would otherwise wait on DRAM)
+    for (int w = 0; w < NW; w++) {
+      const int64_t ahead = b + PREFETCH_BLOCKS;
+      const int64_t g = ahead < W.nblocks ? g0 + w : g0 + NW + w;
+      if (g < W.groups) {
+        const uint8_t* next = W.data + (g * W.nblocks + (ahead < W.nblocks ? ahead : ahead - W.nblocks)) * BB;
+        for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
+      }
+    }
     const uint16_t* xb = x + b * BLOCK;
     for (int p = 0; p < PAIRS; p++) {
       __m512bh wv[NW];
@@ -108,10 +123,10 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
       }
     }
     for (int w = 0; w < NW; w++) {
-      const int64_t s = ((g0 + w) * W.nblocks + b) * GROUP;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.d + s)));
+      const uint8_t* s = qp[w] + PAIRS * PB;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
       if constexpr (INT4) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.m + s)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 32)));
         const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
         for (int t = 0; t < TT; t++)
           acc[t][w] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[t * W.nblocks + b]),
@@ -180,33 +195,23 @@ AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T
   torch::stable::parallel_for(0, groups, CHUNK_GROUPS, body);
 }
 
-// x [T, K] bf16 (dense rows); qdata, scales, mins as kernels/native_quant.py packs them (mins is ignored
-// for int8); returns [T, N] bf16.
-Tensor quant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor mins, int64_t bits) {
+// x [T, K] bf16 (dense rows); packed uint8 [N / 16, K / 32, block bytes] as kernels/native_quant.py packs
+// it; returns [T, N] bf16.
+Tensor quant_linear(Tensor x, Tensor packed, int64_t bits) {
   STD_TORCH_CHECK(cpu_supported(), "quant_linear: this CPU lacks AVX512-BF16");
   STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::BFloat16 && x.stride(1) == 1,
                   "quant_linear: x must be bfloat16 [T, K] with dense rows");
-  STD_TORCH_CHECK(x.is_cpu() && qdata.is_cpu() && scales.is_cpu() && mins.is_cpu(), "quant_linear: CPU tensors only");
-  STD_TORCH_CHECK(scales.dim() == 3 && scales.size(2) == GROUP && scales.scalar_type() == ScalarType::Half &&
-                      scales.is_contiguous(),
-                  "quant_linear: scales must be contiguous float16 [N / 16, K / 32, 16]");
-  const int64_t T = x.size(0), K = x.size(1), groups = scales.size(0), nblocks = scales.size(1);
+  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), "quant_linear: CPU tensors only");
+  const int64_t bb = bits == 4 ? block_bytes<true>() : block_bytes<false>();
+  STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
+                      packed.size(2) == bb,
+                  "quant_linear: packed must be contiguous uint8 [N / 16, K / 32, ", bb, "]");
+  const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
   STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
-  const int64_t pb = bits == 4 ? 16 : 32;
-  STD_TORCH_CHECK(qdata.is_contiguous() && qdata.dim() == 4 && qdata.size(0) == groups && qdata.size(1) == nblocks &&
-                      qdata.size(2) == PAIRS && qdata.size(3) == pb &&
-                      qdata.scalar_type() == (bits == 4 ? ScalarType::Byte : ScalarType::Char),
-                  "quant_linear: qdata must be contiguous [N / 16, K / 32, 16, 16] uint8 (int4) or "
-                  "[N / 16, K / 32, 16, 32] int8 (int8)");
-  if (bits == 4)
-    STD_TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == ScalarType::Half && mins.dim() == 3 &&
-                        mins.size(0) == groups && mins.size(1) == nblocks && mins.size(2) == GROUP,
-                    "quant_linear: int4 mins must be contiguous float16 [N / 16, K / 32, 16]");
   Tensor out = torch::stable::new_empty(x, {T, groups * GROUP});
   if (T == 0 || groups == 0) return out;
-  Packed W{static_cast<const uint8_t*>(qdata.const_data_ptr()), static_cast<const uint16_t*>(scales.const_data_ptr()),
-           static_cast<const uint16_t*>(mins.const_data_ptr()), nblocks};
+  Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups};
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
   if (bits == 4) gemm<true>(W, xp, x.stride(0), T, groups, o, groups * GROUP);
@@ -219,7 +224,7 @@ bool supported() { return cpu_supported(); }
 }  // namespace
 
 STABLE_TORCH_LIBRARY(phaseserve_quant_gemm, m) {
-  m.def("quant_linear(Tensor x, Tensor qdata, Tensor scales, Tensor mins, int bits) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int bits) -> Tensor");
   m.def("supported() -> bool");
 }
 

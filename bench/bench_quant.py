@@ -1,0 +1,197 @@
+"""Weight-only quantization: decode/prefill speed, memory and held-out perplexity of none (bf16), int8, int4.
+
+    python -m bench.bench_quant [--model DIR | FILE.gguf] [--modes none,int8,int4] [--rounds 2] [--threads 1]
+
+--model: a model folder or a GGUF file (needs the GGUF loader); default: a random bf16 model with
+SmolLM2-135M's shapes (built once into the temp dir; its perplexity says nothing about quality, only how
+far each mode moves it). Each mode runs in a fresh process (so its resident memory is its own), the modes
+alternate for --rounds rounds and the best round counts. Per mode: decode tok/s at batch 1 and 16
+(CONTEXT tokens of context per sequence), prefill tok/s (one PREFILL-token prompt), resident memory
+after load, the bytes of the weights as held, and perplexity on held-out text: Python's own stdlib
+files that the bundled model held out of its training (phaseserve/bundled_model/eval.json), first
+--ppl-tokens tokens. Beside them, this machine's memory bandwidth and bf16 GEMM rate
+(bench/bench_model.py's measurements). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.bench_model import RunnerBench, measure_bandwidth, measure_matmul
+from phaseserve.params import SamplingParams
+from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+
+CONTEXT = 128
+DECODE_BATCHES = (1, 16)
+PREFILL = 256
+PPL_CHUNK = 256
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_SHAPES = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+def random_smollm2(root: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = root / "phaseserve-bench-random-smollm2-shapes"
+    if not (path / "model.safetensors").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPES)).to(torch.bfloat16).save_pretrained(path)
+        sys.path.insert(0, str(ROOT / "tests"))
+        from model_factory import write_tokenizer  # a byte-level BPE padded to the vocab
+
+        write_tokenizer(path, SMOLLM2_SHAPES["vocab_size"])
+    return path
+
+
+def model_folder(model: str | None) -> Path:
+    if model is None:
+        return random_smollm2(Path(tempfile.gettempdir()))
+    path = Path(model)
+    if path.suffix == ".gguf":
+        try:
+            from phaseserve.gguf_files import write_model_folder
+        except ImportError:
+            raise SystemExit("bench_quant: reading a GGUF file needs the GGUF loader (phaseserve/gguf_files.py)") from None
+        return write_model_folder(path, Path(tempfile.gettempdir()) / f"phaseserve-bench-{path.stem}")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"bench_quant: no model folder at {path} (expected config.json)")
+    return path
+
+
+def held_out_text() -> tuple[str, list[str]]:
+    """The stdlib files the bundled model held out of training, concatenated."""
+    names = json.loads((ROOT / "phaseserve" / "bundled_model" / "eval.json").read_text())["held_out_paths"]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    found = [n for n in names if (stdlib / n).is_file()]
+    return "\n\n".join((stdlib / n).read_text(errors="replace") for n in found), found
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class QuantBench(RunnerBench):
+    def __init__(self, path: Path, quantization: str, threads: int):
+        from workers.runner import ModelRunner
+
+        self.runner = ModelRunner(path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20,
+                                  quantization=quantization, num_threads=threads)
+        self.step = 0
+        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+    def weight_bytes(self) -> int:
+        m = self.runner.model
+        linears = [m.lm_head] + [t for layer in m.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        embed = m.embed.nbytes() if hasattr(m.embed, "kind") else m.embed.nbytes
+        return sum(t.nbytes() for t in linears) + embed
+
+    @torch.inference_mode()
+    def perplexity(self, ids: list[int]) -> float:
+        """exp(mean NLL) of every next token, the sequence prefilled in PPL_CHUNK-token chunks."""
+        r = self.runner
+        blocks = list(range(-(-len(ids) // r.block_size)))
+        self._exec(starts=[SeqStart("ppl", "g", ids, self.params)])
+        nll, pos = 0.0, 0
+        while pos < len(ids) - 1:
+            n = min(PPL_CHUNK, len(ids) - 1 - pos)
+            inp, _ = r._inputs([ScheduledChunk("ppl", pos, n, blocks[:-(-(pos + n) // r.block_size)])])
+            inp.logits_indices = torch.arange(n)
+            logits = r.model.forward(inp, r.kv)
+            nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[pos + 1:pos + 1 + n]),
+                                                     reduction="sum").item()
+            pos += n
+        self._exec(releases=["ppl"])
+        return math.exp(nll / (len(ids) - 1))
+
+
+def child(args) -> dict:
+    path = Path(args.model)
+    bench = QuantBench(path, args.child, args.threads)
+    out = {"mode": args.child, "rss": rss_bytes(), "weights": bench.weight_bytes(),
+           "linear_kinds": sorted({getattr(layer.gate_up, "kind", "bf16") for layer in bench.runner.model.layers}
+                                  | {getattr(bench.runner.model.lm_head, "kind", "bf16")})}
+    for b in DECODE_BATCHES:
+        out[f"decode_{b}"] = b / bench.decode_step_time(b, args.repeats)
+    out["prefill"] = PREFILL / bench.prefill_time(PREFILL, max(3, args.repeats // 4))
+    from tokenizers import Tokenizer
+
+    text, _ = held_out_text()
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids[: args.ppl_tokens]
+    out["ppl"] = bench.perplexity(ids)
+    out["ppl_tokens"] = len(ids)
+    out["rss_after"] = rss_bytes()
+    return out
+
+
+def run_child(folder: Path, mode: str, args) -> dict:
+    cmd = [sys.executable, "-m", "bench.bench_quant", "--child", mode, "--model", str(folder),
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--ppl-tokens", str(args.ppl_tokens)]
+    env = dict(os.environ, PHASESERVE_LOG_LEVEL="warning")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_quant: mode {mode} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_quant", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder or .gguf file; default: random SmolLM2 shapes")
+    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--rounds", type=int, default=2, help="each mode this many times, alternating; best counts")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=20, help="decode steps timed per batch size (median)")
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    folder = model_folder(args.model)
+    modes = args.modes.split(",")
+    torch.set_num_threads(args.threads)
+    bw, flops = measure_bandwidth(), measure_matmul()
+    print(f"machine: {bw / 1e9:.1f} GB/s memory read, {flops / 1e9:.0f} GFLOP/s bf16 GEMM (2048^3), "
+          f"{args.threads} thread(s); model {folder}", flush=True)
+    best: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for mode in modes:
+            r = run_child(folder, mode, args)
+            b = best.setdefault(mode, r)
+            for k in ("decode_1", "decode_16", "prefill"):
+                b[k] = max(b[k], r[k])
+    _, files = held_out_text()
+    print(f"perplexity text: {len(files)} held-out stdlib files ({', '.join(files[:3])}, ...), "
+          f"first {best[modes[0]]['ppl_tokens']} tokens")
+    base = best.get("none", best[modes[0]])
+    print("| mode | linears | decode b1 tok/s | decode b16 tok/s | prefill tok/s | weights MB | RSS MB | perplexity |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for mode in modes:
+        r = best[mode]
+
+        def rel(k):
+            return f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)"
+
+        print(f"| {mode} | {'/'.join(r['linear_kinds'])} | {rel('decode_1')} | {rel('decode_16')} | {rel('prefill')} "
+              f"| {r['weights'] / 1e6:.0f} | {r['rss'] / 1e6:.0f} | {r['ppl']:.3f} ({r['ppl'] / base['ppl'] - 1:+.2%}) |")
+
+
+if __name__ == "__main__":
+    main()
