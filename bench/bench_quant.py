@@ -4,12 +4,12 @@
 
 --model: a model folder or a GGUF file (needs the GGUF loader); default: a random bf16 model with
 SmolLM2-135M's shapes (built once into the temp dir; its perplexity says nothing about quality, only how
-far each mode moves it). Each mode runs in a fresh process (so its resident memory is its own), the modes
-alternate for --rounds rounds and the best round counts. Per mode: decode tok/s at batch 1 and 16
-(CONTEXT tokens of context per sequence), prefill tok/s (one PREFILL-token prompt), resident memory
-after load, the bytes of the weights as held, and perplexity on held-out text: Python's own stdlib
-files that the bundled model held out of its training (phaseserve/bundled_model/eval.json), first
---ppl-tokens tokens. Beside them, this machine's memory bandwidth and bf16 GEMM rate
+far each mode moves it). Speed: every mode's model loaded in this process, the modes measured in turn for
+--rounds rounds (side by side on a busy machine), the best round counts: decode tok/s at batch 1 and 16
+(CONTEXT tokens of context per sequence) and prefill tok/s (one PREFILL-token prompt). Memory and
+quality: each mode once more in a fresh process, so its resident memory after load is its own; the
+bytes of the weights as held; perplexity on held-out text: Python's own stdlib files that the bundled
+model held out of its training (phaseserve/bundled_model/eval.json), first --ppl-tokens tokens. Beside them, this machine's memory bandwidth and bf16 GEMM rate
 (bench/bench_model.py's measurements). Prints a markdown table.
 """
 
@@ -92,7 +92,7 @@ class QuantBench(RunnerBench):
     def __init__(self, path: Path, quantization: str, threads: int):
         from workers.runner import ModelRunner
 
-        self.runner = ModelRunner(path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20,
+        self.runner = ModelRunner(path, dtype="bfloat16", kv_cache_memory_bytes=160 << 20,
                                   quantization=quantization, num_threads=threads)
         self.step = 0
         self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -122,28 +122,34 @@ class QuantBench(RunnerBench):
         return math.exp(nll / (len(ids) - 1))
 
 
+def speeds(bench: QuantBench, repeats: int) -> dict:
+    out = {f"decode_{b}": b / bench.decode_step_time(b, repeats) for b in DECODE_BATCHES}
+    out["prefill"] = PREFILL / bench.prefill_time(PREFILL, max(3, repeats // 4))
+    return out
+
+
 def child(args) -> dict:
+    """Memory and perplexity of one mode, alone in this process."""
     path = Path(args.model)
     bench = QuantBench(path, args.child, args.threads)
+    m = bench.runner.model
     out = {"mode": args.child, "rss": rss_bytes(), "weights": bench.weight_bytes(),
-           "linear_kinds": sorted({getattr(layer.gate_up, "kind", "bf16") for layer in bench.runner.model.layers}
-                                  | {getattr(bench.runner.model.lm_head, "kind", "bf16")})}
-    for b in DECODE_BATCHES:
-        out[f"decode_{b}"] = b / bench.decode_step_time(b, args.repeats)
-    out["prefill"] = PREFILL / bench.prefill_time(PREFILL, max(3, args.repeats // 4))
+           "linear_kinds": sorted({getattr(lin, "kind", "bf16") for layer in m.layers
+                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}),
+           "lm_head": getattr(m.lm_head, "kind", "bf16")}
     from tokenizers import Tokenizer
 
     text, _ = held_out_text()
-    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids[: args.ppl_tokens]
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids
+    ids = ids[: min(args.ppl_tokens, bench.runner.max_model_len)]
     out["ppl"] = bench.perplexity(ids)
     out["ppl_tokens"] = len(ids)
-    out["rss_after"] = rss_bytes()
     return out
 
 
 def run_child(folder: Path, mode: str, args) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_quant", "--child", mode, "--model", str(folder),
-           "--threads", str(args.threads), "--repeats", str(args.repeats), "--ppl-tokens", str(args.ppl_tokens)]
+           "--threads", str(args.threads), "--ppl-tokens", str(args.ppl_tokens)]
     env = dict(os.environ, PHASESERVE_LOG_LEVEL="warning")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.bench_quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder or .gguf file; default: random SmolLM2 shapes")
     p.add_argument("--modes", default="none,int8,int4")
-    p.add_argument("--rounds", type=int, default=2, help="each mode this many times, alternating; best counts")
+    p.add_argument("--rounds", type=int, default=3, help="speed: each mode this many times, in turn; best counts")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=20, help="decode steps timed per batch size (median)")
     p.add_argument("--ppl-tokens", type=int, default=2048)
@@ -170,18 +176,23 @@ def main(argv: list[str] | None = None) -> None:
     bw, flops = measure_bandwidth(), measure_matmul()
     print(f"machine: {bw / 1e9:.1f} GB/s memory read, {flops / 1e9:.0f} GFLOP/s bf16 GEMM (2048^3), "
           f"{args.threads} thread(s); model {folder}", flush=True)
+    benches = {mode: QuantBench(folder, mode, args.threads) for mode in modes}
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
-        for mode in modes:
-            r = run_child(folder, mode, args)
+        for mode, bench in benches.items():
+            r = speeds(bench, args.repeats)
             b = best.setdefault(mode, r)
-            for k in ("decode_1", "decode_16", "prefill"):
-                b[k] = max(b[k], r[k])
+            for k, v in r.items():
+                b[k] = max(b[k], v)
+    del benches
+    for mode in modes:
+        best[mode].update(run_child(folder, mode, args))
     _, files = held_out_text()
     print(f"perplexity text: {len(files)} held-out stdlib files ({', '.join(files[:3])}, ...), "
           f"first {best[modes[0]]['ppl_tokens']} tokens")
     base = best.get("none", best[modes[0]])
-    print("| mode | linears | decode b1 tok/s | decode b16 tok/s | prefill tok/s | weights MB | RSS MB | perplexity |")
+    print("| mode | linears / lm_head | decode b1 tok/s | decode b16 tok/s | prefill tok/s | weights MB | RSS MB "
+          "| perplexity |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in modes:
         r = best[mode]
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         def rel(k):
             return f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)"
 
-        print(f"| {mode} | {'/'.join(r['linear_kinds'])} | {rel('decode_1')} | {rel('decode_16')} | {rel('prefill')} "
+        print(f"| {mode} | {'+'.join(r['linear_kinds'])} / {r['lm_head']} | {rel('decode_1')} | {rel('decode_16')} | {rel('prefill')} "
               f"| {r['weights'] / 1e6:.0f} | {r['rss'] / 1e6:.0f} | {r['ppl']:.3f} ({r['ppl'] / base['ppl'] - 1:+.2%}) |")
 
 
