@@ -250,3 +250,14 @@ def test_quantized_model_generates(model_path):
     logits = run_schedule(fake_quantized_runner(model_path, "int4"), [seq[:-1]], [[len(seq) - 1]])[0][19:]
     chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
     assert ((logits.max(-1).values - chosen) <= 0.03 * logits.abs().max()).all()
+
+
+def test_quantization_setting(monkeypatch):
+    from phaseserve import settings
+
+    assert settings.parse("worker", ["--redis-url", "redis://x"]).quantization == "auto"
+    assert settings.parse("up", ["--quantization", "int4"]).quantization == "int4"
+    monkeypatch.setenv("PHASESERVE_QUANTIZATION", "int8")
+    assert settings.parse("worker", []).quantization == "int8"
+    with pytest.raises(SystemExit):
+        settings.parse("worker", ["--quantization", "int3"])

@@ -1,0 +1,85 @@
+"""One linear layer, bf16 against quantized: time per call at SmolLM2-135M's shapes, one thread.
+
+    python -m bench.bench_quant_linear [--rows 1,4,16,64,256] [--cold-mb 64]
+
+Columns: the bf16 oneDNN-packed `Linear` (workers/linear.py), torch's own weight-only kernels
+(`_weight_int8pack_mm`: int8 per output channel; `_weight_int4pack_mm_for_cpu`: int4 in groups of 32
+with bf16 scales and zeros) and phaseserve's `QuantizedLinear` (kernels.quant_linear: the native
+AVX512-BF16 op where it runs) at int8 and int4. Each shape has enough distinct copies of its weights
+(--cold-mb of bf16) that the calls, cycling through them, read weights from DRAM as a model's step does;
+the best of 3 passes counts. Ratios are bf16 time / that column's time (above 1: faster than bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels.quant import quantize
+from workers.linear import Linear, QuantizedLinear
+
+SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576)]  # o, qkv, gate_up, down, lm_head
+
+
+def torch_int8pack(w: torch.Tensor):
+    scale = w.abs().amax(1) / 127
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale.bfloat16())
+
+
+def torch_int4pack(w: torch.Tensor, group: int = 32):
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    # torch's formula: w = (q - 8) * scale + zero
+    scales_zeros = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).contiguous().bfloat16()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+
+
+def time_calls(fns, x) -> float:
+    for f in fns:
+        f(x)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for f in fns:
+            f(x)
+        best = min(best, (time.perf_counter() - t) / len(fns))
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_quant_linear", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--cold-mb", type=float, default=64, help="bf16 MB of distinct weight copies per shape")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [int(r) for r in args.rows.split(",")]
+    kinds = ["bf16", "torch int8pack", "torch int4pack", "int8", "int4"]
+    print("| shape | rows | " + " | ".join(f"{k} us" for k in kinds) + " |")
+    print("| --- | --: | " + " | ".join("--:" for _ in kinds) + " |")
+    for n, k in SHAPES:
+        copies = max(1, int(args.cold_mb * 1e6 / (n * k * 2)))
+        ws = [torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * 0.02 for i in range(copies)]
+        impls = {
+            "bf16": [Linear(w.bfloat16()) for w in ws],
+            "torch int8pack": [torch_int8pack(w) for w in ws],
+            "torch int4pack": [torch_int4pack(w) for w in ws],
+            "int8": [QuantizedLinear(quantize(w, "int8")) for w in ws],
+            "int4": [QuantizedLinear(quantize(w, "int4")) for w in ws],
+        }
+        del ws
+        for t in rows:
+            x = torch.randn(t, k).bfloat16()
+            us = {name: time_calls(fns, x) * 1e6 for name, fns in impls.items()}
+            cells = [f"{us['bf16']:.1f}"] + [f"{us[c]:.1f} ({us['bf16'] / us[c]:.2f}x)" for c in kinds[1:]]
+            print(f"| {n}x{k} (x{copies}) | {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
