@@ -9,8 +9,8 @@ far each mode moves it). Speed: every mode's model loaded in this process, the m
 (CONTEXT tokens of context per sequence) and prefill tok/s (one PREFILL-token prompt). Memory and
 quality: each mode once more in a fresh process, so its resident memory after load is its own; the
 bytes of the weights as held; perplexity on held-out text: Python's own stdlib files that the bundled
-model held out of its training (phaseserve/bundled_model/eval.json), first --ppl-tokens tokens. Beside them, this machine's memory bandwidth and bf16 GEMM rate
-(bench/bench_model.py's measurements). Prints a markdown table.
+model held out of its training (phaseserve/bundled_model/eval.json), first --ppl-tokens tokens.
+Beside them, this machine's memory bandwidth and bf16 GEMM rate (bench/bench_model.py's measurements). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def model_folder(model: str | None) -> Path:
         try:
             from phaseserve.gguf_files import write_model_folder
         except ImportError:
-            raise SystemExit("bench_quant: reading a GGUF file needs the GGUF loader (phaseserve/gguf_files.py)") from None
+            raise SystemExit("bench_quant: reading a GGUF file needs the GGUF loader "
+                             "(phaseserve/gguf_files.py)") from None
         return write_model_folder(path, Path(tempfile.gettempdir()) / f"phaseserve-bench-{path.stem}")
     if not (path / "config.json").is_file():
         raise SystemExit(f"bench_quant: no model folder at {path} (expected config.json)")
@@ -200,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         def rel(k):
             return f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)"
 
-        print(f"| {mode} | {'+'.join(r['linear_kinds'])} / {r['lm_head']} | {rel('decode_1')} | {rel('decode_16')} | {rel('prefill')} "
-              f"| {r['weights'] / 1e6:.0f} | {r['rss'] / 1e6:.0f} | {r['ppl']:.3f} ({r['ppl'] / base['ppl'] - 1:+.2%}) |")
+        print(f"| {mode} | {'+'.join(r['linear_kinds'])} / {r['lm_head']} | {rel('decode_1')} | {rel('decode_16')} "
+              f"| {rel('prefill')} | {r['weights'] / 1e6:.0f} | {r['rss'] / 1e6:.0f} "
+              f"| {r['ppl']:.3f} ({r['ppl'] / base['ppl'] - 1:+.2%}) |")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
 // Layout (kernels/native_quant.py packs it at load): output rows in groups of 16; for each group and
 // block, 16 k-pairs, each one zmm of bf16 pairs (lane i = output i, k and k+1) once unpacked, as
 // oneDNN's bf16 GEMM lays out its weights, then the block's 16 fp16 scales (and int4 offsets): a group
-// is one contiguous stream, read ahead with software prefetches (DRAM-bound at one activation row). A k-pair multiplies a broadcast pair of activations
-// (vdpbf16ps), so accumulators hold 16 outputs and need no horizontal sum.
+// is one contiguous stream, read ahead with software prefetches (DRAM-bound at one activation row).
+// A k-pair multiplies a broadcast pair of activations (vdpbf16ps), so accumulators hold 16 outputs and
+// need no horizontal sum.
 //
 // The quantized values are unpacked to *exact* bf16 integers (int4: 128 + q by a shift and an OR,
 // int8: q via fp32) and the scales are applied once per block to the block's fp32 sums:
@@ -168,7 +169,8 @@ AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t n
     for (int64_t b = 0; b < nblocks; b++) {
       const __m512i v = _mm512_loadu_si512(x + t * ldx + b * BLOCK);
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      const __m512 hi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
       xsum[t * nblocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
 }
