@@ -10,7 +10,8 @@ far each mode moves it). Speed: every mode's model loaded in this process, the m
 quality: each mode once more in a fresh process, so its resident memory after load is its own; the
 bytes of the weights as held; perplexity on held-out text: Python's own stdlib files that the bundled
 model held out of its training (phaseserve/bundled_model/eval.json), first --ppl-tokens tokens.
-Beside them, this machine's memory bandwidth and bf16 GEMM rate (bench/bench_model.py's measurements). Prints a markdown table.
+Beside them, this machine's memory bandwidth and bf16 GEMM rate (bench/bench_model.py's measurements).
+Prints a markdown table.
 """
 
 from __future__ import annotations
