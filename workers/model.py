@@ -156,6 +156,8 @@ class LlamaFamilyModel:
             lm_head = embed_weight
         self.lm_head = quant.linear([lm_head])  # packed copy: a tied embedding stays plain for the lookup
         del embed_weight, lm_head
+        quant.log_summary([self.lm_head] + [m for layer in self.layers
+                                            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)], self.embed)
         unused = [k for k in w if not k.endswith("rotary_emb.inv_freq")]
         if unused:
             log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])

@@ -75,7 +75,7 @@ class Quantization:
             w = w.dequantize(self.dtype).to(self.device)
         if self.mode in ("int8", "int4"):
             if w.shape[-1] % BLOCK:
-                log.info("linear kept unquantized: in_features is not a multiple of the block",
+                log.debug("linear kept unquantized: in_features is not a multiple of the block",
                          shape=tuple(w.shape), block=BLOCK)
                 return w
             return quantize(w, self.mode)
@@ -93,6 +93,20 @@ class Quantization:
                 return Linear(torch.cat(dense), bias)
             ws = [quantize(d, self.mode) for d in dense]
         return QuantizedLinear(concat_rows(ws), bias, dtype=self.dtype)
+
+    def log_summary(self, linears: list, table: Any) -> None:
+        """One line: how many linears took each form, and which matmul runs the quantized ones."""
+        kinds: dict[str, int] = {}
+        for lin in linears:
+            kind = getattr(lin, "kind", str(lin.dtype).removeprefix("torch."))
+            kinds[kind] = kinds.get(kind, 0) + 1
+        quantized = [lin for lin in linears if isinstance(lin, QuantizedLinear)]
+        native = sum(not isinstance(lin.weight, QuantizedWeight) for lin in quantized)
+        log.info("linear weights", quantization=self.mode, kinds=kinds,
+                 embedding=getattr(table, "kind", str(getattr(table, "dtype", "")).removeprefix("torch.")),
+                 matmul=("none quantized" if not quantized else "native avx512-bf16" if native == len(quantized)
+                         else "triton" if self.device.type == "cuda" else "torch reference (slow)"),
+                 bytes=sum(lin.nbytes() for lin in linears))
 
     def embedding(self, w: Any) -> torch.Tensor | QuantizedWeight:
         """The lookup table: a GGUF table kept quantized when this mode keeps it, else a float tensor."""
