@@ -60,15 +60,25 @@ def _hub_cache(root: Path, repo: str, src: Path) -> None:
     shutil.copytree(src, repo_dir / "snapshots" / commit)
 
 
-def test_hub_id_from_the_local_cache_then_a_clear_error_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_hub_id_from_the_local_cache_then_a_clear_error_offline(tmp_path):
+    # in a fresh process, as a user starts one: huggingface_hub reads its environment at import
     _hub_cache(tmp_path / "hub", "phaseserve-test/tiny", BUNDLED)
-    m = resolve_model("phaseserve-test/tiny")
-    assert m.name == "phaseserve-test/tiny"  # the hub id, not the snapshot's hash folder
-    assert (Path(m.path) / "config.json").is_file()
-    with pytest.raises(ModelNotFound, match="could not download phaseserve-test/absent from the Hugging Face hub"):
-        resolve_model("phaseserve-test/absent")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = ("import sys; from phaseserve.model_source import resolve_model, ModelNotFound\n"
+            "try:\n m = resolve_model(sys.argv[1]); print(m.name); print(m.path)\n"
+            "except ModelNotFound as e: print('error:', e)")
+
+    def resolve(repo: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code, repo], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-2:]  # the last two lines: name and path, or the error
+
+    name, path = resolve("phaseserve-test/tiny")
+    assert name == "phaseserve-test/tiny"  # the hub id, not the snapshot's hash folder
+    assert (Path(path) / "config.json").is_file()
+    line = resolve("phaseserve-test/absent")[-1]
+    assert line.startswith("error: could not download phaseserve-test/absent from the Hugging Face hub")
 
 
 def _wheel(dst: Path, package: str, version: str, member: str, payload: bytes) -> None:
