@@ -78,8 +78,10 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarra
 
 def write_gguf(path: Path, model_dir: Path, types: str | Callable[[str], str] = "F32", arch: str = "llama",
                tokenizer_json: dict | None = None, pre: str = "gpt2", metadata: dict | None = None,
-               chat_template: str | None = None, add_bos: bool | None = False, tokenizer_model: str = "gpt2") -> Path:
-    """`types`: one ggml type name for every 2-D weight, or a function of the GGUF tensor name."""
+               chat_template: str | None = None, add_bos: bool | None = False, tokenizer_model: str = "gpt2",
+               sentencepiece: tuple[list[str], list[int], list[float]] | None = None) -> Path:
+    """`types`: one ggml type name for every 2-D weight, or a function of the GGUF tensor name.
+    `sentencepiece`: (tokens, token types, scores) of a "llama" vocabulary, instead of the byte-level one."""
     cfg = json.loads((model_dir / "config.json").read_text())
     weights = {k: v.float().numpy() for k, v in load_file(model_dir / "model.safetensors").items()}
     tok = tokenizer_json or json.loads((model_dir / "tokenizer.json").read_text())
@@ -100,13 +102,20 @@ def write_gguf(path: Path, model_dir: Path, types: str | Callable[[str], str] = 
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(0)
 
-    tokens, token_types, merges = byte_level_vocab(tok)
-    w.add_tokenizer_model(tokenizer_model)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
+    if sentencepiece is not None:
+        tokens, token_types, scores = sentencepiece
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        w.add_token_scores(scores)
+    else:
+        tokens, token_types, merges = byte_level_vocab(tok)
+        w.add_tokenizer_model(tokenizer_model)
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        w.add_token_merges(merges)
     for key, value in (("bos", "<s>"), ("eos", "</s>"), ("unk", "<unk>")):
         if value in tokens:
             getattr(w, f"add_{key}_token_id")(tokens.index(value))

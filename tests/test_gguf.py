@@ -244,6 +244,30 @@ def test_default_pretokenizer_is_llama_cpps(tmp, bpe_tokenizer_json):
     assert pieces == ["x", "Ġ", "123", "456", "7", "!?", "Ġdon", "'", "t"]
 
 
+def test_sentencepiece_tokenizer_matches_transformers(tmp):
+    """tokenizer.ggml.model="llama" (Llama 2 / Mistral): scored pieces and <0xXX> byte tokens."""
+    tok = HFTokenizer(BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.train_from_iterator(TRAIN_TEXT * 3, trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    pieces = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *(p for p, _ in pieces)]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]  # merge order, as SentencePiece BPE scores
+    model_dir = make_model(tmp, "llama", vocab_size=len(tokens), num_hidden_layers=1)
+    name = "spm.gguf"
+    write_gguf(tmp / name, model_dir, sentencepiece=(tokens, types, scores), add_bos=None,
+               metadata={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                         "tokenizer.ggml.unknown_token_id": 0})
+    ours = Tokenizer(str(write_model_folder(tmp / name, tmp / "spm")))
+    reference = AutoTokenizer.from_pretrained(str(tmp), gguf_file=name)
+    for text in [TEST_TEXT.replace("<|im_start|>", "<s>"), *TRAIN_TEXT, "Hello", " leading", "日本語 🙂"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ids[0] == 1  # add_bos_token defaults to true for SentencePiece vocabularies, as in llama.cpp
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert any(tokens[i].startswith("<0x") for i in ours.encode("🙂"))  # bytes the vocabulary lacks fall back
+
+
 # ----------------------------------------------------------------------------- the folder and errors
 
 
