@@ -71,12 +71,25 @@ class GGUFError(ValueError):
 # ----------------------------------------------------------------------------- reading
 
 
+def _reader(path: Path):
+    """gguf.GGUFReader reading through a plain ndarray view of its memory map: slicing an np.memmap
+    runs memmap.__array_finalize__ for each of the ~200k vocabulary and merge strings, which made
+    the read 3x slower (1.7 s -> 0.5 s for a 49k-token vocabulary). The map stays open as the view's base."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def __setattr__(self, name, value):
+            if name == "data" and isinstance(value, np.memmap):
+                value = value.view(np.ndarray)
+            super().__setattr__(name, value)
+
+    return Reader(path)
+
+
 class GGUFMetadata:
     """The metadata and tensor table of one GGUF file (memory-mapped; tensor data is not read)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise GGUFError(f"GGUF file {path} does not exist")
@@ -85,9 +98,9 @@ class GGUFMetadata:
         if magic != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         try:
-            self.reader = GGUFReader(self.path)
-        except (ValueError, KeyError, IndexError, OSError) as e:
-            raise GGUFError(f"{path} could not be read as GGUF: {e}") from e
+            self.reader = _reader(self.path)
+        except Exception as e:  # a truncated or corrupt file fails anywhere inside the reader
+            raise GGUFError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})") from e
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.architecture = self.get("general.architecture")
 
@@ -435,7 +448,7 @@ def gguf_weights_path(folder: str | Path) -> Path | None:
     """The GGUF holding a folder's weights (its weights.gguf link or gguf.json pointer), or None."""
     folder = Path(folder)
     link = folder / WEIGHTS_LINK
-    if link.is_file():
+    if link.is_symlink() or link.is_file():  # a dangling link is reported by the reader, naming the file
         return link.resolve()
     pointer = folder / WEIGHTS_POINTER
     if pointer.is_file():

@@ -295,6 +295,10 @@ def test_clear_errors(llama, tmp):
         write_model_folder(tmp / "text.gguf", tmp / "e1")
     with pytest.raises(GGUFError, match="does not exist"):
         write_model_folder(tmp / "missing.gguf", tmp / "e2")
+    whole = write_gguf(tmp / "whole.gguf", llama).read_bytes()
+    (tmp / "truncated.gguf").write_bytes(whole[:len(whole) // 3])
+    with pytest.raises(GGUFError, match="truncated.gguf could not be read as GGUF"):
+        write_model_folder(tmp / "truncated.gguf", tmp / "e2b")
 
     falcon = write_gguf(tmp / "falcon.gguf", llama, arch="falcon")
     with pytest.raises(GGUFError, match="architecture 'falcon' is not supported; supported GGUF architectures: "
@@ -312,6 +316,9 @@ def test_clear_errors(llama, tmp):
     folder = write_model_folder(write_gguf(tmp / "later-bad.gguf", llama), tmp / "later-bad")
     shutil.copy(tmp / "text.gguf", tmp / "later-bad.gguf")
     with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        ModelRunner(folder, num_blocks=4)
+    (tmp / "later-bad.gguf").unlink()
+    with pytest.raises(ModelLoadError, match="later-bad.gguf does not exist"):
         ModelRunner(folder, num_blocks=4)
 
 
