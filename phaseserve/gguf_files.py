@@ -143,13 +143,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 # tensors a converter writes that are not weights: rope_freqs is read into config.json's rope_scaling
-_NOT_WEIGHTS = {"rope_freqs.weight"}
+NON_WEIGHT_TENSORS = {"rope_freqs.weight"}
 
 
 def check_tensors(meta: GGUFMetadata) -> None:
     """Every tensor has a name and a type the worker can load; raise GGUFError naming the first that does not."""
     for name, t in meta.tensors.items():
-        if name in _NOT_WEIGHTS:
+        if name in NON_WEIGHT_TENSORS:
             continue
         if hf_tensor_name(name) is None:
             raise GGUFError(f"{meta.path}: tensor {name!r} is not part of a {meta.architecture} model this server "
@@ -162,7 +162,7 @@ def check_tensors(meta: GGUFMetadata) -> None:
 # ----------------------------------------------------------------------------- config.json
 
 
-def _llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int,
+def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                               original_len: int) -> dict | None:
     """llama.cpp stores Llama 3 rope scaling as a per-frequency divisor tensor (rope_freqs), not as
     parameters. Recover transformers' llama3 parameters from it: the divisors are 1 for short
@@ -239,7 +239,7 @@ def build_config(meta: GGUFMetadata, name: str) -> dict:
             raise GGUFError(f"{meta.path} has both rope_freqs and {rope_scaling['rope_type']} rope scaling")
         original = int(meta.arch("rope.scaling.original_context_length") or 8192)
         factors = np.asarray(meta.tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
-        rope_scaling = _llama3_rope_from_factors(factors, theta, head_dim, original)
+        rope_scaling = llama3_rope_from_factors(factors, theta, head_dim, original)
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -496,9 +496,7 @@ def write_model_folder(gguf_path: str | Path, folder: str | Path, name: str | No
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder is an ordinary one
+        tmp.chmod(0o755)  # mkdtemp makes it private; the folder is an ordinary one
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "tokenizer.json", tokenizer_json)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
@@ -508,6 +506,9 @@ def write_model_folder(gguf_path: str | Path, folder: str | Path, name: str | No
         except OSError:  # no symlinks on this filesystem
             _write_json(tmp / WEIGHTS_POINTER, {"path": str(gguf_path)})
         _write_json(tmp / SOURCE_FILE, stamp)  # last: its presence marks the folder complete
+        if _is_complete(folder, stamp):  # another process finished the same folder meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+            return folder
         if folder.exists():  # made from an older version of the file: move it aside, then drop it
             stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale.", dir=folder.parent))
             os.replace(folder, stale / folder.name)

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gguf_factory import gguf_name, llama3_rope_factors, write_gguf
 from model_factory import make_model
 from phaseserve.engine import Engine
-from phaseserve.gguf_files import GGUFError, _llama3_rope_from_factors, write_model_folder
+from phaseserve.gguf_files import GGUFError, llama3_rope_from_factors, write_model_folder
 from phaseserve.params import SamplingParams
 from phaseserve.tokenizer import Tokenizer
-from workers.gguf_weights import QuantizedTensor, _unpermute_rows, load_gguf_weights
-from workers.loader import ModelLoadError, read_config
+from workers.gguf_weights import QuantizedTensor, unpermute_rows, load_gguf_weights
+from workers.loader import ModelLoadError, load_checkpoint, read_config
 from workers.model import rotary_inv_freq
 from workers.runner import ModelRunner
 
@@ -73,7 +73,7 @@ def test_weights_of_every_type(tmp):
         expected = dequantize(np.asarray(t.data), t.tensor_type).reshape(original[hf].shape)
         heads = {"attn_q": 4, "attn_k": 2}.get(t.name.split(".")[2]) if t.name.startswith("blk.") else None
         if heads:
-            expected = _unpermute_rows(expected, heads)
+            expected = unpermute_rows(expected, heads)
         assert torch.equal(ours[hf], torch.from_numpy(np.array(expected))), t.name
         # and the original checkpoint, within what the type keeps
         err = (ours[hf] - original[hf]).abs().max().item()
@@ -142,13 +142,13 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp):
     # a ramp that is not Llama 3.1's is recovered too (fitted: only its line matters)
     other = {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 4096}
     factors = llama3_rope_factors(10000.0, 128, other)
-    fitted = _llama3_rope_from_factors(factors, 10000.0, 128, 8192)
+    fitted = llama3_rope_from_factors(factors, 10000.0, 128, 8192)
     from types import SimpleNamespace
     inv = rotary_inv_freq(SimpleNamespace(head_dim=128, rope_theta=10000.0, rope_scaling=fitted))
     base = 1.0 / (10000.0 ** (torch.arange(0, 128, 2).float() / 128))
     torch.testing.assert_close(inv, base / torch.from_numpy(factors), rtol=1e-5, atol=0)
     with pytest.raises(GGUFError, match="does not follow Llama 3"):
-        _llama3_rope_from_factors(np.linspace(1, 3, 64), 10000.0, 128, 8192)
+        llama3_rope_from_factors(np.linspace(1, 3, 64), 10000.0, 128, 8192)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -281,6 +281,13 @@ def test_model_folder_is_written_once_and_atomically(llama, tmp):
     assert write_model_folder(path, tmp / "once") == folder
     assert (folder / "config.json").stat().st_mtime_ns == stamp  # complete already: not rewritten
     assert not [p for p in tmp.iterdir() if p.name.startswith(".once")]  # no temporary folder left
+
+    # where symlinks cannot be made, a gguf.json pointer stands for the link
+    pointer = tmp / "once-pointer"
+    shutil.copytree(folder, pointer, symlinks=True)
+    (pointer / "weights.gguf").unlink()
+    (pointer / "gguf.json").write_text(json.dumps({"path": str(path)}))
+    assert set(load_checkpoint(pointer)[1]) == set(load_checkpoint(folder)[1])
 
     write_gguf(path, make_model(tmp, "tied"))  # the file changed: the folder is made again
     assert json.loads((write_model_folder(path, tmp / "once") / "config.json").read_text())["tie_word_embeddings"]

@@ -7,7 +7,7 @@ blocks in a `QuantizedTensor` for int8/int4 matmul kernels.
 
 llama.cpp's converter reorders the rows of every Llama Q and K projection (its
 rotary layout pairs neighbouring dimensions; transformers' pairs the two
-halves of each head); `_unpermute_rows` undoes that, on values or on raw blocks
+halves of each head); `unpermute_rows` undoes that, on values or on raw blocks
 alike, since it moves whole rows.
 """
 
@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from tqdm import tqdm
 
-from phaseserve.gguf_files import _NOT_WEIGHTS, GGUFMetadata, check_tensors, hf_tensor_name
+from phaseserve.gguf_files import NON_WEIGHT_TENSORS, GGUFMetadata, check_tensors, hf_tensor_name
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class QuantizedTensor:   # a GGUF block-quantized 2-D weight, rows = output feat
         return torch.from_numpy(values).reshape(self.shape).to(device=self.raw.device, dtype=dtype)
 
 
-def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's convert_hf_to_gguf `permute` on dim 0 (transformers' reverse_permute_weights)."""
     half = rows.shape[0] // n_head // 2
     return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
@@ -75,7 +75,7 @@ def load_gguf_weights(path: str | Path, dtype: torch.dtype, device: str | torch.
               disable=total < 256 << 20) as bar:
         for name, t in meta.tensors.items():
             bar.update(int(t.n_bytes))
-            if name in _NOT_WEIGHTS:
+            if name in NON_WEIGHT_TENSORS:
                 continue
             ggml_type = t.tensor_type.name
             types[ggml_type] += 1
@@ -84,14 +84,14 @@ def load_gguf_weights(path: str | Path, dtype: torch.dtype, device: str | torch.
             if keep_quantized and ggml_type in KEEPABLE_TYPES and len(shape) == 2:
                 raw = np.array(t.data, dtype=np.uint8)  # [rows, bytes_per_row]
                 if n_head is not None:
-                    raw = np.ascontiguousarray(_unpermute_rows(raw, n_head))
+                    raw = np.ascontiguousarray(unpermute_rows(raw, n_head))
                 weights[hf_tensor_name(name)] = QuantizedTensor(ggml_type, torch.from_numpy(raw).to(device),
                                                                 (shape[0], shape[1]))
                 kept += 1
                 continue
             values = _values(t, ggml_type, shape)
             if n_head is not None:
-                values = _unpermute_rows(values, n_head)
+                values = unpermute_rows(values, n_head)
             weights[hf_tensor_name(name)] = torch.from_numpy(np.ascontiguousarray(values)).to(
                 device=device, dtype=dtype)
     log.info("gguf weights loaded", path=str(meta.path), arch=meta.architecture, tensors=len(weights),
