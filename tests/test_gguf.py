@@ -212,8 +212,8 @@ def test_tokenizer_matches_transformers(tmp, bpe_tokenizer_json, pre, add_bos):
     assert (ours.encode(TEST_TEXT)[0] == 1) is add_bos  # BOS from add_bos_token, also for plain tokenizers
     assert (HFTokenizer.from_file(str(folder / "tokenizer.json")).encode("hi").ids[0] == 1) is add_bos
     assert ours.encode("<|im_start|>user")[int(add_bos)] == 1  # a control token in the text stays whole
-    assert ours.encode("a<think>b") == reference.encode("a<think>b") and ours.hf.token_to_id("<think>") in \
-        ours.encode("a<think>b")
+    assert ours.encode("a<think>b") == reference.encode("a<think>b")  # a user-defined token stays whole too
+    assert ours.hf.token_to_id("<think>") in ours.encode("a<think>b")
     assert ours.decode(ours.encode("x<|im_end|>y")) == "xy"  # control tokens are special: skipped in output
 
     messages = [{"role": "user", "content": "What is 2+2?"}]
@@ -232,8 +232,9 @@ def test_smollm_pretokenizer_splits_digits(tmp, bpe_tokenizer_json):
     assert ours.encode(no_digits) == reference.encode(no_digits)
     pieces = [ours.hf.id_to_token(i) for i in ours.encode("year 2026 and 12345678901234567890")]
     assert [p for p in pieces if any(c.isdigit() for c in p)] == list("202612345678901234567890")
-    assert any(len(reference.convert_ids_to_tokens(i).strip("Ġ")) > 1 and reference.convert_ids_to_tokens(i)
-               .strip("Ġ").isdigit() for i in reference.encode("12345678901234567890"))  # the vocab has merges
+    # the vocabulary has multi-digit tokens, so the split matters: there transformers and llama.cpp part ways
+    assert any(len(t.strip("Ġ")) > 1 and t.strip("Ġ").isdigit() for t in bpe_tokenizer_json["model"]["vocab"])
+    assert ours.encode("12345678901234567890") != reference.encode("12345678901234567890")
 
 
 def test_default_pretokenizer_is_llama_cpps(tmp, bpe_tokenizer_json):
