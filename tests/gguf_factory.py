@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 from safetensors.torch import load_file
 
@@ -74,6 +74,19 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarra
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+# where the fp16 scales sit in a block (gguf-py cannot quantize k-quants; random blocks need sane scales)
+_K_QUANT_SCALES = {"Q4_K": ((0, 0.01), (2, 0.002)), "Q6_K": ((208, 0.001),)}
+
+
+def random_k_quant_blocks(shape: tuple[int, int], ggml_type: str, seed: int = 0) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks for a [rows, cols] weight: uint8 [rows, bytes_per_row]."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    blocks = np.random.default_rng(seed).integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
+    for offset, scale in _K_QUANT_SCALES[ggml_type]:
+        blocks[:, offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(shape[0], shape[1] // block * size)
 
 
 def write_gguf(path: Path, model_dir: Path, types: str | Callable[[str], str] = "F32", arch: str = "llama",
@@ -148,6 +161,8 @@ def write_gguf(path: Path, model_dir: Path, types: str | Callable[[str], str] = 
             w.add_tensor(name, value)
         elif ggml_type in ("F16", "F64"):  # F64: a type the loader rejects
             w.add_tensor(name, value.astype(np.float16 if ggml_type == "F16" else np.float64))
+        elif ggml_type in _K_QUANT_SCALES:
+            w.add_tensor(name, random_k_quant_blocks(value.shape, ggml_type, len(name)), raw_dtype=qtype)
         else:
             w.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -4,6 +4,7 @@ The GGUFs are written here (tests/gguf_factory.py) from tiny random checkpoints 
 llama.cpp's converter writes them; transformers loading the same GGUF is the reference.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -29,14 +30,16 @@ from workers.loader import ModelLoadError, load_checkpoint, read_config
 from workers.model import rotary_inv_freq
 from workers.runner import ModelRunner
 
-# one of each type the loader reads, cycled over the 2-D weights (every type lands on a Q/K projection too)
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# types gguf-py can quantize, cycled over the 2-D weights (Q/K projections get several of them)
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 17, 101, 44], [9] * 3 + list(range(20, 60)), [300, 2, 77]]
 
 
-def cycle_types(name: str) -> str:
-    return TYPES[sum(map(ord, name)) % len(TYPES)]
+def cycle_types():
+    """A `types` function for write_gguf giving the 2-D weights TYPES in turn."""
+    turn = itertools.cycle(TYPES)
+    return lambda name: next(turn)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def hf_generate(model, prompts, n=16):
 
 def test_weights_of_every_type(tmp):
     bf16_model = make_model(tmp, "llama", dtype="bfloat16", num_key_value_heads=2)  # F32 and BF16 keep it exactly
-    path = write_gguf(tmp / "mixed.gguf", bf16_model, types=cycle_types)
+    path = write_gguf(tmp / "mixed.gguf", bf16_model, types=cycle_types())
     reader = GGUFReader(path)
     stored = {t.name: t.tensor_type.name for t in reader.tensors}
     assert set(stored.values()) == set(TYPES)
@@ -78,7 +81,8 @@ def test_weights_of_every_type(tmp):
         # and the original checkpoint, within what the type keeps
         err = (ours[hf] - original[hf]).abs().max().item()
         scale = original[hf].abs().max().item()
-        bound = {"F32": 0, "BF16": 0, "F16": scale / 1024, "Q8_0": scale / 100}.get(t.tensor_type.name, scale / 6)
+        bound = {"F32": 0, "BF16": 0, "F16": scale / 1024, "Q8_0": scale / 100, "Q5_0": scale / 12,
+                 "Q5_1": scale / 12}.get(t.tensor_type.name, scale / 6)
         assert err <= bound, (t.name, t.tensor_type.name, err, bound)
 
     kept = load_gguf_weights(path, torch.bfloat16, keep_quantized=True)
@@ -116,7 +120,7 @@ def test_gguf_folder_generates_like_transformers(tmp, kind, types):
 
 
 def test_quantized_folder_runs_like_transformers(llama, tmp):
-    path = write_gguf(tmp / "q.gguf", llama, types=cycle_types)
+    path = write_gguf(tmp / "q.gguf", llama, types=cycle_types())
     folder = write_model_folder(path, tmp / "q-folder")
     runner = ModelRunner(folder, dtype="float32", num_blocks=32)
     assert runner.dtype == torch.float32
@@ -125,6 +129,28 @@ def test_quantized_folder_runs_like_transformers(llama, tmp):
     reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file="q.gguf", dtype=torch.float32).eval()
     assert ours == hf_generate(reference, PROMPTS)
     assert Engine(folder, num_blocks=32).runner.dtype == torch.bfloat16  # "auto" on a GGUF folder
+
+
+def test_k_quants(tmp):
+    """Q4_K and Q6_K (256-element super-blocks; gguf-py cannot quantize them, so the blocks are random)."""
+    model_dir = make_model(tmp, "llama", hidden_size=256, intermediate_size=256, num_key_value_heads=2,
+                           num_hidden_layers=1)
+    turn = itertools.cycle(("Q4_K", "Q6_K"))
+    path = write_gguf(tmp / "k.gguf", model_dir, types=lambda name: next(turn))
+    reader = GGUFReader(path)
+    assert {t.tensor_type.name for t in reader.tensors} == {"F32", "Q4_K", "Q6_K"}
+    ours = load_gguf_weights(path, torch.float32)
+    for t in reader.tensors:
+        expected = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        heads = {"attn_q": 4, "attn_k": 2}.get(t.name.split(".")[2]) if t.name.startswith("blk.") else None
+        if heads:
+            expected = unpermute_rows(expected, heads)
+        value = next(v for k, v in ours.items() if gguf_name(k) == t.name)
+        assert torch.equal(value, torch.from_numpy(np.array(expected))) and value.isfinite().all(), t.name
+    folder = write_model_folder(path, tmp / "k-folder")
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file="k.gguf", dtype=torch.float32).eval()
+    engine = Engine(folder, dtype="float32", num_blocks=32)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == hf_generate(reference, PROMPTS)
 
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp):
