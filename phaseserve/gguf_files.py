@@ -103,6 +103,8 @@ class GGUFMetadata:
             raise GGUFError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})") from e
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.architecture = self.get("general.architecture")
+        if not isinstance(self.architecture, str):
+            raise GGUFError(f"{path} has no general.architecture in its metadata")
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -117,9 +119,6 @@ class GGUFMetadata:
         if value is None:
             raise GGUFError(f"{self.path} has no {self.architecture}.{key} in its metadata")
         return value
-
-    def tensor_type(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """In torch order (rows first); GGUF stores the fastest-moving dimension first."""
@@ -261,6 +260,7 @@ def build_config(meta: GGUFMetadata, name: str) -> dict:
         "max_position_embeddings": context,
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "attention_bias": "blk.0.attn_q.bias" in meta.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in meta.tensors,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "torch_dtype": "bfloat16",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,23 +97,39 @@ def test_weights_of_every_type(tmp):
             assert value.dtype == torch.bfloat16 and torch.equal(value, ours[name].bfloat16())
 
 
-@pytest.mark.parametrize("kind, types", [("llama", "F32"), ("qwen2", "F16"), ("tied", "F32")])
+def with_random_biases(model_dir, dst):
+    """A copy of a checkpoint whose biases (zero from transformers' init) are random."""
+    shutil.copytree(model_dir, dst, dirs_exist_ok=True)
+    weights = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    for name, value in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = torch.randn(value.shape, generator=g) * 0.5
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("kind, types", [("llama", "F32"), ("qwen2", "F16"), ("tied", "F32"), ("llama_biases", "F32")])
 def test_gguf_folder_generates_like_transformers(tmp, kind, types):
     """Greedy tokens from the in-process engine on the folder == transformers on the same GGUF
     (== transformers on the original checkpoint where the GGUF keeps fp32 weights)."""
     model_dir = make_model(tmp, kind, **({"num_key_value_heads": 2} if kind == "llama" else {}))
+    if kind in ("qwen2", "llama_biases"):
+        model_dir = with_random_biases(model_dir, tmp / f"{kind}-biased")
     arch = "qwen2" if kind == "qwen2" else "llama"
     name = f"{kind}-{types}.gguf"
     path = write_gguf(tmp / name, model_dir, types=types, arch=arch)
     folder = write_model_folder(path, tmp / f"{kind}-{types}-folder")
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["tie_word_embeddings"] == (kind == "tied")
+    assert cfg["mlp_bias"] == (kind == "llama_biases") and cfg["attention_bias"] == (kind != "llama" and kind != "tied")
     assert read_config(folder).architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
 
     engine = Engine(folder, dtype="float32", num_blocks=32)
     ours = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=name, dtype=torch.float32).eval()
-    assert ours == hf_generate(reference, PROMPTS)
+    if kind != "llama_biases":  # transformers' GGUF config knows no llama biases
+        reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=name, dtype=torch.float32).eval()
+        assert ours == hf_generate(reference, PROMPTS)
     if types == "F32":
         original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         assert ours == hf_generate(original, PROMPTS)
