@@ -426,13 +426,21 @@ def build_tokenizer_files(meta: GGUFMetadata) -> tuple[dict, dict]:
     return tokenizer_json, tokenizer_config
 
 
+# tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's EOG list)
+_END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                      "<EOT>", "<|end_of_text|>")
+
+
 def stop_token_ids(meta: GGUFMetadata) -> list[int]:
-    """EOS and the end-of-turn / end-of-message ids, which llama.cpp also stops on."""
+    """EOS, end-of-turn and end-of-message ids, and the end-of-generation tokens llama.cpp stops on."""
     ids = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int) and value not in ids:
             ids.append(value)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    index = {tok: i for i, tok in enumerate(tokens) if tok in _END_OF_GENERATION}
+    ids += sorted(i for i in index.values() if i not in ids)
     return ids
 
 
