@@ -339,6 +339,18 @@ def test_model_folder_is_written_once_and_atomically(llama, tmp):
         write_model_folder(path, tmp / "not-ours")
 
 
+def test_model_folder_written_by_several_at_once(llama, tmp):
+    """Gateway and worker may both make the folder at start-up: every caller gets the one complete folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = write_gguf(tmp / "race.gguf", llama)
+    with ThreadPoolExecutor(4) as pool:
+        folders = list(pool.map(lambda _: write_model_folder(path, tmp / "race"), range(4)))
+    assert set(folders) == {tmp / "race"}
+    assert Tokenizer(str(tmp / "race")).vocab_size == 320 and read_config(tmp / "race").num_layers == 2
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".race")]
+
+
 def test_clear_errors(llama, tmp):
     (tmp / "text.gguf").write_text("hello, not a GGUF")
     with pytest.raises(GGUFError, match=r"is not a GGUF file \(it starts with b'hell'"):
