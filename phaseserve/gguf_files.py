@@ -460,7 +460,10 @@ def gguf_weights_path(folder: str | Path) -> Path | None:
         return link.resolve()
     pointer = folder / WEIGHTS_POINTER
     if pointer.is_file():
-        return Path(json.loads(pointer.read_text())["path"])
+        try:
+            return Path(json.loads(pointer.read_text())["path"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise GGUFError(f"{pointer} should be {{\"path\": <GGUF file>}}: {e!r}") from e
     return None
 
 

@@ -331,6 +331,9 @@ def test_model_folder_is_written_once_and_atomically(llama, tmp):
     (pointer / "weights.gguf").unlink()
     (pointer / "gguf.json").write_text(json.dumps({"path": str(path)}))
     assert set(load_checkpoint(pointer)[1]) == set(load_checkpoint(folder)[1])
+    (pointer / "gguf.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="gguf.json should be"):
+        load_checkpoint(pointer)
 
     write_gguf(path, make_model(tmp, "tied"))  # the file changed: the folder is made again
     assert json.loads((write_model_folder(path, tmp / "once") / "config.json").read_text())["tie_word_embeddings"]

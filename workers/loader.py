@@ -179,15 +179,15 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.
     `keep_quantized` only matters for a GGUF folder: its Q8_0/Q4_0/Q4_1 matrices then stay as
     `workers.gguf_weights.QuantizedTensor` blocks instead of being dequantized."""
     model_dir = Path(model_dir)
-    gguf_file = gguf_weights_path(model_dir)
-    if gguf_file is not None and not (model_dir / "model.safetensors").is_file() \
-            and not (model_dir / "model.safetensors.index.json").is_file():
-        from workers.gguf_weights import load_gguf_weights  # gguf's numpy dequantizers only when needed
+    try:
+        gguf_file = gguf_weights_path(model_dir)
+        if gguf_file is not None and not (model_dir / "model.safetensors").is_file() \
+                and not (model_dir / "model.safetensors.index.json").is_file():
+            from workers.gguf_weights import load_gguf_weights  # gguf's numpy dequantizers only when needed
 
-        try:
             return load_gguf_weights(gguf_file, dtype, device, keep_quantized=keep_quantized)
-        except GGUFError as e:
-            raise ModelLoadError(str(e)) from e
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
     files = _weight_files(model_dir)
     weights: dict[str, torch.Tensor] = {}
     total = sum(f.stat().st_size for f in files)
