@@ -163,3 +163,18 @@ def test_cli_settings_help_and_a_taken_port():
     assert out.returncode == 1
     assert out.stderr.strip() == (f"phaseserve up: port {port} on 127.0.0.1 is already in use; "
                                   "stop what holds it or choose another with --port")
+
+
+def test_a_gguf_file_or_a_folder_holding_one(tmp_path, private_cache):
+    from gguf_factory import write_gguf
+    from model_factory import make_model
+
+    gguf_dir = tmp_path / "downloads"
+    gguf_dir.mkdir()
+    path = write_gguf(gguf_dir / "Tiny-Chat.Q8_0.gguf", make_model(tmp_path, "llama"), types="Q8_0")
+    m = resolve_model(str(path))
+    assert m.name == "Tiny-Chat.Q8_0"
+    folder = Path(m.path)
+    assert folder.parent == private_cache / "models" and (folder / "weights.gguf").resolve() == path
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    assert resolve_model(str(gguf_dir)) == m  # the folder holding it: the same model, converted once
