@@ -206,7 +206,7 @@ def run_benchmark(args) -> dict:
     if not percentiles or any(not 0 < p < 100 for p in percentiles):
         raise ValueError("--percentiles wants numbers in (0, 100), e.g. 50,90,99")
     goodput = parse_goodput(args.goodput)
-    local = args.model in MODEL_NAMES or Path(args.model).expanduser().is_dir()
+    local = args.model in MODEL_NAMES or Path(args.model).expanduser().exists()
     model_dir = resolve_model(args.model, args.cache_dir) if local else None
     vocab = _vocab(args, model_dir)
     specs, make_long = build_specs(args, vocab)

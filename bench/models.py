@@ -15,7 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from phaseserve.settings import bundled_model_path
+from phaseserve import model_source
+from phaseserve.model_source import bundled_model_path
 
 log = structlog.get_logger("bench.models")
 
@@ -23,7 +24,7 @@ SMALL_200M = dict(num_hidden_layers=16, hidden_size=1024, intermediate_size=2816
                   num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, tie_word_embeddings=False)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-NAMES = ("bundled", "small-200m")
+NAMES = ("bundled", "small-200m", "smollm2")
 
 
 def default_cache_dir() -> Path:
@@ -32,17 +33,14 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name: str, cache_dir: str | Path | None = None) -> Path:
-    """A model name or folder -> a folder with config.json (building small-200m on first use)."""
-    if name == "bundled":
-        path = Path(bundled_model_path())
-    elif name == "small-200m":
-        path = build_small_200m(Path(cache_dir) if cache_dir else default_cache_dir())
-    else:
-        path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model {name!r}: {path} has no config.json "
-                                f"(use a HF folder or one of: {', '.join(NAMES)})")
-    return path
+    """A model name -> a folder with config.json: small-200m (built on first use) or anything the
+    servers' --model takes (bundled, the default SmolLM2, a folder, a GGUF, a hub id)."""
+    if name == "small-200m":
+        return build_small_200m(Path(cache_dir) if cache_dir else default_cache_dir())
+    try:
+        return Path(model_source.resolve_model(name).path)
+    except model_source.ModelNotFound as e:
+        raise FileNotFoundError(f"model {name!r}: {e} (bench also knows: {', '.join(NAMES)})") from None
 
 
 def build_small_200m(cache_dir: Path) -> Path:

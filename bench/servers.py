@@ -20,7 +20,9 @@ import structlog
 
 log = structlog.get_logger("bench.servers")
 
-DEFAULT_VLLM = os.environ.get("PHASESERVE_BENCH_VLLM", "/work/vllm-venv/bin/vllm")
+# where the separate vLLM virtualenv's `vllm` is: --vllm-bin, else this variable (bench/setup_vllm.sh says it)
+VLLM_ENV = "PHASESERVE_BENCH_VLLM"
+DEFAULT_VLLM = os.environ.get(VLLM_ENV)
 # How vLLM's CPU backend uses the cores (measured on this 2-core machine, see bench/README.md):
 # "auto" is vLLM's default (one core reserved for its API server/scheduler, OMP threads on the rest),
 # "all" puts the OMP threads on every core, "nobind" leaves threads and placement to torch.
@@ -101,10 +103,14 @@ def max_model_len(model_dir: Path, cap: int = 4096) -> int:
     return min(int(cfg.get("max_position_embeddings") or cap), cap)
 
 
-def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin: str = DEFAULT_VLLM,
+def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin: str | None = DEFAULT_VLLM,
                 threads: str = "auto", kv_cache_gib: int = 2, model_len: int | None = None) -> ServerProcess:
+    if not vllm_bin:
+        raise FileNotFoundError(f"where is vLLM? pass --vllm-bin PATH/bin/vllm or set {VLLM_ENV}; "
+                                "`bash bench/setup_vllm.sh VENV_DIR` installs vLLM's CPU build into VENV_DIR")
     if not Path(vllm_bin).exists():
-        raise FileNotFoundError(f"no vLLM at {vllm_bin}: run bench/setup_vllm.sh (or pass --vllm-bin)")
+        raise FileNotFoundError(f"no vLLM at {vllm_bin}: run `bash bench/setup_vllm.sh VENV_DIR` (or fix --vllm-bin / "
+                                f"{VLLM_ENV})")
     cmd = [vllm_bin, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", name, "--dtype", "bfloat16",
            "--max-model-len", str(model_len or max_model_len(model_dir)), "--disable-log-stats"]

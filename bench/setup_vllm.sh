@@ -2,10 +2,11 @@
 # Install vLLM's CPU build into its own virtualenv, for bench/side_by_side.py.
 # Never part of the project's install or CI: vLLM pins its own torch, transformers and numpy.
 #
-#   bash bench/setup_vllm.sh [VENV_DIR]      (default /work/vllm-venv; VLLM_VERSION=0.32.0)
+#   bash bench/setup_vllm.sh [VENV_DIR]      (default ./.vllm-venv; VLLM_VERSION=0.32.0)
+# then: export PHASESERVE_BENCH_VLLM=VENV_DIR/bin/vllm   (or pass --vllm-bin to bench.side_by_side)
 set -euo pipefail
 
-VENV="${1:-/work/vllm-venv}"
+VENV="${1:-.vllm-venv}"
 VERSION="${VLLM_VERSION:-0.32.0}"
 PY="${PYTHON:-python3}"
 
@@ -39,4 +40,4 @@ assert "cpu" in md.version("vllm"), md.version("vllm")
 assert current_platform.is_cpu(), current_platform
 print(f"vllm {md.version('vllm')} on {type(current_platform).__name__}, torch {torch.__version__}")
 EOF
-echo "setup_vllm: done; serve with $VENV/bin/vllm serve MODEL_DIR (see bench/README.md)"
+echo "setup_vllm: done; for the bench: export PHASESERVE_BENCH_VLLM=$(cd "$VENV" && pwd)/bin/vllm"

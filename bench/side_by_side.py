@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="vllm,phaseserve",
                    help=f"comma-separated, run in this order; from {', '.join(SERVERS)}")
     p.add_argument("--out-dir", default="bench/results", help="JSON, PNG and server logs go here")
-    p.add_argument("--vllm-bin", default=DEFAULT_VLLM, help="the `vllm` of the separate vLLM virtualenv")
+    p.add_argument("--vllm-bin", default=DEFAULT_VLLM,
+                   help="the `vllm` of the separate vLLM virtualenv [env PHASESERVE_BENCH_VLLM]")
     p.add_argument("--vllm-threads", choices=VLLM_THREAD_MODES, default="auto",
                    help="vLLM CPU thread binding (see bench/README.md for the measurement)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import sys
+
 from aiohttp import web
 
 from gateway.app import create_app
@@ -17,8 +20,14 @@ def main(argv: list[str] | None = None) -> None:
     # run_app turns SIGINT/SIGTERM into a graceful shutdown: stop accepting, let handlers finish
     # (their finally blocks cancel unfinished sequences), then close the Redis side.
     # handler_cancellation: a client that disconnects cancels its handler, even a non-streaming one.
-    web.run_app(app, host=ns.host, port=ns.port, handler_cancellation=True, shutdown_timeout=10.0,
-                access_log=None, print=None, loop=new_event_loop())
+    try:
+        web.run_app(app, host=ns.host, port=ns.port, handler_cancellation=True, shutdown_timeout=10.0,
+                    access_log=None, print=None, loop=new_event_loop())
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        sys.exit(f"phaseserve gateway: port {ns.port} on {ns.host} is already in use; "
+                 "stop what holds it or choose another with --port")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ class Gateway:
         if not settings.redis_url:
             raise SystemExit("phaseserve gateway: --redis-url (or REDIS_URL) is required")
         self.settings = settings
-        self.model_path = resolve_model(settings.model)
-        self.model_name = settings.served_model_name or os.path.basename(self.model_path.rstrip("/"))
+        model = resolve_model(settings.model, "phaseserve gateway", settings.cache_dir)
+        self.model_path = model.path
+        self.model_name = settings.served_model_name or model.name
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)

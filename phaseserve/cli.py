@@ -4,6 +4,7 @@
   phaseserve gateway    the HTTP API (OpenAI-compatible)
   phaseserve scheduler  the scheduling service
   phaseserve worker     a model worker
+  phaseserve pull       fetch a model into the cache (default: SmolLM2-135M-Instruct), for offline starts
   phaseserve bench      the benchmark client
   phaseserve settings   the table of every setting (flag, environment variable, default)
 
@@ -23,6 +24,7 @@ COMMANDS = {
     "gateway": ("gateway.__main__", "main"),
     "scheduler": ("scheduler.service", "main"),
     "worker": ("workers.service", "main"),
+    "pull": ("phaseserve.pull", "main"),
     "bench": ("bench.cli", "main"),
 }
 
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "settings":
         from phaseserve.settings import markdown_table
 
+        if rest and rest[0] in ("-h", "--help"):
+            print("usage: phaseserve settings\n\nPrints every setting of every service as a Markdown table: "
+                  "flag, environment variable, default, the services that read it, what it does.")
+            return 0
         print(markdown_table())
         return 0
     if command not in COMMANDS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +58,18 @@ def health_url(host: str, port: int) -> str:
     if ":" in h:
         h = f"[{h}]"
     return f"http://{h}:{port}"
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether the gateway's address is already bound (checked before anything starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds: TIME_WAIT is not "taken"
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def core_placement(values: dict) -> dict[str, list[int]] | None:
@@ -157,8 +170,15 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure("up", args.log_level, args.log_json)
+    if port_taken(args.host, args.port):
+        print(f"phaseserve up: port {args.port} on {args.host} is already in use; stop what holds it or "
+              "choose another with --port", file=sys.stderr)
+        return 1
     values = vars(args).copy()
-    values["model"] = settings.resolve_model(args.model)  # fail here, before starting anything
+    # resolve (fetch, convert) once, here, before starting anything; the children get the folder
+    model = settings.resolve_model(args.model, "phaseserve up", args.cache_dir)
+    values["model"] = model.path
+    values["served_model_name"] = args.served_model_name or model.name
     stop = threading.Event()
     got_signal: list[int] = []
 
@@ -174,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         stack.wait_healthy(url, args.startup_timeout, stop)
         if not stop.is_set():
-            name = args.served_model_name or os.path.basename(values["model"].rstrip("/"))
-            print(f"phaseserve: serving {name} at {url}/v1 (OpenAI API; /health, /metrics)", flush=True)
+            print(f"phaseserve: serving {values['served_model_name']} at {url}/v1 (OpenAI API; /health, /metrics)",
+                  flush=True)
             print(f"phaseserve: model folder {values['model']}; redis {values['redis_url']}; "
                   "Ctrl-C to stop", flush=True)
         while not stop.is_set():

@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from phaseserve import model_source
+from phaseserve.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
+
 
 def parse_size(text: str | int) -> int:
     """'2GiB', '512MiB', '1e9' or an int -> bytes."""
@@ -59,9 +62,14 @@ SETTINGS: list[Setting] = [
     Setting("key_prefix", "PHASESERVE_KEY_PREFIX", "ps", str,
             "prefix of every Redis key, stream and channel (lets stacks share a Redis)", ALL),
     Setting("model", "PHASESERVE_MODEL", None, str,
-            "Hugging Face model folder; default: the bundled model", ("gateway", "worker", "up")),
+            "what to serve: a Hugging Face folder, a .gguf file (or a folder holding one), a hub id (org/name), "
+            "`bundled` (the tests' small model); default: SmolLM2-135M-Instruct, fetched once into the cache",
+            ("gateway", "worker", "up")),
+    Setting("cache_dir", "PHASESERVE_CACHE_DIR", None, str,
+            "where fetched and converted models are kept; default: $XDG_CACHE_HOME/phaseserve, else "
+            "~/.cache/phaseserve", ("gateway", "worker", "up")),
     Setting("served_model_name", "PHASESERVE_SERVED_MODEL_NAME", None, str,
-            "model id in the API; default: the model folder's name", ("gateway", "up")),
+            "model id in the API; default: the model's own name (hub id, GGUF or folder name)", ("gateway", "up")),
     Setting("host", "PHASESERVE_HOST", "127.0.0.1", str, "gateway bind address", ("gateway", "up")),
     Setting("port", "PHASESERVE_PORT", 8000, int, "gateway port", ("gateway", "up")),
     Setting("gateway_id", "PHASESERVE_GATEWAY_ID", None, str,
@@ -153,17 +161,12 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def bundled_model_path() -> str:
-    """The model phaseserve ships (trained by scripts/train_bundled_model.py)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled_model")
-
-
-def resolve_model(value: str | None) -> str:
-    """A --model value (or None) -> an existing model folder, or a clear error."""
-    path = os.path.abspath(os.path.expanduser(value)) if value else bundled_model_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"phaseserve: no model at {path} (expected a Hugging Face folder with config.json)")
-    return path
+def resolve_model(value: str | None, prog: str = "phaseserve", cache: str | None = None) -> ResolvedModel:
+    """A --model value (or None: the default model) -> its folder and served name; a clear exit if none."""
+    try:
+        return model_source.resolve_model(value, cache=cache)
+    except model_source.ModelNotFound as e:
+        raise SystemExit(f"{prog}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ class Keys:
     def request_record(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
 
+    def scheduler_alive(self) -> str:
+        """Set by the scheduler every worker refresh, expiring after a few: its liveness for health checks."""
+        return f"{self.prefix}:scheduler:alive"
+
     def scheduler_stats(self) -> str:
         """msgpack dict written by the scheduler on change (throttled): num_waiting, num_running,
         kv_blocks_used, kv_blocks_total, num_preemptions, updated_at. Read by the gateway's /metrics."""

@@ -119,6 +119,8 @@ class SchedulerService:
 
     async def refresh_workers(self, now: float) -> None:
         self._next_refresh = now + self.refresh_interval
+        await self.client.set(self.keys.scheduler_alive(), self.consumer,
+                              px=max(3000, int(3000 * self.refresh_interval)))
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
         beats = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]) if members else []
         live: dict[str, WorkerInfo] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Before anything imports triton (torch._dynamo and transformers do): triton's own
 # standard library is @jit-decorated at import, interpreted only if this is set,
@@ -12,6 +13,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 # OpenMP thread makes every parallel op wait ~10 ms for a descheduled peer (tests ran 10x slower).
 # Set before torch loads, so spawned worker processes inherit it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests never read or fill the user's model cache (a test that needs the cache sets its own).
+os.environ.setdefault("PHASESERVE_CACHE_DIR", tempfile.mkdtemp(prefix="phaseserve-test-cache-"))
 
 import pytest  # noqa: E402
 

@@ -86,7 +86,7 @@ def running_stack(model_dir: Path, log_dir: Path, startup_timeout: float = 180.0
             stack.wait_healthy(url, startup_timeout, threading.Event())
         except LaunchError as e:
             raise RuntimeError(f"{e}\n--- stack log tail ---\n{log_path.read_text(errors='replace')[-6000:]}")
-        served = values.get("served_model_name") or model_dir.name
+        served = values.get("served_model_name") or settings.resolve_model(str(model_dir)).name
         yield RunningStack(url, served, Path(model_dir), values["redis_url"], values["key_prefix"], log_path, stack)
     finally:
         stack.stop()

@@ -36,7 +36,11 @@ def test_services_and_healthchecks(compose):
     services = compose["services"]
     assert {"redis", "gateway", "scheduler", "worker", "worker-gpu"} <= set(services)
     for name, svc in services.items():
-        assert "healthcheck" in svc or name == "worker-gpu", f"{name} has no healthcheck"
+        assert "healthcheck" in svc, f"{name} has no healthcheck"
+    for name, svc in phaseserve_services(compose).items():
+        # each service's own check (not only "Redis answers"), run for real in the serving test below
+        assert svc["healthcheck"]["test"][1:] == ["python", "-m", "phaseserve.healthcheck",
+                                                  "worker" if name.startswith("worker") else name], name
     assert services["gateway"]["ports"], "gateway must publish its port"
     # the worker must be scalable: no fixed container name, no published port
     assert "container_name" not in services["worker"] and "ports" not in services["worker"]
@@ -113,8 +117,10 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
         for name in ("scheduler", "worker", "gateway"):
             svc = compose["services"][name]
             env = service_env(svc)
-            env.update(REDIS_URL=redis_server, PHASESERVE_MODEL=settings.bundled_model_path(),
-                       PHASESERVE_KV_CACHE_MEMORY="64MiB", PHASESERVE_HEARTBEAT_INTERVAL="0.5")
+            assert env["PHASESERVE_MODEL"] == "SmolLM2-135M-Instruct"  # the default; the tests' model here:
+            env.update(REDIS_URL=redis_server, PHASESERVE_MODEL="bundled", PHASESERVE_CACHE_DIR=str(tmp_path),
+                       PHASESERVE_KV_CACHE_MEMORY="64MiB", PHASESERVE_HEARTBEAT_INTERVAL="0.5",
+                       PHASESERVE_KEY_PREFIX="cmp", PHASESERVE_PORT=str(port))
             argv = [exe] + [str(a) for a in svc["command"][1:]]
             if name == "gateway":
                 argv = [a if a != "8000" else str(port) for a in argv]
@@ -128,9 +134,20 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
                 return False
 
         assert wait_for(healthy, 120, 0.3), (tmp_path / "compose.log").read_text()[-4000:]
+        # each service's compose healthcheck, under the stack's key prefix and port
+        check_env = {**os.environ, "REDIS_URL": redis_server, "PHASESERVE_KEY_PREFIX": "cmp",
+                     "PHASESERVE_PORT": str(port)}
+
+        def check(service: str, env: dict) -> int:
+            return subprocess.run([sys.executable, "-m", "phaseserve.healthcheck", service], env=env,
+                                  capture_output=True, timeout=30).returncode
+
+        assert wait_for(lambda: all(check(s, check_env) == 0 for s in ("gateway", "scheduler", "worker")), 30, 0.5)
+        assert check("scheduler", {**check_env, "PHASESERVE_KEY_PREFIX": "other"}) == 1
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == ["bundled"]  # the alias, never a mount point
         chunks = list(client.chat.completions.create(
-            model="bundled_model", messages=[{"role": "user", "content": "Explain os.path.join"}],
+            model="bundled", messages=[{"role": "user", "content": "Explain os.path.join"}],
             max_tokens=8, temperature=0, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text.strip(), "no text streamed"

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint folder: config, generation config and safetensors weights.
+"""Load a local Hugging Face checkpoint folder: config, generation config and safetensors weights
+(or, for a folder made from a GGUF by phaseserve.gguf_files, the GGUF's tensors).
 
 Returns a `ModelConfig` (the few numbers the model needs, normalized across
 architectures and transformers versions) and the raw weights by their HF names.
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from phaseserve.gguf_files import GGUFError, gguf_weights_path
 from phaseserve.model_files import config_eos_token_ids
 
 log = structlog.get_logger(__name__)
@@ -170,9 +172,23 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, cast to `dtype`, keyed by their HF names."""
-    files = _weight_files(Path(model_dir))
+def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, cast to `dtype`, keyed by their HF names.
+
+    `keep_quantized` only matters for a GGUF folder: its Q8_0/Q4_0/Q4_1 matrices then stay as
+    `workers.gguf_weights.QuantizedTensor` blocks instead of being dequantized."""
+    model_dir = Path(model_dir)
+    try:
+        gguf_file = gguf_weights_path(model_dir)
+        if gguf_file is not None and not (model_dir / "model.safetensors").is_file() \
+                and not (model_dir / "model.safetensors.index.json").is_file():
+            from workers.gguf_weights import load_gguf_weights  # gguf's numpy dequantizers only when needed
+
+            return load_gguf_weights(gguf_file, dtype, device, keep_quantized=keep_quantized)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
+    files = _weight_files(model_dir)
     weights: dict[str, torch.Tensor] = {}
     total = sum(f.stat().st_size for f in files)
     # a progress bar only where loading takes a while
@@ -187,11 +203,12 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.
 
 
 def load_checkpoint(
-    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+    keep_quantized: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.dtype]:
     cfg = read_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    weights = load_weights(model_dir, torch_dtype, device)
+    weights = load_weights(model_dir, torch_dtype, device, keep_quantized=keep_quantized)
     log.info("checkpoint loaded", model=cfg.name, arch=cfg.architecture, dtype=str(torch_dtype),
              tensors=len(weights))
     return cfg, weights, torch_dtype

@@ -100,7 +100,9 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_heap_memory()  # no page faults on every layer's activations
-        cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device)
+        # a GGUF's Q8_0/Q4_0/Q4_1 blocks stay as stored unless every weight is wanted dense
+        cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device,
+                                                   keep_quantized=quantization != "none")
         self.config = cfg
         self.model_name = cfg.name
         self.vocab_size = cfg.vocab_size

@@ -192,6 +192,7 @@ def usable_cores() -> list[int]:
 def worker_threads(num_threads: int, model_dir: str, cores: int | None = None) -> int:
     """What auto_threads gives for this model folder's weights on `cores` CPUs (default: ours)."""
     weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    weight_bytes += sum(f.stat().st_size for f in Path(model_dir).glob("*.gguf"))
     return auto_threads(num_threads, len(usable_cores()) if cores is None else cores, weight_bytes)
 
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         relay_cpus = parse_cpus(args.relay_cpus)
     except ValueError as e:
         raise SystemExit(f"phaseserve worker: --relay-cpus: {e}") from None
-    model_dir = settings.resolve_model(args.model)
+    model_dir = settings.resolve_model(args.model, "phaseserve worker", args.cache_dir).path
     threads = set_threads(args.num_threads, model_dir)
     worker_id = args.worker_id or default_worker_id()
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
