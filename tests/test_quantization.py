@@ -261,3 +261,24 @@ def test_quantization_setting(monkeypatch):
     assert settings.parse("worker", []).quantization == "int8"
     with pytest.raises(SystemExit):
         settings.parse("worker", ["--quantization", "int3"])
+
+
+def test_gguf_model_keeps_its_blocks(tmp_path):
+    """A GGUF with Q4_1 linears and a Q8_0 (tied) embedding, served with --quantization auto in bf16:
+    the linears stay int4, the lm_head and the lookup table int8, straight from the file's blocks, and
+    the logits are those of the same weights dequantized to bf16 (`none`)."""
+    from gguf_factory import write_gguf
+    from phaseserve.gguf_files import write_model_folder
+
+    path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
+                      types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")
+    folder = write_model_folder(path, tmp_path / "q-folder")
+    kept = ModelRunner(folder, dtype="bfloat16", num_blocks=64)  # auto
+    m = kept.model
+    assert {layer.gate_up.kind for layer in m.layers} == {"int4"} and m.layers[0].qkv.kind == "int4"
+    assert m.lm_head.kind == "int8" and isinstance(m.embed, QuantizedWeight) and m.embed.kind == "int8"
+    dense = ModelRunner(folder, dtype="bfloat16", num_blocks=64, quantization="none")
+    assert isinstance(dense.model.layers[0].gate_up, Linear)
+    got = run_schedule(kept, [SEQ], SCHEDULE)[0]
+    ref = run_schedule(dense, [SEQ], SCHEDULE)[0]
+    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
