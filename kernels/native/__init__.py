@@ -1,0 +1,87 @@
+"""Native CPU ops: C++ files in this folder, compiled on first use with torch.utils.cpp_extension.
+
+`load(name)` compiles `kernels/native/<name>.cpp` into torch's extension cache (reused by later
+processes while the source is unchanged) and returns `torch.ops.phaseserve_<name>`, the namespace its
+`STABLE_TORCH_LIBRARY(phaseserve_<name>, m)` (or `TORCH_LIBRARY`) block registers; or None, with a log
+line saying why, where native ops cannot run: PHASESERVE_NATIVE=0, not Linux on x86-64, no C++
+compiler, a failed build, or a CPU without the instructions the file needs (its `supported()` op says).
+
+Hot functions carry `__attribute__((target(...)))` and the CPU is checked at run time: the build never
+uses -march=native, so one cache serves every CPU of the architecture. Only kernels/__init__.py (the
+dispatch point) decides what runs where; it asks here whether an op is available.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+ENV_SWITCH = "PHASESERVE_NATIVE"
+CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
+
+_loaded: dict[str, object | None] = {}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """False when PHASESERVE_NATIVE is 0/false/off/no: every op then takes the torch path."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def load(name: str):
+    """torch.ops.phaseserve_<name> with kernels/native/<name>.cpp compiled and loaded, or None where it
+    cannot run here (logged once). Cached per process; thread-safe."""
+    if not enabled():
+        return None
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _load(name)
+        return _loaded[name]
+
+
+def _unsupported_platform() -> str | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"native ops are built for Linux on x86-64, not {platform.system()} on {platform.machine()}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not found; install g++ or set CXX)"
+    return None
+
+
+def _load(name: str):
+    source = SOURCE_DIR / f"{name}.cpp"
+    if not source.is_file():
+        raise ValueError(f"no native op source {source}")
+    reason = _unsupported_platform()
+    if reason is not None:
+        log.warning("native op unavailable, torch path runs", op=name, reason=reason)
+        return None
+    from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
+
+    module = f"phaseserve_{name}"
+    t0 = time.perf_counter()
+    log.info("compiling native op (first use; cached for later runs)", op=name,
+             cache=cpp_extension._get_build_directory(module, verbose=False))
+    try:
+        cpp_extension.load(name=module, sources=[str(source)], extra_cflags=CFLAGS, is_python_module=False,
+                           verbose=False)
+    except Exception as exc:  # a missing header, a compiler error, ninja: the torch path still works
+        log.warning("native op failed to build, torch path runs", op=name, error=str(exc).strip()[-2000:])
+        return None
+    ops = getattr(torch.ops, module)
+    log.info("native op ready", op=name, seconds=round(time.perf_counter() - t0, 2))
+    if hasattr(ops, "supported") and not ops.supported():
+        log.warning("native op unavailable, torch path runs", op=name,
+                    reason="this CPU lacks the instructions it needs (AVX512-BF16)")
+        return None
+    return ops
