@@ -32,12 +32,16 @@ using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
 constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
+#ifndef PV_BF16
+#define PV_BF16 1  // p.V with bf16 dot products (probabilities rounded to bf16), else fp32 FMA
+#endif
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 1  // software prefetch distance in tiles
+#define PREFETCH_TILES 1
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
+constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -124,35 +128,59 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
     l[h] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * P.hq * D);
+#if PV_BF16
+  alignas(64) uint16_t vpairs[TILE * D];  // one KV head's V tile, tokens (2i, 2i+1) interleaved per feature
+  alignas(64) uint32_t ppairs[MAX_GROUP][TILE / 2];  // per query head: (p_2i, p_2i+1) as bf16 pairs
+#else
   alignas(64) float vf[TILE * D];  // one KV head's V tile in fp32
-  alignas(64) float probs[TILE];
-  const uint16_t* krow[TILE];
-  const uint16_t* vrow[TILE];
-  for (int64_t tile = t0; tile < t1; tile += TILE) {
-    const int n = static_cast<int>(t1 - tile < TILE ? t1 - tile : TILE);
-    tile_rows(P, table, tile, n, row, krow, vrow);
-#if PREFETCH_TILES > 0
-    if (tile + PREFETCH_TILES * TILE < t1) {  // blocks are scattered: the hardware cannot guess the next one
-      const int64_t ahead = tile + PREFETCH_TILES * TILE;
-      const uint16_t* kp[TILE];
-      const uint16_t* vp[TILE];
-      const int na = static_cast<int>(t1 - ahead < TILE ? t1 - ahead : TILE);
-      tile_rows(P, table, ahead, na, row, kp, vp);
-      for (int t = 0; t < na; t++)
-        for (int64_t byte = 0; byte < row * 2; byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kp[t]) + byte, PREFETCH_HINT);
-          _mm_prefetch(reinterpret_cast<const char*>(vp[t]) + byte, PREFETCH_HINT);
-        }
-    }
+  alignas(64) float probs[MAX_GROUP][TILE];
 #endif
+  alignas(64) float scores[MAX_GROUP][TILE];  // per query head of a KV head, base-2 scaled
+  float corr[MAX_GROUP];
+  const uint16_t* rows[2][2][TILE];  // [this / next tile][K / V][token]
+  int cur = 0;
+  tile_rows(P, table, t0, static_cast<int>(std::min<int64_t>(TILE, t1 - t0)), row, rows[0][0], rows[0][1]);
+  for (int64_t tile = t0; tile < t1; tile += TILE, cur ^= 1) {
+    const int n = static_cast<int>(t1 - tile < TILE ? t1 - tile : TILE);
+    const uint16_t* const* krow = rows[cur][0];
+    const uint16_t* const* vrow = rows[cur][1];
+    const int64_t next = tile + TILE;
+    const int n_next = static_cast<int>(next < t1 ? std::min<int64_t>(TILE, t1 - next) : 0);
+    if (n_next > 0) tile_rows(P, table, next, n_next, row, rows[cur ^ 1][0], rows[cur ^ 1][1]);
+    // blocks are scattered, so the hardware cannot guess the rows PREFETCH_TILES tiles ahead: prefetch them,
+    // each KV head's share while that head computes
+    const uint16_t* ahead[2][TILE];
+    const int64_t at = tile + PREFETCH_TILES * TILE;
+    const int n_ahead = static_cast<int>(at < t1 ? std::min<int64_t>(TILE, t1 - at) : 0);
+    if (PREFETCH_TILES == 1) {
+      for (int t = 0; t < n_ahead; t++) ahead[0][t] = rows[cur ^ 1][0][t], ahead[1][t] = rows[cur ^ 1][1][t];
+    } else if (n_ahead > 0) {
+      tile_rows(P, table, at, n_ahead, row, ahead[0], ahead[1]);
+    }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t kh = 0; kh < P.hkv; kh++) {
+      for (int t = 0; t < n_ahead; t++)
+        for (int64_t byte = 0; byte < D * 2; byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[0][t] + kh * D) + byte, PREFETCH_HINT);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[1][t] + kh * D) + byte, PREFETCH_HINT);
+        }
+#if PV_BF16
+      for (int t = 0; t < n; t += 2)
+        for (int c = 0; c < D / 32; c++) {
+          const __m512i x = _mm512_loadu_si512(vrow[t] + kh * D + c * 32);
+          const __m512i y = t + 1 < n ? _mm512_loadu_si512(vrow[t + 1] + kh * D + c * 32) : _mm512_setzero_si512();
+          _mm512_store_si512(vpairs + t * D + c * 64, _mm512_unpacklo_epi16(x, y));
+          _mm512_store_si512(vpairs + t * D + c * 64 + 32, _mm512_unpackhi_epi16(x, y));
+        }
+#else
       for (int t = 0; t < n; t++)
         for (int c = 0; c < D / 16; c++)
           _mm512_store_ps(vf + t * D + c * 16, bf16_to_fp32(vrow[t] + kh * D + c * 16));
+#endif
+      // three passes over this KV head's query heads, each free of dependencies between heads so that the
+      // out-of-order core overlaps the heads' latency chains (dot, transpose, max, exp, accumulate)
       for (int64_t g = 0; g < G; g++) {
-        const int64_t h = kh * G + g;
-        const uint16_t* qh = P.q + b * P.q_stride + h * D;
+        const uint16_t* qh = P.q + b * P.q_stride + (kh * G + g) * D;
         __m512bh qv[D / 32];
         for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
         __m512 dots[TILE];
@@ -162,35 +190,64 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krow[t] + kh * D + c * 32), qv[c]);
           dots[t] = a;
         }
-        __m512 s = _mm512_mul_ps(transpose_reduce(dots), _mm512_set1_ps(P.scale_log2));
-        s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
+        _mm512_store_ps(scores[g], _mm512_mul_ps(transpose_reduce(dots), _mm512_set1_ps(P.scale_log2)));
+      }
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t h = kh * G + g;
+        const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_load_ps(scores[g]));
         const float m_new = std::fmax(m[h], _mm512_reduce_max_ps(s));
         const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        const float corr = std::exp2(m[h] - m_new);  // 0 on the first tile (m = -inf)
-        l[h] = l[h] * corr + _mm512_reduce_add_ps(p);
+        corr[g] = std::exp2(m[h] - m_new);  // 0 on the first tile (m = -inf)
+        l[h] = l[h] * corr[g] + _mm512_reduce_add_ps(p);
         m[h] = m_new;
-        _mm512_store_ps(probs, p);
-        float* ah = acc + h * D;
+#if PV_BF16
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ppairs[g]), (__m256i)_mm512_cvtneps_pbh(p));
+#else
+        _mm512_store_ps(probs[g], p);
+#endif
+      }
+      for (int64_t g = 0; g < G; g++) {
+        float* ah = acc + (kh * G + g) * D;
         __m512 o[D / 16];
-        const __m512 cv = _mm512_set1_ps(corr);
+        const __m512 cv = _mm512_set1_ps(corr[g]);
         for (int c = 0; c < D / 16; c++) o[c] = _mm512_mul_ps(_mm512_load_ps(ah + c * 16), cv);
+#if PV_BF16
+        for (int t = 0; t < n; t += 2) {
+          const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(ppairs[g][t / 2]));
+          for (int c = 0; c < D / 16; c++)
+            o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)_mm512_load_si512(vpairs + t * D + c * 32), pt);
+        }
+#else
         for (int t = 0; t < n; t++) {
-          const __m512 pt = _mm512_set1_ps(probs[t]);
+          const __m512 pt = _mm512_set1_ps(probs[g][t]);
           for (int c = 0; c < D / 16; c++) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf + t * D + c * 16), o[c]);
         }
+#endif
         for (int c = 0; c < D / 16; c++) _mm512_store_ps(ah + c * 16, o[c]);
       }
     }
   }
 }
 
-// out[h] = bf16(acc[h] / l[h]) for D elements.
+// out[h] = bf16(acc[h] / l[h]) for D elements. With bf16 p.V the accumulators hold each 32 features as
+// unpacklo/unpackhi left them (lane 4j+k: feature 8j+k, then 8j+4+k): put back in order here.
 AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float inv_l, int64_t d) {
   const __m512 s = _mm512_set1_ps(inv_l);
+#if PV_BF16
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + c), s), y = _mm512_mul_ps(_mm512_load_ps(acc + c + 16), s);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
+  }
+#else
   for (int64_t c = 0; c < d; c += 16) {
     __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + c), s));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)r);
   }
+#endif
 }
 
 // Sequence b's partitions [first, last) combined in partition order (deterministic) into out [Hq, D].
@@ -270,7 +327,8 @@ Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_t
   STD_TORCH_CHECK(k_cache.size(3) == D && v_cache.size(0) == nb && v_cache.size(1) == bs && v_cache.size(2) == hkv &&
                       v_cache.size(3) == D,
                   "decode_attention: cache shapes disagree with q");
-  STD_TORCH_CHECK(hkv > 0 && hq % hkv == 0, "decode_attention: query heads must be a multiple of KV heads");
+  STD_TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= MAX_GROUP,
+                  "decode_attention: query heads must be 1 to 16 times the KV heads");
   STD_TORCH_CHECK(D == 32 || D == 64 || D == 128, "decode_attention: head_dim must be 32, 64 or 128");
   STD_TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
   STD_TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "decode_attention: q's heads must be dense rows");
