@@ -94,14 +94,17 @@ def decode_reads_own_lengths(device: torch.device | str, dtype: torch.dtype, num
     return _native_decode(dtype, num_heads, num_kv_heads, head_dim) is not None
 
 
-def paged_attention(
+def paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton().paged_attention(q, *args, **kwargs)
+    return _cpu_paged_attention(q, *args, **kwargs)
+
+
+def _cpu_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
     scale: float, max_query_len: int,
 ) -> torch.Tensor:
-    if q.is_cuda:
-        return _triton().paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                         max_query_len)
     T, H, D = q.shape
     if max_query_len == 1 and T == seq_lens.shape[0] and k_cache.dtype == q.dtype:
         ops = _native_decode(q.dtype, H, k_cache.shape[2], D)
