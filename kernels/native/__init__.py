@@ -58,6 +58,18 @@ def _unsupported_platform() -> str | None:
     return None
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja wheel's binary sits in the venv's bin, which is not on
+    PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _load(name: str):
     source = SOURCE_DIR / f"{name}.cpp"
     if not source.is_file():
@@ -69,17 +81,22 @@ def _load(name: str):
     from torch.utils import cpp_extension  # imported here: it is slow to import and only needed once
 
     module = f"phaseserve_{name}"
+    _put_ninja_on_path()
+    build_dir = Path(cpp_extension._get_build_directory(module, verbose=False))
+    built = build_dir / f"{module}.so"
+    fresh = not built.is_file() or built.stat().st_mtime < source.stat().st_mtime
     t0 = time.perf_counter()
-    log.info("compiling native op (first use; cached for later runs)", op=name,
-             cache=cpp_extension._get_build_directory(module, verbose=False))
+    if fresh:
+        log.info("compiling native op (first use; cached for later runs)", op=name, cache=str(build_dir))
     try:
         cpp_extension.load(name=module, sources=[str(source)], extra_cflags=CFLAGS, is_python_module=False,
                            verbose=False)
     except Exception as exc:  # a missing header, a compiler error, ninja: the torch path still works
         log.warning("native op failed to build, torch path runs", op=name, error=str(exc).strip()[-2000:])
         return None
+    if fresh:
+        log.info("native op compiled", op=name, seconds=round(time.perf_counter() - t0, 1))
     ops = getattr(torch.ops, module)
-    log.info("native op ready", op=name, seconds=round(time.perf_counter() - t0, 2))
     if hasattr(ops, "supported") and not ops.supported():
         log.warning("native op unavailable, torch path runs", op=name,
                     reason="this CPU lacks the instructions it needs (AVX512-BF16)")
