@@ -198,6 +198,7 @@ def bench_model(name: str, path: Path, dtype: str, bw: float, flops: float, repe
 
 
 def main(argv: list[str] | None = None) -> None:
+    global CONTEXT
     bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=bundled if (bundled / "config.json").is_file() else None)
@@ -212,7 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    global CONTEXT
     CONTEXT = args.context
 
     torch.manual_seed(0)
