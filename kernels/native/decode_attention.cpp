@@ -32,15 +32,7 @@ using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
 constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
-#ifndef PV_BF16
-#define PV_BF16 1  // p.V with bf16 dot products (probabilities rounded to bf16), else fp32 FMA
-#endif
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 1
-#endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
+constexpr int PREFETCH_TILES = 2;  // software prefetch distance (1: 5-10% slower, 3-4: no better)
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -128,13 +120,8 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
     l[h] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * P.hq * D);
-#if PV_BF16
   alignas(64) uint16_t vpairs[TILE * D];  // one KV head's V tile, tokens (2i, 2i+1) interleaved per feature
   alignas(64) uint32_t ppairs[MAX_GROUP][TILE / 2];  // per query head: (p_2i, p_2i+1) as bf16 pairs
-#else
-  alignas(64) float vf[TILE * D];  // one KV head's V tile in fp32
-  alignas(64) float probs[MAX_GROUP][TILE];
-#endif
   alignas(64) float scores[MAX_GROUP][TILE];  // per query head of a KV head, base-2 scaled
   float corr[MAX_GROUP];
   const uint16_t* rows[2][2][TILE];  // [this / next tile][K / V][token]
@@ -152,19 +139,26 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
     const uint16_t* ahead[2][TILE];
     const int64_t at = tile + PREFETCH_TILES * TILE;
     const int n_ahead = static_cast<int>(at < t1 ? std::min<int64_t>(TILE, t1 - at) : 0);
-    if (PREFETCH_TILES == 1) {
-      for (int t = 0; t < n_ahead; t++) ahead[0][t] = rows[cur ^ 1][0][t], ahead[1][t] = rows[cur ^ 1][1][t];
-    } else if (n_ahead > 0) {
-      tile_rows(P, table, at, n_ahead, row, ahead[0], ahead[1]);
-    }
+    if (n_ahead > 0) tile_rows(P, table, at, n_ahead, row, ahead[0], ahead[1]);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    // a whole tile inside one block is one contiguous range: prefetched in address order
+    const bool contiguous = n_ahead == TILE && ahead[0][TILE - 1] == ahead[0][0] + (TILE - 1) * row &&
+                            ahead[1][TILE - 1] == ahead[1][0] + (TILE - 1) * row;
+    const int64_t share = (TILE * row * 2 / P.hkv + 63) / 64 * 64;  // bytes of the tile prefetched per KV head
     for (int64_t kh = 0; kh < P.hkv; kh++) {
-      for (int t = 0; t < n_ahead; t++)
-        for (int64_t byte = 0; byte < D * 2; byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(ahead[0][t] + kh * D) + byte, PREFETCH_HINT);
-          _mm_prefetch(reinterpret_cast<const char*>(ahead[1][t] + kh * D) + byte, PREFETCH_HINT);
+      if (contiguous) {
+        const int64_t end = std::min<int64_t>((kh + 1) * share, TILE * row * 2);
+        for (int64_t byte = kh * share; byte < end; byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[0][0]) + byte, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[1][0]) + byte, _MM_HINT_T0);
         }
-#if PV_BF16
+      } else {
+        for (int t = 0; t < n_ahead; t++)
+          for (int64_t byte = 0; byte < D * 2; byte += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead[0][t] + kh * D) + byte, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(ahead[1][t] + kh * D) + byte, _MM_HINT_T0);
+          }
+      }
       for (int t = 0; t < n; t += 2)
         for (int c = 0; c < D / 32; c++) {
           const __m512i x = _mm512_loadu_si512(vrow[t] + kh * D + c * 32);
@@ -172,11 +166,6 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
           _mm512_store_si512(vpairs + t * D + c * 64, _mm512_unpacklo_epi16(x, y));
           _mm512_store_si512(vpairs + t * D + c * 64 + 32, _mm512_unpackhi_epi16(x, y));
         }
-#else
-      for (int t = 0; t < n; t++)
-        for (int c = 0; c < D / 16; c++)
-          _mm512_store_ps(vf + t * D + c * 16, bf16_to_fp32(vrow[t] + kh * D + c * 16));
-#endif
       // three passes over this KV head's query heads, each free of dependencies between heads so that the
       // out-of-order core overlaps the heads' latency chains (dot, transpose, max, exp, accumulate)
       for (int64_t g = 0; g < G; g++) {
@@ -200,29 +189,18 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
         corr[g] = std::exp2(m[h] - m_new);  // 0 on the first tile (m = -inf)
         l[h] = l[h] * corr[g] + _mm512_reduce_add_ps(p);
         m[h] = m_new;
-#if PV_BF16
         _mm256_store_si256(reinterpret_cast<__m256i*>(ppairs[g]), (__m256i)_mm512_cvtneps_pbh(p));
-#else
-        _mm512_store_ps(probs[g], p);
-#endif
       }
       for (int64_t g = 0; g < G; g++) {
         float* ah = acc + (kh * G + g) * D;
         __m512 o[D / 16];
         const __m512 cv = _mm512_set1_ps(corr[g]);
         for (int c = 0; c < D / 16; c++) o[c] = _mm512_mul_ps(_mm512_load_ps(ah + c * 16), cv);
-#if PV_BF16
         for (int t = 0; t < n; t += 2) {
           const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(ppairs[g][t / 2]));
           for (int c = 0; c < D / 16; c++)
             o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)_mm512_load_si512(vpairs + t * D + c * 32), pt);
         }
-#else
-        for (int t = 0; t < n; t++) {
-          const __m512 pt = _mm512_set1_ps(probs[g][t]);
-          for (int c = 0; c < D / 16; c++) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf + t * D + c * 16), o[c]);
-        }
-#endif
         for (int c = 0; c < D / 16; c++) _mm512_store_ps(ah + c * 16, o[c]);
       }
     }
@@ -233,7 +211,6 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
 // unpacklo/unpackhi left them (lane 4j+k: feature 8j+k, then 8j+4+k): put back in order here.
 AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float inv_l, int64_t d) {
   const __m512 s = _mm512_set1_ps(inv_l);
-#if PV_BF16
   const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t c = 0; c < d; c += 32) {
@@ -242,12 +219,6 @@ AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
   }
-#else
-  for (int64_t c = 0; c < d; c += 16) {
-    __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + c), s));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)r);
-  }
-#endif
 }
 
 // Sequence b's partitions [first, last) combined in partition order (deterministic) into out [Hq, D].
