@@ -109,9 +109,14 @@ inline void tile_rows(const Problem& P, const int32_t* table, int64_t tile, int 
 
 // One partition [t0, t1) of sequence b: per query head, the running max m (base 2), the sum l of
 // 2^(s - m) and the unnormalized output acc [D], written to state (acc at h * D, then m and l at the end).
+// The range of positions a work item attends: sequence b's [t0, t1).
+struct Span {
+  int64_t b, t0, t1;
+};
+
 template <int D>
 AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64_t t1, float* acc,
-                                  float* m, float* l) {
+                                  float* m, float* l, const Span* following) {
   const int64_t G = P.hq / P.hkv;
   const int64_t row = P.hkv * D;  // elements per token in a block
   const int32_t* table = P.tables + b * P.table_stride;
@@ -137,9 +142,16 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
     // blocks are scattered, so the hardware cannot guess the rows PREFETCH_TILES tiles ahead: prefetch them,
     // each KV head's share while that head computes
     const uint16_t* ahead[2][TILE];
-    const int64_t at = tile + PREFETCH_TILES * TILE;
-    const int n_ahead = static_cast<int>(at < t1 ? std::min<int64_t>(TILE, t1 - at) : 0);
-    if (n_ahead > 0) tile_rows(P, table, at, n_ahead, row, ahead[0], ahead[1]);
+    // near the end, the first tiles of the item this thread runs next (`following`)
+    int64_t at = tile + PREFETCH_TILES * TILE, end = t1;
+    const int32_t* at_table = table;
+    if (at >= t1 && following != nullptr) {
+      at = following->t0 + (at - t0 - (t1 - t0 + TILE - 1) / TILE * TILE);
+      end = following->t1;
+      at_table = P.tables + following->b * P.table_stride;
+    }
+    const int n_ahead = static_cast<int>(at < end ? std::min<int64_t>(TILE, end - at) : 0);
+    if (n_ahead > 0) tile_rows(P, at_table, at, n_ahead, row, ahead[0], ahead[1]);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     // a whole tile inside one block is one contiguous range: prefetched in address order
     const bool contiguous = n_ahead == TILE && ahead[0][TILE - 1] == ahead[0][0] + (TILE - 1) * row &&
@@ -269,7 +281,13 @@ void run(const Problem& P, int64_t B, uint16_t* out) {
       float* acc = state + i * per_item;
       float* m = acc + P.hq * D;
       float* l = m + P.hq;
-      attend_partition<D>(P, b, t0, t1, acc, m, l);
+      Span next{0, 0, 0};
+      if (i + 1 < end) {
+        next.b = item_seq[i + 1];
+        next.t0 = (i + 1 - first[next.b]) * PARTITION_TOKENS;
+        next.t1 = std::min<int64_t>(next.t0 + PARTITION_TOKENS, P.lens[next.b]);
+      }
+      attend_partition<D>(P, b, t0, t1, acc, m, l, i + 1 < end ? &next : nullptr);
       if (first[b + 1] - first[b] == 1)
         for (int64_t h = 0; h < P.hq; h++) store_normalized(out + (b * P.hq + h) * D, acc + h * D, 1.0f / l[h], D);
     }
