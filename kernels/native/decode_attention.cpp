@@ -292,11 +292,12 @@ void run(const Problem& P, int64_t B, uint16_t* out) {
         for (int64_t h = 0; h < P.hq; h++) store_normalized(out + (b * P.hq + h) * D, acc + h * D, 1.0f / l[h], D);
     }
   });
-  torch::stable::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b++)
-      if (first[b + 1] - first[b] > 1)
-        combine_partitions<D>(state, per_item, P.hq, first[b], first[b + 1], out + b * P.hq * D);
-  });
+  if (items > B)  // some sequence has several partitions
+    torch::stable::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b++)
+        if (first[b + 1] - first[b] > 1)
+          combine_partitions<D>(state, per_item, P.hq, first[b], first[b + 1], out + b * P.hq * D);
+    });
   std::free(state);
 }
 
