@@ -216,3 +216,15 @@ def test_runner_attends_all_native_decodes_in_one_call_each_as_alone(tmp_path, o
     inp, ordered = runner._inputs([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
     assert [c.seq_id for c in ordered] == ["s0", "s1", "s2", "s3"]
     assert [g.block_tables.shape for g in inp.groups] == [(4, -(-301 // runner.block_size))]
+
+
+def test_a_native_op_that_fails_to_build_leaves_the_torch_path(monkeypatch, tmp_path):
+    """A compiler error is logged and load() returns None (no exception): callers fall back to torch."""
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("broken") is None
+    with pytest.raises(ValueError, match="no native op source"):
+        native.load("missing")
