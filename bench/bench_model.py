@@ -175,21 +175,22 @@ def prefill_flops(runner: ModelRunner, tokens: int) -> float:
     return 2 * linear * tokens + attention + 2 * m.lm_head.numel()
 
 
-def bench_model(name: str, path: Path, dtype: str, bw: float, flops: float, repeats: int) -> list[list[str]]:
+def bench_model(name: str, path: Path, dtype: str, bw: float, flops: float, repeats: int,
+                with_transformers: bool = True) -> list[list[str]]:
     rb = RunnerBench(path, dtype)
     torch_dtype = rb.runner.dtype
-    hf = HFBench(path, torch_dtype)
+    hf = HFBench(path, torch_dtype) if with_transformers else None
     rows = []
     wb = weight_bytes(rb.runner)
     for b in DECODE_BATCHES:
         ours = rb.decode_step_time(b, repeats)
-        theirs = hf.decode_step_time(b, repeats)
+        theirs = hf.decode_step_time(b, repeats) if hf else float("nan")
         floor = max(wb / bw, decode_flops(rb.runner, b) / flops)  # memory-bound at small batch, then compute
         rows.append([name, f"decode step, batch {b}", f"{ours * 1e3:.1f} ms", f"{floor * 1e3:.1f} ms",
                      f"{ours / floor:.2f}x", f"{theirs * 1e3:.1f} ms", f"{theirs / ours:.2f}x"])
     for cs in PREFILL_CHUNKS:
         ours = rb.prefill_time(cs, repeats)
-        theirs = hf.prefill_time(cs, repeats)
+        theirs = hf.prefill_time(cs, repeats) if hf else float("nan")
         floor = prefill_flops(rb.runner, cs) / flops
         rows.append([name, f"prefill, chunk {cs}", f"{cs / ours:.0f} tok/s", f"{cs / floor:.0f} tok/s",
                      f"{ours / floor:.2f}x", f"{cs / theirs:.0f} tok/s", f"{theirs / ours:.2f}x"])
@@ -197,6 +198,7 @@ def bench_model(name: str, path: Path, dtype: str, bw: float, flops: float, repe
 
 
 def main(argv: list[str] | None = None) -> None:
+    global CONTEXT
     bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=bundled if (bundled / "config.json").is_file() else None)
@@ -206,9 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a machine shared with other busy "
                          "processes, 1 avoids OpenMP barrier stalls that can cost 5x")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="context tokens per sequence at decode")
+    ap.add_argument("--skip-transformers", action="store_true", help="phaseserve and the floor only (faster)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    CONTEXT = args.context
 
     torch.manual_seed(0)
     bw = measure_bandwidth()
@@ -217,10 +222,11 @@ def main(argv: list[str] | None = None) -> None:
           f"bf16 matmul {mm / 1e9:.0f} GFLOP/s")
     rows = []
     if args.model is not None:
-        rows += bench_model(args.model.name, args.model, args.dtype, bw, mm, args.steps)
+        rows += bench_model(args.model.name, args.model, args.dtype, bw, mm, args.steps, not args.skip_transformers)
     if not args.skip_random:
         with tempfile.TemporaryDirectory() as tmp:
-            rows += bench_model("random-200m (bf16)", build_random_model(Path(tmp)), "bfloat16", bw, mm, args.steps)
+            rows += bench_model("random-200m (bf16)", build_random_model(Path(tmp)), "bfloat16", bw, mm, args.steps,
+                                not args.skip_transformers)
     header = ["model", "figure", "phaseserve", "floor", "phaseserve / floor", "transformers",
               "transformers / phaseserve (time)"]
     print("| " + " | ".join(header) + " |")

@@ -1,18 +1,27 @@
-"""The one dispatch point for kernels: Triton on CUDA tensors, native C++ on a CPU that supports it
-(kernels/native), torch otherwise.
+"""The one dispatch point for kernels: Triton on CUDA tensors, native C++ where this CPU supports it, torch
+otherwise.
 
-Callers import the ops from here and never choose an implementation themselves.
+Callers import the ops from here and never choose an implementation themselves. Native ops
+(kernels/native) run for CPU decode attention in bf16 and for matmuls with quantized weights; set
+PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 
-from kernels import reference
+from kernels import native, reference
 from kernels.quant import QuantizedWeight
+
+log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
         "pack_quantized", "quant_linear")
+
+# What the native decode attention handles; anything else takes the torch path.
+NATIVE_DECODE_HEAD_DIMS = (32, 64, 128)
+NATIVE_DECODE_MAX_GROUP = 16  # query heads per KV head
 
 
 def _triton():
@@ -37,7 +46,6 @@ def _pick(name: str):
 rms_norm = _pick("rms_norm")
 silu_and_mul = _pick("silu_and_mul")
 write_kv_cache = _pick("write_kv_cache")
-paged_attention = _pick("paged_attention")
 sample = _pick("sample")
 
 
@@ -46,9 +54,76 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def _native_quant_gemm():
-    from kernels import native
+def _unsupported_native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the native decode attention cannot take these shapes, or None when it can."""
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} (native decode attention is bf16 only)"
+    if head_dim not in NATIVE_DECODE_HEAD_DIMS:
+        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_DECODE_HEAD_DIMS))})"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_DECODE_MAX_GROUP:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads"
+    return None
 
+
+_decode_choice: dict[tuple, object | None] = {}
+
+
+def _native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The native ops for CPU decode attention at these shapes, or None (torch). Decided once per shape and
+    logged then."""
+    key = (dtype, num_heads, num_kv_heads, head_dim)
+    if key not in _decode_choice:
+        reason = _unsupported_native_decode(dtype, num_heads, num_kv_heads, head_dim)
+        ops = None
+        if reason is None:
+            ops = native.load("decode_attention")
+            if ops is None:
+                reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
+                          else "native op unavailable (see the log line above)")
+        log.info("CPU decode attention", implementation="native avx512-bf16" if ops is not None else "torch",
+                 reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
+                 head_dim=head_dim)
+        _decode_choice[key] = ops
+    return _decode_choice[key]
+
+
+def decode_reads_own_lengths(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> bool:
+    """True when paged_attention's decodes (one query per sequence) on this device read each sequence's own
+    context length, so a caller gains nothing from grouping decodes by length. False for the torch path,
+    which pads every row of a call to its longest context."""
+    if torch.device(device).type == "cuda":
+        return True
+    return _native_decode(dtype, num_heads, num_kv_heads, head_dim) is not None
+
+
+def paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton().paged_attention(q, *args, **kwargs)
+    return _cpu_paged_attention(q, *args, **kwargs)
+
+
+def _cpu_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    scale: float, max_query_len: int,
+) -> torch.Tensor:
+    T, H, D = q.shape
+    if max_query_len == 1 and T == seq_lens.shape[0] and k_cache.dtype == q.dtype:
+        ops = _native_decode(q.dtype, H, k_cache.shape[2], D)
+        if ops is not None:
+            if q.stride(2) != 1 or q.stride(1) != D:
+                q = q.contiguous()
+            return ops.decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     max_query_len)
+
+
+paged_attention.__doc__ = reference.paged_attention.__doc__
+
+
+
+def _native_quant_gemm():
     return native.load("quant_gemm")
 
 
@@ -82,4 +157,4 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
     return _native_quant_gemm().quant_linear(x, weight.data, weight.bits)
 
 
-__all__ = list(_OPS) + ["native_quant_available"]
+__all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available"]

@@ -1,6 +1,6 @@
-"""Torch implementations of every kernel: the reference for the Triton kernels
-and the path that runs on CPU. Each function here has a Triton twin with the
-same signature in kernels/triton_ops.py; kernels/__init__.py picks one.
+"""Torch implementations of every kernel: the reference for the Triton kernels and the native CPU
+ops (kernels/native), and the path that runs on CPU where no native op applies. Each function here
+has a Triton twin with the same signature in kernels/triton_ops.py; kernels/__init__.py picks one.
 
 Shapes (T = tokens in the packed step, H = query heads, KVH = kv heads, D = head dim):
   q [T, H, D]; k, v [T, KVH, D]

@@ -14,6 +14,7 @@ from pathlib import Path
 import structlog
 import torch
 
+import kernels
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
@@ -127,9 +128,13 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
         self.seqs: dict[str, SequenceState] = {}
-        # CPU attends decodes in batched calls of similar lengths (decode_buckets); a GPU kernel takes the
-        # whole packed batch at once
+        # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
+        # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
+        # gets decodes in calls of similar lengths (decode_buckets); a kernel reading each sequence's own
+        # length (the native one) takes them all in one.
         self._split_decodes = self.device.type == "cpu"
+        self._bucket_decodes = self._split_decodes and not kernels.decode_reads_own_lengths(
+            self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         log.info("model runner ready", model=self.model_name, dtype=str(self.dtype), num_blocks=self.num_blocks,
                  block_size=block_size, max_model_len=self.max_model_len)
 
@@ -203,7 +208,7 @@ class ModelRunner:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
-        if self._split_decodes:
+        if self._bucket_decodes:
             decodes.sort(key=lambda c: c.start_pos)  # shortest first, for the length buckets below
         ordered = decodes + prefills
         bs = self.block_size
@@ -231,8 +236,11 @@ class ModelRunner:
         slots = tables[row, positions // bs] * bs + positions % bs
         nd = len(decodes)
         if self._split_decodes:
-            groups = [self._group(decodes[a:b], a, tables[a:b])
-                      for a, b in decode_buckets([c.start_pos + 1 for c in decodes], bs)]
+            if self._bucket_decodes:
+                groups = [self._group(decodes[a:b], a, tables[a:b])
+                          for a, b in decode_buckets([c.start_pos + 1 for c in decodes], bs)]
+            else:
+                groups = [self._group(decodes, 0, tables[:nd])] if decodes else []
             if prefills:
                 groups.append(self._group(prefills, nd, tables[nd:]))
         else:
