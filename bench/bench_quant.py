@@ -1,8 +1,8 @@
 """Weight-only quantization: decode/prefill speed, memory and held-out perplexity of none (bf16), int8, int4.
 
-    python -m bench.bench_quant [--model DIR | FILE.gguf] [--modes none,int8,int4] [--rounds 2] [--threads 1]
+    python -m bench.bench_quant [--model smollm2 | DIR | FILE.gguf] [--modes none,int8,int4] [--rounds 2] [--threads 1]
 
---model: a model folder or a GGUF file (needs the GGUF loader); default: a random bf16 model with
+--model: anything `phaseserve up --model` takes (smollm2, a folder, a GGUF); default: a random bf16 model with
 SmolLM2-135M's shapes (built once into the temp dir; its perplexity says nothing about quality, only how
 far each mode moves it). Speed: every mode's model loaded in this process, the modes measured in turn for
 --rounds rounds (side by side on a busy machine), the best round counts: decode tok/s at batch 1 and 16
@@ -59,19 +59,15 @@ def random_smollm2(root: Path) -> Path:
 
 
 def model_folder(model: str | None) -> Path:
+    """None: a random bf16 model of SmolLM2's shapes; else anything --model takes (smollm2, a GGUF, ...)."""
     if model is None:
         return random_smollm2(Path(tempfile.gettempdir()))
-    path = Path(model)
-    if path.suffix == ".gguf":
-        try:
-            from phaseserve.gguf_files import write_model_folder
-        except ImportError:
-            raise SystemExit("bench_quant: reading a GGUF file needs the GGUF loader "
-                             "(phaseserve/gguf_files.py)") from None
-        return write_model_folder(path, Path(tempfile.gettempdir()) / f"phaseserve-bench-{path.stem}")
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"bench_quant: no model folder at {path} (expected config.json)")
-    return path
+    from phaseserve import model_source
+
+    try:
+        return Path(model_source.resolve_model(model).path)
+    except model_source.ModelNotFound as e:
+        raise SystemExit(f"bench_quant: {e}") from None
 
 
 def held_out_text() -> tuple[str, list[str]]:
