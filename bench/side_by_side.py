@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
-from bench.models import resolve_model
+from bench.models import resolve_model, safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
 from phaseserve.redis_server import free_port
 
@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             make = vllm_server if server == "vllm" else phaseserve_server
             kwargs = (dict(vllm_bin=args.vllm_bin, threads=args.vllm_threads, kv_cache_gib=args.vllm_kv_gib)
                       if server == "vllm" else dict(extra=args.phaseserve_arg))
-            proc = make(model_dir, port, name, out / f"{tag}-{server}.log", model_len=args.max_model_len, **kwargs)
+            # vLLM reads no GGUF here: it serves the same weights dequantized to bf16 safetensors
+            served_dir = safetensors_folder(model_dir) if server == "vllm" else model_dir
+            proc = make(served_dir, port, name, out / f"{tag}-{server}.log", model_len=args.max_model_len, **kwargs)
             t0 = time.monotonic()
             proc.start(args.startup_timeout)
             try:
