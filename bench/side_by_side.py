@@ -34,7 +34,7 @@ RATIOS = (("output tok/s", "output_throughput"), ("TTFT p99", "p99_ttft_ms"), ("
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.side_by_side", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bundled", help="bundled, small-200m, or a HF model folder")
+    p.add_argument("--model", default="bundled", help="bundled, small-200m, smollm2, or anything `phaseserve up --model` takes")
     p.add_argument("--servers", default="vllm,phaseserve",
                    help=f"comma-separated, run in this order; from {', '.join(SERVERS)}")
     p.add_argument("--out-dir", default="bench/results", help="JSON, PNG and server logs go here")

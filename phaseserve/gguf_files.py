@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import structlog
 
+from phaseserve.tokenizer import gpt2_bytes_to_unicode
+
 log = structlog.get_logger(__name__)
 
 # GGUF `general.architecture` -> transformers architecture the worker runs
@@ -273,19 +275,6 @@ def build_config(meta: GGUFMetadata, name: str) -> dict:
 # ----------------------------------------------------------------------------- tokenizer.json
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to the printable character byte-level vocabularies spell it with."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def _added_token(content: str, token_id: int, special: bool) -> dict:
     return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
             "normalized": False, "special": special}
@@ -316,7 +305,7 @@ def _byte_level_tokenizer(tokens: list[str], types: list[int], merges: list[str]
     if pre not in _PRE_TOKENIZERS:
         raise GGUFError(f"pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported; supported: "
                         f"{', '.join(sorted(_PRE_TOKENIZERS))}")
-    spelling = _bytes_to_unicode()
+    spelling = gpt2_bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     added = []

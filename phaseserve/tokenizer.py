@@ -68,8 +68,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: the character a byte-level BPE token uses for each byte."""
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: the printable character byte-level BPE vocabularies spell each byte with."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
@@ -78,7 +78,12 @@ def _gpt2_byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse: the byte a byte-level BPE token's character stands for."""
+    return {c: b for b, c in gpt2_bytes_to_unicode().items()}
 
 
 def message_text(content: Any) -> str:
