@@ -72,14 +72,21 @@ class RequestStream:
 
 
 class Backend:
-    def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5):
+    def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5,
+                 max_connections: int = 64, pool_timeout: float = 30.0):
         self.redis_url = redis_url
         self.keys = keys
         self.gateway_id = gateway_id
         self.channel = keys.gateway_channel(gateway_id)
         self.worker_cache_s = worker_cache_s
-        # commands fail fast (-> 503); the subscriber connection blocks on reads, so it has no read timeout
-        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+        # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
+        # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
+        # 503s). A dead Redis still fails fast (connect/read timeouts -> 503). from_url honours a password
+        # (redis://:pw@host) and TLS (rediss://). The subscriber blocks on reads: its own connection.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max(1, max_connections), timeout=pool_timeout,
+            socket_connect_timeout=2.0, socket_timeout=5.0)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._routes: dict[str, RequestStream] = {}
         self._reader: asyncio.Task | None = None
@@ -107,6 +114,7 @@ class Backend:
             except (asyncio.CancelledError, Exception):
                 pass
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
         await self._sub_redis.aclose()
 
     async def _read_loop(self) -> None:

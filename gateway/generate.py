@@ -93,6 +93,7 @@ class Generation:
         self.by_seq = {o.seq_id: o for o in self.outputs}
         self._last_token_at: dict[str, float] = {}
         self.stream: RequestStream | None = None
+        self._queued: dict[str, bool] = {}  # sequences whose prompt counts in gw.queued_prompt_tokens
 
     # ------------------------------------------------------------------ admission
 
@@ -169,18 +170,41 @@ class Generation:
         log.info("submitted", kind=self.kind, n=len(submits), prompt_tokens=len(self.prompt_ids),
                  max_tokens=base.max_tokens, stream=self.req.stream)
 
+    def _admit(self) -> None:
+        """The operator's bounds: priority range, requests in flight, prompt tokens queued (429 + Retry-After)."""
+        gw, settings = self.gw, self.gw.settings
+        lo, hi = settings.priority_min, settings.priority_max
+        if not lo <= self.req.priority <= hi:
+            raise bad_request(f"'priority' must be between {lo} and {hi} on this server (lower is served first); "
+                              f"got {self.req.priority}.", "priority")
+        if gw.in_flight >= gw.max_in_flight:
+            raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
+                                    settings.retry_after)
+        tokens = len(self.prompt_ids) * len(self.seq_ids)
+        if gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
+            raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
+                                    f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
+
+    def _dequeue_tokens(self, seq_id: str) -> None:
+        """A sequence got its first token (or ended): its prompt no longer counts as queued."""
+        if self._queued.pop(seq_id, None):
+            self.gw.queued_prompt_tokens -= len(self.prompt_ids)
+
     async def run(self) -> web.StreamResponse:
         gw = self.gw
-        if gw.in_flight >= gw.max_in_flight:
-            raise too_many_requests(gw.max_in_flight)
+        self._admit()
         gw.in_flight += 1
         gw.metrics.in_flight.inc()
+        self._queued = {s: True for s in self.seq_ids}
+        gw.queued_prompt_tokens += len(self.prompt_ids) * len(self.seq_ids)
         try:
             await self._submit()
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         finally:
             gw.in_flight -= 1
             gw.metrics.in_flight.dec()
+            for s in self.seq_ids:
+                self._dequeue_tokens(s)
             self._release()
 
     def _release(self) -> None:
@@ -209,6 +233,7 @@ class Generation:
                 continue
             delta = out.on_event(ev)
             now = time.monotonic()
+            self._dequeue_tokens(out.seq_id)
             if delta.num_tokens:
                 metrics.generation_tokens.inc(delta.num_tokens)
                 last = self._last_token_at.get(out.seq_id)
