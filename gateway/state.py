@@ -9,7 +9,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.backend import Backend
+from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.model_files import read_json
@@ -33,7 +33,10 @@ class Gateway:
         self.keys = Keys(settings.key_prefix)
         self.backend = Backend(settings.redis_url, self.keys, self.gateway_id,
                                max_connections=settings.redis_max_connections,
-                               pool_timeout=settings.redis_pool_timeout)
+                               pool_timeout=settings.redis_pool_timeout,
+                               delivery=DeliveryConfig(settings.token_silence_timeout,
+                                                       settings.request_progress_timeout,
+                                                       settings.client_lease_ttl, settings.resume_grace))
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0

@@ -1,0 +1,77 @@
+"""The durable token log: every TokenEvent of a sequence in a capped, expiring Redis stream of its own.
+
+Pub/sub stays the fast push from the worker to the gateway, but it drops messages (a resubscribe, a full
+output buffer, a gateway that is gone). So the worker's relay, in the same pipeline and just before it
+PUBLISHes a step's TokenBatch, XADDs each event to `Keys.token_log(seq_id)`. A gateway that sees a gap or
+a silence, or that resumes a client of another gateway (SSE Last-Event-ID), XREADs it from the offset
+it has.
+
+Entry ids are `<offset after the event>-0` (`-1` for an event without tokens: a finish or an error), so
+a gateway reads "everything after offset k" as XREAD from `k-0`, and Redis itself refuses a second entry
+for the same offset (a step replayed after a worker died): the first writer wins, duplicates never
+reach the log. A gateway that cancels a sequence appends an `abort` event with an automatic id, after
+which no worker entry is accepted.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import redis.exceptions
+
+from phaseserve.wire import FIELD, FIELD_BYTES, TOKEN_LOG_MAXLEN, TOKEN_LOG_TTL_S, Keys, TokenEvent
+
+# the TTL is refreshed on the first event, every REFRESH_EVERY tokens and on the last one
+REFRESH_EVERY = 32
+_DUPLICATE_ID = "equal or smaller than the target stream top item"
+
+
+def entry_id(offset: int, num_tokens: int) -> str:
+    return f"{offset + num_tokens}-{0 if num_tokens else 1}"
+
+
+def read_from(offset: int) -> str:
+    """The XREAD id that returns every entry holding tokens at or after `offset`, and a finish at it."""
+    return f"{offset}-0"
+
+
+def append_event(pipe, keys: Keys, ev: list) -> None:
+    """Queue one event (TokenEvent.to_list() form) on a pipeline: XADD with its offset id, EXPIRE when due."""
+    seq_id, offset, token_ids, finish = ev[0], ev[1], ev[2], ev[3]
+    error = ev[5] if len(ev) > 5 else None
+    key = keys.token_log(seq_id)
+    pipe.xadd(key, {FIELD: msgpack.packb(ev, use_bin_type=True)}, id=entry_id(offset, len(token_ids)),
+              maxlen=TOKEN_LOG_MAXLEN, approximate=True)
+    end = offset + len(token_ids)
+    if offset == 0 or finish is not None or error is not None or offset // REFRESH_EVERY != end // REFRESH_EVERY:
+        pipe.expire(key, TOKEN_LOG_TTL_S)
+
+
+def append_batch(pipe, keys: Keys, token_batch: bytes) -> None:
+    """Every event of a TokenBatch (as the relay has it: wire bytes) onto the pipeline."""
+    for ev in msgpack.unpackb(token_batch, raw=False)["events"]:
+        append_event(pipe, keys, ev)
+
+
+def append_abort(pipe, keys: Keys, seq_id: str, offset: int, reason: str = "abort") -> None:
+    """A gateway ended the sequence: an auto id (now, in ms) is above every offset, so nothing follows it."""
+    key = keys.token_log(seq_id)
+    ev = TokenEvent(seq_id, offset, [], reason).to_list()
+    pipe.xadd(key, {FIELD: msgpack.packb(ev, use_bin_type=True)}, maxlen=TOKEN_LOG_MAXLEN, approximate=True)
+    pipe.expire(key, TOKEN_LOG_TTL_S)
+
+
+def is_duplicate(result) -> bool:
+    """A pipeline result that is Redis refusing an entry for an offset the log already has."""
+    return isinstance(result, redis.exceptions.ResponseError) and _DUPLICATE_ID in str(result)
+
+
+def raise_unexpected(results: list) -> None:
+    """After `pipe.execute(raise_on_error=False)`: raise the first error that is not a refused duplicate."""
+    for r in results:
+        if isinstance(r, Exception) and not is_duplicate(r):
+            raise r
+
+
+def decode_entry(fields: dict) -> TokenEvent:
+    raw = fields.get(FIELD_BYTES, fields.get(FIELD))
+    return TokenEvent.from_list(msgpack.unpackb(raw, raw=False))
