@@ -238,7 +238,8 @@ class Generation:
         if self.stream is None:  # refused before anything was submitted
             return
         self.stream.close()
-        unfinished = [o.seq_id for o in self.outputs if not o.finished]
+        # a sequence the gateway gave up on (no progress) may still be queued or running somewhere
+        unfinished = [o.seq_id for o in self.outputs if not o.finished or o.error_kind == ERROR_TIMEOUT]
         self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished])
         if unfinished and self.req.stream and self._client_gone and self._lease_token:
             # the client may come back with Last-Event-ID, here or on another gateway: give it the grace
