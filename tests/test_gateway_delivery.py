@@ -96,6 +96,15 @@ async def test_token_log_refuses_a_second_entry_for_an_offset_and_nothing_after_
     assert token_log.is_duplicate(results[-1])
     last = token_log.decode_entry(r.xrange(keys.token_log("s"))[-1][1])
     assert last.finish_reason == "abort" and last.token_ids == []
+    # the relay's way: a whole step's TokenBatch in one script call, duplicates refused inside it
+    pipe = r.pipeline(transaction=False)
+    token_log.append_batch(pipe, keys, TokenBatch(7, "w1", [TokenEvent("u", 0, [9]), TokenEvent("v", 0, [8]),
+                                                           TokenEvent("u", 1, [10], "stop")]).to_wire())
+    token_log.append_batch(pipe, keys, TokenBatch(7, "w1", [TokenEvent("u", 1, [10], "stop")]).to_wire())
+    token_log.raise_unexpected(pipe.execute(raise_on_error=False))
+    assert [token_log.decode_entry(f).token_ids for _, f in r.xrange(keys.token_log("u"))] == [[9], [10]]
+    assert r.xrange(keys.token_log("u"))[-1][0] == b"2-0" and r.xlen(keys.token_log("v")) == 1
+    assert 0 < r.ttl(keys.token_log("u")) <= 300
     with pytest.raises(redis.ResponseError):  # any other error is still raised
         token_log.raise_unexpected([redis.ResponseError("WRONGTYPE Operation against a key")])
     r.close()
