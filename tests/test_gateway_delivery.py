@@ -224,3 +224,15 @@ async def test_a_client_that_does_not_come_back_is_cancelled_after_the_grace(mak
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
     assert msgpack.unpackb(await a.redis.get(a.keys.gateway_heartbeat("gw-a")))["k"] == "gateway"
     assert isinstance(SubmitRequest, type)
+
+
+def test_orphan_tracker_cancels_what_has_had_no_lease_for_the_grace():
+    from phaseserve.client_lease import OrphanTracker
+
+    t = OrphanTracker(grace_s=10)
+    assert t.update(["a", "b"], [False, True], now=100) == []
+    assert t.update(["a", "b"], [False, True], now=109) == []
+    assert t.update(["a", "b"], [True, False], now=111) == []  # a resumed in time; b's clock starts
+    assert t.update(["a", "b"], [False, False], now=121.5) == ["b"]
+    assert t.update(["a"], [False], now=132) == ["a"]  # b is gone from the running set: forgotten
+    assert t.missing_since == {}
