@@ -93,7 +93,9 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> APIErro
     else:
         message = exc.reason or exc.text or "HTTP error"
     type_ = "invalid_request_error" if status < 500 else "server_error"
-    return APIError(status, message, type_, None, _HTTP_CODES.get(status))
+    # a 405 names the methods the route has (RFC 9110), as aiohttp's own answer does
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return APIError(status, message, type_, None, _HTTP_CODES.get(status), headers)
 
 
 @web.middleware
