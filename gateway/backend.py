@@ -357,13 +357,16 @@ class Backend:
             pipe.set(self.keys.client_lease(s), token, px=max(1, int(self.delivery.lease_ttl_s * 1000)))
         return token
 
-    def drop_leases(self, seq_ids: list[str]) -> None:
+    def drop_leases(self, seq_ids: list[str], token: str | None = None) -> None:
+        """Stop refreshing these leases (only those this serving holds, when its token is given: a client
+        that resumed on this same gateway holds them under a new token)."""
         for s in seq_ids:
-            self._leases.pop(s, None)
+            if token is None or self._leases.get(s) == token:
+                self._leases.pop(s, None)
 
     def cancel_after_grace(self, seq_ids: list[str], token: str) -> None:
         """The client went away: cancel after the resume grace, unless a resume took the lease meanwhile."""
-        self.drop_leases(seq_ids)
+        self.drop_leases(seq_ids, token)
         timer = self._spawn(self._cancel_unless_resumed(seq_ids, token, self.delivery.resume_grace_s))
         self._graces[token] = (seq_ids, timer)
         timer.add_done_callback(lambda _t: self._graces.pop(token, None))

@@ -240,7 +240,7 @@ class Generation:
         self.stream.close()
         # a sequence the gateway gave up on (no progress) may still be queued or running somewhere
         unfinished = [o.seq_id for o in self.outputs if not o.finished or o.error_kind == ERROR_TIMEOUT]
-        self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished])
+        self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished], self._lease_token)
         if unfinished and self.req.stream and self._client_gone and self._lease_token:
             # the client may come back with Last-Event-ID, here or on another gateway: give it the grace
             self.gw.backend.cancel_after_grace(unfinished, self._lease_token)

@@ -236,3 +236,26 @@ def test_orphan_tracker_cancels_what_has_had_no_lease_for_the_grace():
     assert t.update(["a", "b"], [False, False], now=121.5) == ["b"]
     assert t.update(["a"], [False], now=132) == ["a"]  # b is gone from the running set: forgotten
     assert t.missing_since == {}
+
+
+async def test_a_resume_on_the_same_gateway_keeps_the_request_when_the_old_connection_ends(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "1.0", "--client-lease-ttl", "0.3")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    ids = a.tok.encode(REPLY, add_special_tokens=False)
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50}
+    first = await a.http.post(a.url + "/v1/completions", json=body)
+    sub = await reader.next()
+    for off in range(3):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
+    got_ids, head = await asyncio.wait_for(read_sse(first, stop_after=3), 10)
+    # the client reconnects before the gateway noticed the old connection is gone
+    second = await a.http.post(a.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]})
+    first.close()
+    await asyncio.sleep(1.6)  # the old serving's grace (several lease TTLs) passes
+    for off in range(3, len(ids)):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
+    _, tail = await asyncio.wait_for(read_sse(second), 10)
+    second.close()
+    assert texts(head) + texts(tail) == REPLY
+    assert await a.redis.xlen(a.keys.requests) == 1  # the submit only: no CancelRequest
