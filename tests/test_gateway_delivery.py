@@ -259,3 +259,40 @@ async def test_a_resume_on_the_same_gateway_keeps_the_request_when_the_old_conne
     second.close()
     assert texts(head) + texts(tail) == REPLY
     assert await a.redis.xlen(a.keys.requests) == 1  # the submit only: no CancelRequest
+
+
+async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "30")
+    b = await make_gw("gw-b")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    replies = [REPLY, "Hello wörld 🙂 again"]
+    toks = [a.tok.encode(t, add_special_tokens=False) for t in replies]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+            "max_tokens": 60}
+    first = await a.http.post(a.url + "/v1/chat/completions", json=body)
+    subs = [await reader.next(), await reader.next()]
+    # choice 0 gets 5 tokens, choice 1 gets 2, interleaved
+    for off in range(5):
+        await emit(a, TokenEvent(subs[0].request_id, off, [toks[0][off]]))
+        if off < 2:
+            await emit(a, TokenEvent(subs[1].request_id, off, [toks[1][off]]))
+    got_ids, head = await asyncio.wait_for(read_sse(first, stop_after=2 + 7), 10)  # 2 role chunks + 7
+    first.close()
+    for i in range(2):
+        start = 5 if i == 0 else 2
+        for off in range(start, len(toks[i])):
+            await emit(a, TokenEvent(subs[i].request_id, off, [toks[i][off]],
+                                     "stop" if off == len(toks[i]) - 1 else None))
+    rid = subs[0].request_id[:-2]
+    assert got_ids[-1] == f"{rid}:5.2"
+    async with b.http.post(b.url + "/v1/chat/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+        _, tail = await asyncio.wait_for(read_sse(r), 10)
+    assert not any(c["choices"][0]["delta"].get("role") for c in tail)  # no second opening chunk
+
+    def text(chunks, i):
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c.get("choices") and c["choices"][0]["index"] == i)
+
+    assert [text(head, i) + text(tail, i) for i in range(2)] == replies
+    assert sorted(c["choices"][0]["finish_reason"] for c in tail if c["choices"][0]["finish_reason"]) == ["stop"] * 2
