@@ -48,6 +48,9 @@ class Setting:
     help: str
     services: tuple[str, ...]  # which services read it: gateway, scheduler, worker, up, bench
     choices: tuple | None = None
+    # `up` hands it to its children in their environment, not on their command lines (which every local
+    # user can read in /proc/<pid>/cmdline)
+    secret: bool = False
 
     @property
     def flag(self) -> str:
@@ -96,7 +99,7 @@ SETTINGS: list[Setting] = [
             "highest `priority` a request may set", ("gateway", "up")),
     Setting("api_key", "PHASESERVE_API_KEY", None, str,
             "bearer API keys the /v1 routes require (comma-separated; 401 without one); /health and /metrics "
-            "stay open; default: no key needed", ("gateway", "up")),
+            "stay open; default: no key needed", ("gateway", "up"), secret=True),
     Setting("api_key_file", "PHASESERVE_API_KEY_FILE", None, str,
             "a file of API keys, one a line (added to --api-key)", ("gateway", "up")),
     Setting("token_silence_timeout", "PHASESERVE_TOKEN_SILENCE_TIMEOUT", 1.0, float,
