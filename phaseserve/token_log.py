@@ -103,3 +103,16 @@ def raise_unexpected(results: list) -> None:
 def decode_entry(fields: dict) -> TokenEvent:
     raw = fields.get(FIELD_BYTES, fields.get(FIELD))
     return TokenEvent.from_list(msgpack.unpackb(raw, raw=False))
+
+
+def output_ids(entries: list) -> list[int]:
+    """A sequence's output as its log holds it (XRANGE entries, in order): for a recovering scheduler, the
+    tokens a client may already have, so a sampled sequence continues where the client is. Stops at the
+    first gap (a trimmed or expired log) and at an abort."""
+    out: list[int] = []
+    for _entry_id, fields in entries:
+        ev = decode_entry(fields)
+        if ev.offset > len(out) or ev.finish_reason == "abort":
+            break
+        out.extend(ev.token_ids[len(out) - ev.offset:])
+    return out
