@@ -194,7 +194,7 @@ class Generation:
             raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
                                     settings.retry_after)
         tokens = len(self.prompt_ids) * len(self.seq_ids)
-        if gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
+        if self.resume_offsets is None and gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
             raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
                                     f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
 
