@@ -8,6 +8,7 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
+from gateway.auth import auth_middleware, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
 from gateway.metrics import CONTENT_TYPE
@@ -49,8 +50,10 @@ OPENAPI = web.AppKey("openapi", dict)
 
 def create_app(settings: argparse.Namespace) -> web.Application:
     """The gateway app from parsed settings (`phaseserve.settings.parse("gateway", argv)`)."""
+    api_keys = load_api_keys(settings)
     gw = Gateway(settings)
-    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    middlewares = [error_middleware] + ([auth_middleware(api_keys)] if api_keys else [])
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[OPENAPI] = openapi_document()
@@ -63,7 +66,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
 
     async def redis_side(app: web.Application):
         await gw.backend.start()
-        log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path)
+        log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
+                 api_keys=len(api_keys))
         yield
         await gw.backend.close()
 

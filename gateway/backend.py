@@ -4,56 +4,116 @@ One pub/sub subscription on the gateway's channel lives as long as the gateway;
 a reader task decodes each TokenBatch and routes every TokenEvent by seq_id to
 the stream of the request that owns it. Offsets make delivery exactly-once from
 the client's point of view: duplicates (a step replayed after a worker died)
-are dropped, overlaps trimmed, gaps logged.
+are dropped, overlaps trimmed.
+
+Pub/sub may drop messages, so every token also has a durable copy, the
+sequence's token log (phaseserve/token_log.py). A gap in offsets holds the
+events after it and asks for a fill; a running request with no message for
+`silence_s` is also filled. Both are one non-blocking multi-key XREAD a round
+(the sweeper task). A resumed request (SSE Last-Event-ID) is not on this
+gateway's channel at all: the follower task reads its log with a blocking XREAD.
+A request with no new token for `progress_timeout_s` gets an error event
+(ERROR_TIMEOUT), never an endless wait.
+
+Client leases: while this gateway serves a client of a sequence, it refreshes
+`Keys.client_lease(seq)` (value: this serving's token) with the GatewayInfo
+heartbeat. A client that goes away leaves its sequences running for
+`resume_grace_s`; then they are cancelled unless another serving (a resume)
+has taken the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from dataclasses import replace
+import uuid
+from dataclasses import dataclass, replace
 
 import msgpack
 import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
 
-from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo
+from phaseserve import token_log
+from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
+                             WireError, WorkerInfo)
 
 log = structlog.get_logger("gateway.backend")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
+# TokenEvent.error_kind of the gateway's own error: no token for progress_timeout_s (504)
+ERROR_TIMEOUT = "timeout"
+FILL_COUNT = 4096  # entries per sequence per fill read
+
+
+@dataclass
+class DeliveryConfig:
+    silence_s: float = 1.0  # no message this long while running: re-read the token log
+    progress_timeout_s: float = 60.0  # no new token this long: the request fails
+    lease_ttl_s: float = 5.0  # client leases and the gateway heartbeat live this long unless refreshed
+    resume_grace_s: float = 10.0  # a request without a client waits this long for a resume
+
 
 class RequestStream:
-    """The token events of one request's sequences, in arrival order, deduplicated by offset."""
+    """The token events of one request's sequences, in offset order, deduplicated by offset."""
 
-    def __init__(self, backend: "Backend", seq_ids: list[str]):
+    def __init__(self, backend: "Backend", seq_ids: list[str], follow: bool = False):
         self.backend = backend
         self.seq_ids = list(seq_ids)
         self.expected = {s: 0 for s in seq_ids}  # next output offset each sequence should receive
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.held: dict[str, list[TokenEvent]] = {}  # events after a gap, until the log fills it
+        self.follow = follow  # read from the token log only (a resume: not on this gateway's channel)
+        self.last_message = self.last_progress = time.monotonic()
 
-    def deliver(self, ev: TokenEvent) -> None:
+    @property
+    def open_seqs(self) -> list[str]:
+        return list(self.expected)
+
+    def deliver(self, ev: TokenEvent, from_log: bool = False) -> None:
         expected = self.expected.get(ev.seq_id)
         if expected is None:
             return
+        now = time.monotonic()
+        self.last_message = now
         final = ev.finish_reason is not None or ev.error is not None
         if ev.offset > expected:
-            log.warning("token gap", seq_id=ev.seq_id, expected_offset=expected, got_offset=ev.offset,
-                        missing=ev.offset - expected)
+            if not from_log:  # pub/sub lost a message: the log has it (written before the publish)
+                self.held.setdefault(ev.seq_id, []).append(ev)
+                self.backend.request_fill(self)
+                return
+            log.warning("token gap the token log cannot fill", seq_id=ev.seq_id, expected_offset=expected,
+                        got_offset=ev.offset, missing=ev.offset - expected)
         elif ev.offset < expected:
             skip = expected - ev.offset
             if skip >= len(ev.token_ids) and not final:
-                log.debug("duplicate tokens dropped", seq_id=ev.seq_id, offset=ev.offset)
-                return
+                return  # a duplicate (a replayed step, or pub/sub and the log both)
             ev = replace(ev, offset=expected, token_ids=ev.token_ids[skip:],
                          logprobs=ev.logprobs[skip:] if ev.logprobs is not None else None)
+        if ev.token_ids or final:
+            self.last_progress = now
         self.expected[ev.seq_id] = max(expected, ev.offset + len(ev.token_ids))
         if final:  # nothing more belongs to this sequence
             self.expected.pop(ev.seq_id, None)
+            self.held.pop(ev.seq_id, None)
             self.backend._routes.pop(ev.seq_id, None)
         self.queue.put_nowait(ev)
+
+    def release_held(self) -> None:
+        """After a fill: what was held behind a gap goes on (a gap still open is passed on, logged)."""
+        held, self.held = self.held, {}
+        for events in held.values():
+            for ev in sorted(events, key=lambda e: e.offset):
+                self.deliver(ev, from_log=True)
+
+    def fail_stalled(self, timeout_s: float) -> None:
+        """No new token for timeout_s: end every open sequence with the gateway's timeout error."""
+        for seq_id, offset in list(self.expected.items()):
+            self.deliver(TokenEvent(seq_id, offset, [], "error", None,
+                                    f"no progress for {timeout_s:g} s: the request was given up", ERROR_TIMEOUT),
+                         from_log=True)
 
     async def get(self) -> TokenEvent:
         return await self.queue.get()
@@ -61,6 +121,7 @@ class RequestStream:
     def forget(self, seq_id: str) -> None:
         """Stop routing one sequence (the gateway ended it, e.g. on a stop string)."""
         self.expected.pop(seq_id, None)
+        self.held.pop(seq_id, None)
         if self.backend._routes.get(seq_id) is self:
             del self.backend._routes[seq_id]
 
@@ -69,45 +130,85 @@ class RequestStream:
             if self.backend._routes.get(s) is self:
                 del self.backend._routes[s]
         self.expected.clear()
+        self.held.clear()
+        self.backend._streams.discard(self)
 
 
 class Backend:
-    def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5):
+    def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5,
+                 max_connections: int = 64, pool_timeout: float = 30.0, delivery: DeliveryConfig | None = None):
         self.redis_url = redis_url
         self.keys = keys
         self.gateway_id = gateway_id
         self.channel = keys.gateway_channel(gateway_id)
         self.worker_cache_s = worker_cache_s
-        # commands fail fast (-> 503); the subscriber connection blocks on reads, so it has no read timeout
-        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+        self.delivery = delivery or DeliveryConfig()
+        # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
+        # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
+        # 503s). A dead Redis still fails fast (connect/read timeouts -> 503). from_url honours a password
+        # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
+        # its own connection.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max(1, max_connections), timeout=pool_timeout,
+            socket_connect_timeout=2.0, socket_timeout=5.0)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
+        self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
         self._routes: dict[str, RequestStream] = {}
-        self._reader: asyncio.Task | None = None
+        self._streams: set[RequestStream] = set()
+        self._fill_wanted: set[RequestStream] = set()
+        self._fill_wake = asyncio.Event()
+        self._follow_wake = asyncio.Event()
+        self._leases: dict[str, str] = {}  # seq id -> token of the serving that holds its lease here
+        self._graces: dict[str, tuple[list[str], asyncio.Task]] = {}  # token -> its sequences, its timer
+        self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.subscribed = asyncio.Event()
         self._workers_cache: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self.info = GatewayInfo(gateway_id, os.getpid(), time.time(), self.delivery.lease_ttl_s,
+                                self.delivery.resume_grace_s)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, wait_s: float = 5.0) -> None:
         """Start the subscriber; waits a little for it, but a Redis that is down only means 503s until it is up."""
-        self._reader = asyncio.create_task(self._read_loop(), name="token-reader")
+        self._tasks = [asyncio.create_task(self._read_loop(), name="token-reader"),
+                       asyncio.create_task(self._sweep_loop(), name="token-sweeper"),
+                       asyncio.create_task(self._follow_loop(), name="token-follower"),
+                       asyncio.create_task(self._lease_loop(), name="client-leases")]
         try:
             await asyncio.wait_for(self.subscribed.wait(), wait_s)
         except asyncio.TimeoutError:
             log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=self.redis_url)
 
     async def close(self) -> None:
+        # shutting down: requests waiting for a resume are decided now (cancelled unless another gateway took them)
+        for token, (seq_ids, timer) in list(self._graces.items()):
+            timer.cancel()
+            self._spawn(self._cancel_unless_resumed(seq_ids, token, 0.0))
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._reader
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
+        try:
+            await self.redis.delete(self.keys.gateway_heartbeat(self.gateway_id))
+        except _REDIS_ERRORS:
+            pass
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
         await self._sub_redis.aclose()
+        await self._follow_redis.aclose()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _read_loop(self) -> None:
         backoff = 0.1
@@ -151,34 +252,196 @@ class Backend:
                 continue
             stream.deliver(ev)
 
+    # ---------------------------------------------------------------- the token log: fills and follows
+
+    def request_fill(self, stream: RequestStream) -> None:
+        self._fill_wanted.add(stream)
+        self._fill_wake.set()
+
+    async def _read_logs(self, client: aioredis.Redis, streams: list[RequestStream], block_ms: int | None) -> None:
+        """One XREAD over the token logs of these requests' open sequences, each from the offset it has."""
+        want = {}
+        for st in streams:
+            for seq_id, offset in st.expected.items():
+                want[self.keys.token_log(seq_id)] = token_log.read_from(offset)
+        if not want:
+            return
+        got = await client.xread(want, count=FILL_COUNT, block=block_ms)
+        for key, entries in got or ():
+            seq_id = (key.decode() if isinstance(key, bytes) else key).split(":out:", 1)[1]
+            stream = self._routes.get(seq_id)
+            if stream is None:
+                continue
+            for _entry_id, fields in entries:
+                try:
+                    stream.deliver(token_log.decode_entry(fields), from_log=True)
+                except (WireError, TypeError, ValueError, IndexError) as e:
+                    log.warning("undecodable token log entry", seq_id=seq_id, error=str(e))
+
+    async def _sweep_loop(self) -> None:
+        """Fills (gaps, silences) and deadlines: one non-blocking XREAD for every request that needs one."""
+        cfg = self.delivery
+        tick = max(0.02, min(cfg.silence_s, cfg.progress_timeout_s) / 4)
+        while True:
+            try:
+                await asyncio.wait_for(self._fill_wake.wait(), tick)
+            except asyncio.TimeoutError:
+                pass
+            self._fill_wake.clear()
+            now = time.monotonic()
+            for st in list(self._streams):
+                if st.expected and now - st.last_progress > cfg.progress_timeout_s:
+                    log.warning("request stalled: giving up", seq_ids=st.open_seqs,
+                                seconds=round(now - st.last_progress, 1))
+                    st.fail_stalled(cfg.progress_timeout_s)
+            wanted, self._fill_wanted = self._fill_wanted, set()
+            silent = {st for st in self._streams
+                      if st.expected and not st.follow and now - st.last_message > cfg.silence_s}
+            todo = [st for st in wanted | silent if st.expected]
+            if not todo:
+                for st in wanted:
+                    st.release_held()
+                continue
+            for st in silent:
+                st.last_message = now  # the next look after another silence, not on every tick
+            try:
+                await self._read_logs(self.redis, todo, None)
+            except asyncio.CancelledError:
+                raise
+            except _REDIS_ERRORS as e:
+                log.warning("reading token logs failed", error=str(e))
+            for st in wanted:
+                st.release_held()
+
+    async def _follow_loop(self) -> None:
+        """Resumed requests: their tokens come from their logs only, read as they are written."""
+        backoff = 0.1
+        while True:
+            following = [st for st in self._streams if st.follow and st.expected]
+            if not following:
+                self._follow_wake.clear()
+                await self._follow_wake.wait()
+                continue
+            try:
+                await self._read_logs(self._follow_redis, following, 500)
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except _REDIS_ERRORS as e:
+                log.warning("following token logs failed", error=str(e))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    # ---------------------------------------------------------------- client leases
+
+    async def _lease_loop(self) -> None:
+        """Every third of the lease TTL: the gateway heartbeat and the lease of every sequence served here."""
+        ttl_ms = max(1, int(self.delivery.lease_ttl_s * 1000))
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.set(self.keys.gateway_heartbeat(self.gateway_id), self.info.to_wire(), px=ttl_ms)
+                    for seq_id, token in self._leases.items():
+                        pipe.set(self.keys.client_lease(seq_id), token, px=ttl_ms)
+                    await pipe.execute()
+            except asyncio.CancelledError:
+                raise
+            except _REDIS_ERRORS as e:
+                log.warning("refreshing client leases failed", error=str(e))
+            await asyncio.sleep(self.delivery.lease_ttl_s / 3)
+
+    def _take_leases(self, pipe, seq_ids: list[str]) -> str:
+        token = f"{self.gateway_id}:{uuid.uuid4().hex[:12]}"
+        for s in seq_ids:
+            self._leases[s] = token
+            pipe.set(self.keys.client_lease(s), token, px=max(1, int(self.delivery.lease_ttl_s * 1000)))
+        return token
+
+    def drop_leases(self, seq_ids: list[str], token: str | None = None) -> None:
+        """Stop refreshing these leases (only those this serving holds, when its token is given: a client
+        that resumed on this same gateway holds them under a new token)."""
+        for s in seq_ids:
+            if token is None or self._leases.get(s) == token:
+                self._leases.pop(s, None)
+
+    def cancel_after_grace(self, seq_ids: list[str], token: str) -> None:
+        """The client went away: cancel after the resume grace, unless a resume took the lease meanwhile."""
+        self.drop_leases(seq_ids, token)
+        timer = self._spawn(self._cancel_unless_resumed(seq_ids, token, self.delivery.resume_grace_s))
+        self._graces[token] = (seq_ids, timer)
+        timer.add_done_callback(lambda _t: self._graces.pop(token, None))
+
+    async def _cancel_unless_resumed(self, seq_ids: list[str], token: str, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        try:
+            holders = await self.redis.mget([self.keys.client_lease(s) for s in seq_ids])
+        except _REDIS_ERRORS as e:
+            log.warning("reading client leases failed; cancelling", error=str(e))
+            holders = [None] * len(seq_ids)
+        orphans = [s for s, h in zip(seq_ids, holders) if h is None or h.decode() == token]
+        if len(orphans) < len(seq_ids):
+            log.info("resumed elsewhere: not cancelled", seq_ids=[s for s in seq_ids if s not in orphans])
+        if orphans:
+            await self._cancel_logged(orphans, "abort")
+
     # ---------------------------------------------------------------- requests
 
-    def open(self, seq_ids: list[str]) -> RequestStream:
+    def open(self, seq_ids: list[str], follow: bool = False) -> RequestStream:
         """Route these sequences' tokens to a new stream. Call before submit, so nothing is missed."""
-        stream = RequestStream(self, seq_ids)
+        stream = RequestStream(self, seq_ids, follow)
         for s in seq_ids:
             self._routes[s] = stream
+        self._streams.add(stream)
+        if follow:
+            self._follow_wake.set()
+            self.request_fill(stream)  # the catch-up now, not after the follower's current read
         return stream
 
-    async def submit(self, requests: list[SubmitRequest]) -> None:
+    async def submit(self, requests: list[SubmitRequest]) -> str:
+        """XADD the sequences, taking their client leases in the same round trip; -> the leases' token."""
         async with self.redis.pipeline(transaction=False) as pipe:
+            token = self._take_leases(pipe, [r.request_id for r in requests])
             for r in requests:
                 pipe.xadd(self.keys.requests, {FIELD: r.to_wire()})
+            try:
+                await pipe.execute()
+            except BaseException:
+                self.drop_leases([r.request_id for r in requests])
+                raise
+        return token
+
+    async def resumable(self, seq_ids: list[str]) -> bool:
+        """Whether these sequences can be resumed: the scheduler still has them, or their token logs are alive."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for s in seq_ids:
+                pipe.exists(self.keys.request_record(s), self.keys.token_log(s))
+            counts = await pipe.execute()
+        return all(counts)
+
+    async def attach(self, seq_ids: list[str]) -> str:
+        """A resumed client is served here now: take the sequences' leases (a grace elsewhere then keeps them)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            token = self._take_leases(pipe, seq_ids)
             await pipe.execute()
+        return token
 
     async def cancel(self, seq_ids: list[str], reason: str = "abort") -> None:
         if not seq_ids:
             return
+        self.drop_leases(seq_ids)
         async with self.redis.pipeline(transaction=False) as pipe:
             for s in seq_ids:
                 pipe.xadd(self.keys.requests, {FIELD: CancelRequest(s, reason).to_wire()})
+                # a client resuming later reads the end of the sequence instead of waiting for tokens
+                token_log.append_abort(pipe, self.keys, s, 0, reason)
+                pipe.delete(self.keys.client_lease(s))
             await pipe.execute()
 
     def cancel_soon(self, seq_ids: list[str], reason: str = "abort") -> None:
         """Cancel from a context that may itself be cancelled (a client that went away)."""
-        task = asyncio.get_running_loop().create_task(self._cancel_logged(seq_ids, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.drop_leases(seq_ids)
+        self._spawn(self._cancel_logged(seq_ids, reason))
 
     async def _cancel_logged(self, seq_ids: list[str], reason: str) -> None:
         try:

@@ -22,8 +22,9 @@ class APIError(Exception):
     """An error answer: raise anywhere in a handler, the middleware renders it."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.type = type
@@ -34,7 +35,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -50,9 +51,22 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
 
-def too_many_requests(limit: int) -> APIError:
-    return APIError(429, f"Too many requests in flight on this gateway (limit {limit}); retry later.",
-                    "rate_limit_error", None, "rate_limit_exceeded")
+def too_many_requests(message: str, retry_after: int) -> APIError:
+    return APIError(429, f"{message}; retry later.", "rate_limit_error", None, "rate_limit_exceeded",
+                    {"Retry-After": str(max(0, retry_after))})
+
+
+def invalid_api_key(given: bool) -> APIError:
+    """401 as OpenAI answers it."""
+    message = ("Incorrect API key provided." if given else
+               "You didn't provide an API key. You need to provide your API key in an Authorization header "
+               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+    return APIError(401, message, "invalid_request_error", None, "invalid_api_key" if given else None,
+                    {"WWW-Authenticate": "Bearer"})
+
+
+def gateway_timeout(message: str) -> APIError:
+    return APIError(504, message, "server_error", None, "timeout")
 
 
 def unavailable(message: str) -> APIError:
@@ -79,7 +93,9 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> APIErro
     else:
         message = exc.reason or exc.text or "HTTP error"
     type_ = "invalid_request_error" if status < 500 else "server_error"
-    return APIError(status, message, type_, None, _HTTP_CODES.get(status))
+    # a 405 names the methods the route has (RFC 9110), as aiohttp's own answer does
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return APIError(status, message, type_, None, _HTTP_CODES.get(status), headers)
 
 
 @web.middleware

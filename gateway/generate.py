@@ -9,6 +9,7 @@ frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import replace
@@ -18,14 +19,15 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.backend import RequestStream
-from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, internal_error,
-                            model_not_found, too_many_requests, unavailable)
+from gateway.backend import ERROR_TIMEOUT, RequestStream
+from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
+                            internal_error, model_not_found, too_many_requests, unavailable)
+from gateway.sse_ids import event_id, parse_last_event_id
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, SubmitRequest, WorkerInfo
+from phaseserve.wire import ERROR_REJECTED, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -82,6 +84,13 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.echo_text = echo_text
         self.request_id = request[REQUEST_ID]
+        # a client resuming its stream re-sends the request with the id of the last event it got
+        self.resume_offsets: list[int] | None = None
+        last_event_id = request.headers.get("Last-Event-ID")
+        if last_event_id is not None:
+            if not req.stream:
+                raise bad_request("Last-Event-ID resumes a stream: the request must have 'stream': true.", "stream")
+            self.request_id, self.resume_offsets = parse_last_event_id(last_event_id, req.n)
         self.response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.request_id
         self.created = P.now()
         self.arrival = time.monotonic()
@@ -93,6 +102,9 @@ class Generation:
         self.by_seq = {o.seq_id: o for o in self.outputs}
         self._last_token_at: dict[str, float] = {}
         self.stream: RequestStream | None = None
+        self._queued: dict[str, bool] = {}  # sequences whose prompt counts in gw.queued_prompt_tokens
+        self._lease_token: str | None = None
+        self._client_gone = False  # the client went away: its stream may be resumed, so cancel after a grace
 
     # ------------------------------------------------------------------ admission
 
@@ -148,6 +160,8 @@ class Generation:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
         if out.error_kind == ERROR_REJECTED:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
+        if out.error_kind == ERROR_TIMEOUT:
+            return gateway_timeout(f"Generation stalled: {out.error}")
         return internal_error(f"Generation failed: {out.error or 'worker error'}")
 
     async def _submit(self) -> None:
@@ -164,31 +178,73 @@ class Generation:
                                  self.req.priority, arrival_wall)
                    for i, seq_id in enumerate(self.seq_ids)]
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
-        await gw.backend.submit(submits)
+        self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(len(self.prompt_ids) * len(submits))
         log.info("submitted", kind=self.kind, n=len(submits), prompt_tokens=len(self.prompt_ids),
                  max_tokens=base.max_tokens, stream=self.req.stream)
 
+    def _admit(self) -> None:
+        """The operator's bounds: priority range, requests in flight, prompt tokens queued (429 + Retry-After)."""
+        gw, settings = self.gw, self.gw.settings
+        lo, hi = settings.priority_min, settings.priority_max
+        if not lo <= self.req.priority <= hi:
+            raise bad_request(f"'priority' must be between {lo} and {hi} on this server (lower is served first); "
+                              f"got {self.req.priority}.", "priority")
+        if gw.in_flight >= gw.max_in_flight:
+            raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
+                                    settings.retry_after)
+        tokens = len(self.prompt_ids) * len(self.seq_ids)
+        if self.resume_offsets is None and gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
+            raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
+                                    f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
+
+    def _dequeue_tokens(self, seq_id: str) -> None:
+        """A sequence got its first token (or ended): its prompt no longer counts as queued."""
+        if self._queued.pop(seq_id, None):
+            self.gw.queued_prompt_tokens -= len(self.prompt_ids)
+
+    async def _resume(self) -> None:
+        """Serve the rest of a stream another serving started: no new generation, tokens from the token log."""
+        gw = self.gw
+        if not await gw.backend.resumable(self.seq_ids):
+            raise APIError(404, f"No request {self.request_id} to resume: it is unknown, or it ended too long ago.",
+                           "invalid_request_error", None, "resume_not_found")
+        self.stream = gw.backend.open(self.seq_ids, follow=True)
+        self._lease_token = await gw.backend.attach(self.seq_ids)
+        log.info("resumed", kind=self.kind, n=len(self.seq_ids), from_offsets=self.resume_offsets)
+
     async def run(self) -> web.StreamResponse:
         gw = self.gw
-        if gw.in_flight >= gw.max_in_flight:
-            raise too_many_requests(gw.max_in_flight)
+        self._admit()
         gw.in_flight += 1
         gw.metrics.in_flight.inc()
+        if self.resume_offsets is None:
+            self._queued = {s: True for s in self.seq_ids}
+            gw.queued_prompt_tokens += len(self.prompt_ids) * len(self.seq_ids)
         try:
-            await self._submit()
+            await (self._resume() if self.resume_offsets is not None else self._submit())
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
+            self._client_gone = True
+            raise
         finally:
             gw.in_flight -= 1
             gw.metrics.in_flight.dec()
+            for s in self.seq_ids:
+                self._dequeue_tokens(s)
             self._release()
 
     def _release(self) -> None:
         if self.stream is None:  # refused before anything was submitted
             return
         self.stream.close()
-        unfinished = [o.seq_id for o in self.outputs if not o.finished]
-        if unfinished:  # client gone or handler failed: let the scheduler free the blocks
+        # a sequence the gateway gave up on (no progress) may still be queued or running somewhere
+        unfinished = [o.seq_id for o in self.outputs if not o.finished or o.error_kind == ERROR_TIMEOUT]
+        self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished], self._lease_token)
+        if unfinished and self.req.stream and self._client_gone and self._lease_token:
+            # the client may come back with Last-Event-ID, here or on another gateway: give it the grace
+            self.gw.backend.cancel_after_grace(unfinished, self._lease_token)
+        elif unfinished:  # handler failed, or a whole response nobody waits for: free the blocks now
             self.gw.backend.cancel_soon(unfinished, "abort")
         if not unfinished:
             self.gw.metrics.e2e.observe(time.monotonic() - self.arrival)
@@ -202,13 +258,24 @@ class Generation:
         assert self.stream is not None
         metrics = self.gw.metrics
         pending = len(self.outputs)
+        skip = ({o.seq_id: off for o, off in zip(self.outputs, self.resume_offsets)}
+                if self.resume_offsets is not None else {})
         while pending:
             ev = await self.stream.get()
             out = self.by_seq.get(ev.seq_id)
             if out is None or out.finished:
                 continue
+            if skip.get(ev.seq_id, 0) > ev.offset:  # the resumed client has this part: replay it silently
+                ev = self._replay(out, ev, skip[ev.seq_id])
+                if out.finished:
+                    pending -= 1
+                    yield out, Delta()
+                    continue
+                if ev is None:
+                    continue
             delta = out.on_event(ev)
             now = time.monotonic()
+            self._dequeue_tokens(out.seq_id)
             if delta.num_tokens:
                 metrics.generation_tokens.inc(delta.num_tokens)
                 last = self._last_token_at.get(out.seq_id)
@@ -229,6 +296,29 @@ class Generation:
                     self.stream.forget(out.seq_id)
                     self.gw.backend.cancel_soon([out.seq_id], "stop")
             yield out, delta
+
+    @staticmethod
+    def _replay(out: SequenceOutput, ev: TokenEvent, upto: int) -> TokenEvent | None:
+        """Feed the tokens before offset `upto` (and a finish the client has seen) without output;
+        -> the rest of the event, or None."""
+        n = upto - ev.offset
+        head = ev if n >= len(ev.token_ids) else replace(
+            ev, token_ids=ev.token_ids[:n], finish_reason=None, error=None, error_kind=None,
+            logprobs=ev.logprobs[:n] if ev.logprobs is not None else None)
+        # an event ending exactly at the client's offset carries a finish the client has not seen (offset + 1)
+        if head is ev and (ev.finish_reason or ev.error) and ev.offset + len(ev.token_ids) >= upto:
+            head = replace(ev, finish_reason=None, error=None, error_kind=None)
+        out.on_event(head)
+        if head is ev or out.finished:
+            return None
+        rest = ev.token_ids[len(head.token_ids):]
+        if not rest and not (ev.finish_reason or ev.error):
+            return None
+        return replace(ev, offset=ev.offset + len(head.token_ids), token_ids=rest,
+                       logprobs=ev.logprobs[len(head.token_ids):] if ev.logprobs is not None else None)
+
+    def _event_id(self) -> str:
+        return event_id(self.request_id, [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
     def _usage(self) -> dict:
         return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs))
@@ -270,19 +360,22 @@ class Generation:
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
 
-        async def send(obj: dict) -> None:
-            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        async def send(obj: dict, with_id: bool = False) -> None:
+            head = f"id: {self._event_id()}\n".encode() if with_id else b""
+            await resp.write(head + b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
                              + b"\n\n")
 
         def make(choices: list[dict]) -> dict:
             return chunk(self.response_id, self.created, model, choices, None, include_usage)
 
         try:
-            for o in self.outputs:  # the opening chunk of each choice
+            for o in self.outputs:  # the opening chunk of each choice (a resumed client has them)
+                if self.resume_offsets is not None:
+                    break
                 if chat:
-                    await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})]))
+                    await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})]), True)
                 elif self.echo_text:
-                    await send(make([P.completion_choice(o.index, self.echo_text, None, None)]))
+                    await send(make([P.completion_choice(o.index, self.echo_text, None, None)]), True)
             async for out, d in self._deltas():
                 if d.error:
                     await send(P.error_chunk(self._failure(d)))
@@ -295,12 +388,13 @@ class Generation:
                                                  d.finish_reason)
                 else:
                     choice = P.completion_choice(out.index, d.text, lp, d.finish_reason)
-                await send(make([choice]))
+                await send(make([choice]), True)
             if include_usage:
                 await send(chunk(self.response_id, self.created, model, [], self._usage(), True))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
+            self._client_gone = True
             log.info("client disconnected")
         except APIError as e:  # headers are sent: the error goes in the stream
             await self._try_send_error(send, e)

@@ -94,7 +94,7 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions"""
 
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -9,7 +9,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.backend import Backend
+from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.model_files import read_json
@@ -31,10 +31,17 @@ class Gateway:
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.keys = Keys(settings.key_prefix)
-        self.backend = Backend(settings.redis_url, self.keys, self.gateway_id)
+        self.backend = Backend(settings.redis_url, self.keys, self.gateway_id,
+                               max_connections=settings.redis_max_connections,
+                               pool_timeout=settings.redis_pool_timeout,
+                               delivery=DeliveryConfig(settings.token_silence_timeout,
+                                                       settings.request_progress_timeout,
+                                                       settings.client_lease_ttl, settings.resume_grace))
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
+        self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens
+        self.queued_prompt_tokens = 0  # prompt tokens (x n) of requests waiting for their first token
         self.created = int(time.time())
 
     def max_model_len(self, workers: list[WorkerInfo]) -> int:

@@ -40,16 +40,26 @@ class LaunchError(RuntimeError):
 
 
 def child_argv(service: str, values: dict) -> list[str]:
-    """The flags of `service` whose values `up` knows, spelled so the child's parser reads them back."""
+    """The flags of `service` whose values `up` knows, spelled so the child's parser reads them back
+    (secret ones go by environment: child_env)."""
     argv: list[str] = []
     for s in settings.settings_for(service):
         value = values.get(s.name)
-        if value is None:
+        if value is None or s.secret:
             continue
         if isinstance(value, bool):
             value = "true" if value else "false"
         argv += [s.flag, str(value)]
     return argv
+
+
+def child_env(service: str, values: dict) -> dict[str, str]:
+    """The child's environment: ours, plus the secret settings `up` knows (an API key)."""
+    env = dict(os.environ)
+    for s in settings.settings_for(service):
+        if s.secret and values.get(s.name) is not None:
+            env[s.env] = str(values[s.name])
+    return env
 
 
 def health_url(host: str, port: int) -> str:
@@ -111,7 +121,8 @@ class Stack:
             log.debug("starting", service=service, cmd=cmd)
             cpus = placement.get(service) if placement else None
             self.procs[service] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
-                                                   stderr=self.output, preexec_fn=child_setup(cpus))
+                                                   stderr=self.output, preexec_fn=child_setup(cpus),
+                                                   env=child_env(service, self.values))
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from urllib.parse import quote
 
 import redis
 
@@ -51,8 +52,9 @@ class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` -- a private redis-server, stopped on exit."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0,
-                 cpus: list[int] | None = None):
+                 cpus: list[int] | None = None, requirepass: str | None = None):
         self.host = host
+        self.requirepass = requirepass  # clients must AUTH with it (the url carries it)
         self.cpus = cpus  # run the server on these CPUs (None: anywhere)
         self.port = port or free_port(host)
         self.start_timeout = start_timeout
@@ -61,7 +63,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.requirepass, safe='')}@" if self.requirepass else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self) -> "EmbeddedRedis":
         binary = find_redis_server()
@@ -73,10 +76,12 @@ class EmbeddedRedis:
             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
             "--logfile", os.path.join(self._dir.name, "redis.log"),
         ]
+        if self.requirepass:
+            args += ["--requirepass", self.requirepass]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus))
         atexit.register(self.stop)
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(host=self.host, port=self.port, password=self.requirepass, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.start_timeout
         try:
             while True:

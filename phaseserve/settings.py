@@ -48,6 +48,9 @@ class Setting:
     help: str
     services: tuple[str, ...]  # which services read it: gateway, scheduler, worker, up, bench
     choices: tuple | None = None
+    # `up` hands it to its children in their environment, not on their command lines (which every local
+    # user can read in /proc/<pid>/cmdline)
+    secret: bool = False
 
     @property
     def flag(self) -> str:
@@ -78,6 +81,39 @@ SETTINGS: list[Setting] = [
             "largest accepted request body (413 above)", ("gateway", "up")),
     Setting("max_waiting_requests", "PHASESERVE_MAX_WAITING", 1024, int,
             "requests a gateway keeps in flight before answering 429", ("gateway", "up")),
+    # --- overload, abuse and delivery (issue #11, gateway side)
+    Setting("redis_max_connections", "PHASESERVE_REDIS_MAX_CONNECTIONS", 64, int,
+            "Redis connections a gateway opens for commands at most; a burst beyond waits for one "
+            "(--redis-pool-timeout) instead of failing", ("gateway", "up")),
+    Setting("redis_pool_timeout", "PHASESERVE_REDIS_POOL_TIMEOUT", 30.0, float,
+            "seconds a gateway command waits for a free Redis connection before answering 503", ("gateway", "up")),
+    Setting("max_queued_prompt_tokens", "PHASESERVE_MAX_QUEUED_PROMPT_TOKENS", 262144, int,
+            "prompt tokens (times n) of a gateway's requests still waiting for their first token, at most; "
+            "beyond, 429 (a request alone is always let through)", ("gateway", "up")),
+    Setting("retry_after", "PHASESERVE_RETRY_AFTER", 1, int,
+            "seconds the Retry-After header of a 429 asks clients to wait", ("gateway", "up")),
+    Setting("priority_min", "PHASESERVE_PRIORITY_MIN", 0, int,
+            "lowest `priority` a request may set (lower is served first; 400 outside the range); the default "
+            "range lets clients only lower their own priority", ("gateway", "up")),
+    Setting("priority_max", "PHASESERVE_PRIORITY_MAX", 10, int,
+            "highest `priority` a request may set", ("gateway", "up")),
+    Setting("api_key", "PHASESERVE_API_KEY", None, str,
+            "bearer API keys the /v1 routes require (comma-separated; 401 without one); /health and /metrics "
+            "stay open; default: no key needed", ("gateway", "up"), secret=True),
+    Setting("api_key_file", "PHASESERVE_API_KEY_FILE", None, str,
+            "a file of API keys, one a line (added to --api-key)", ("gateway", "up")),
+    Setting("token_silence_timeout", "PHASESERVE_TOKEN_SILENCE_TIMEOUT", 1.0, float,
+            "seconds without a token on the channel after which a running request's tokens are re-read from "
+            "its durable token log (pub/sub may drop messages)", ("gateway", "up")),
+    Setting("request_progress_timeout", "PHASESERVE_REQUEST_PROGRESS_TIMEOUT", 60.0, float,
+            "a request with no new token for this many seconds (queueing included) ends with an error "
+            "(504, or an error event in a stream) and is cancelled", ("gateway", "up")),
+    Setting("resume_grace", "PHASESERVE_RESUME_GRACE", 10.0, float,
+            "seconds a request whose client went away keeps generating, waiting for the client to resume it "
+            "(Last-Event-ID) on any gateway, before it is cancelled", ("gateway", "scheduler", "up")),
+    Setting("client_lease_ttl", "PHASESERVE_CLIENT_LEASE_TTL", 5.0, float,
+            "a gateway serving a client refreshes the request's lease key every third of this; a lease gone "
+            "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
     Setting("worker_id", "PHASESERVE_WORKER_ID", None, str,
             "worker identity; default: hostname-pid", ("worker",)),
     Setting("role", "PHASESERVE_ROLE", "mixed", str, "worker phase role", ("worker",),

@@ -69,6 +69,23 @@ class Keys:
         kv_blocks_used, kv_blocks_total, num_preemptions, updated_at. Read by the gateway's /metrics."""
         return f"{self.prefix}:scheduler:stats"
 
+    # --- delivery and client leases (issue #11, gateway side)
+
+    def token_log(self, seq_id: str) -> str:
+        """Stream: every TokenEvent of one sequence, written by the worker's relay beside its PUBLISH; entry id
+        `<next offset>-0` (`-1` for an event without tokens), so a duplicate offset is refused. Capped and
+        expiring (TOKEN_LOG_MAXLEN, TOKEN_LOG_TTL_S). See phaseserve/token_log.py."""
+        return f"{self.prefix}:out:{seq_id}"
+
+    def client_lease(self, seq_id: str) -> str:
+        """Key with a short TTL, refreshed by the gateway serving a client of this sequence (value: that
+        serving's attachment token). Gone for longer than the resume grace: nobody serves it, cancel it."""
+        return f"{self.prefix}:lease:{seq_id}"
+
+    def gateway_heartbeat(self, gateway_id: str) -> str:
+        """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
+        return f"{self.prefix}:gateway:{gateway_id}"
+
 
 def _pack(kind: str, body: dict) -> bytes:
     body["v"] = PROTOCOL_VERSION
@@ -343,3 +360,33 @@ class WorkerInfo:
         d = _unpack(data, cls.KIND)
         d.pop("v"), d.pop("k")
         return cls(**d)
+
+
+# --------------------------------------------------------------- delivery (issue #11, gateway side)
+
+# a sequence's token log (Keys.token_log): XADD MAXLEN ~ cap in entries (one a step) and its TTL, refreshed
+# on write, so a finished request can still be resumed for a while and an abandoned one goes away
+TOKEN_LOG_MAXLEN = 16_384
+TOKEN_LOG_TTL_S = 300
+
+
+@dataclass
+class GatewayInfo:
+    """A gateway's heartbeat (Keys.gateway_heartbeat, stored with a TTL of `lease_ttl` seconds)."""
+
+    KIND: ClassVar[str] = "gateway"
+    gateway_id: str
+    pid: int = 0
+    started_at: float = 0.0
+    lease_ttl: float = 5.0  # its client leases (Keys.client_lease) live this long unless refreshed
+    resume_grace: float = 10.0  # how long a request without a client may wait for a resume
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {k: getattr(self, k) for k in (
+            "gateway_id", "pid", "started_at", "lease_ttl", "resume_grace")})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "GatewayInfo":
+        d = _unpack(data, cls.KIND)
+        return cls(d["gateway_id"], d.get("pid", 0), d.get("started_at", 0.0), d.get("lease_ttl", 5.0),
+                   d.get("resume_grace", 10.0))

@@ -73,7 +73,9 @@ class RunningStack:
 def running_stack(model_dir: Path, log_dir: Path, startup_timeout: float = 180.0, **overrides):
     values = vars(settings.parse("up", []))
     values.update(model=str(model_dir), port=free_port(), host="127.0.0.1", log_level="info",
-                  kv_cache_memory=64 << 20, heartbeat_interval=0.5, heartbeat_ttl=3.0)
+                  kv_cache_memory=64 << 20, heartbeat_interval=0.5, heartbeat_ttl=3.0,
+                  # a client that goes away is cancelled half a second later, unless it resumed by then
+                  resume_grace=0.5)
     values["redis_url"] = None  # a private embedded Redis per stack, whatever REDIS_URL says
     values.update(overrides)
     log_path = Path(log_dir) / f"stack-{values['port']}.log"

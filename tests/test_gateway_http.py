@@ -42,7 +42,9 @@ def text_model(tmp_path_factory):
 async def start_gateway(redis_url: str, model_dir, *extra: str):
     ns = settings.parse("gateway", ["--redis-url", redis_url, "--model", str(model_dir), "--key-prefix", "t",
                                     "--gateway-id", GATEWAY_ID, "--max-body-bytes", "65536",
-                                    "--max-waiting-requests", "2", *extra])
+                                    "--max-waiting-requests", "2",
+                                    # a client that goes away is cancelled at once (no wait for a resume)
+                                    "--resume-grace", "0", *extra])
     app = create_app(ns)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -392,6 +394,8 @@ async def test_disconnect_cancels_and_in_flight_limit_is_429(gw):
     first = await session.post(gw.url + "/v1/completions", json=body)
     sub = await reader.next()
     await publish(gw, TokenEvent(sub.request_id, 0, gw.tok.encode("Hi there", add_special_tokens=False)))
+    n_hi = len(gw.tok.encode("Hi there", add_special_tokens=False))
+    assert (await first.content.readline()) == f"id: {sub.request_id[:-2]}:{n_hi}\n".encode()  # SSE resume id
     line = await first.content.readline()
     assert line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"] == "Hi there"
     # a non-streaming request also holds a slot; the limit is 2 in flight, so the third is refused

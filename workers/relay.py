@@ -5,7 +5,8 @@ talks to it over two pipes (multiprocessing connections, msgpack messages):
 
 - `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one message per step,
   [entry id of the plan, StepResult bytes (None: ack only), [[gateway id, TokenBatch bytes], ...]]. The relay sends each
-  step's writes in ONE pipeline (a PUBLISH per gateway, XADD to `results`, XACK + XDEL of the plan), in
+  step's writes in ONE pipeline (each event XADDed to its sequence's token log, phaseserve/token_log.py,
+  then a PUBLISH per gateway, XADD to `results`, XACK + XDEL of the plan), in
   step order; steps that arrive during a round trip go out together in the next one. When the model
   process closes `writes`, the relay sends what is left, removes the heartbeat and exits.
 - `plans`, relay -> model. A reader thread blocks on `steps:<worker>` (consumer group) and forwards each
@@ -32,6 +33,7 @@ import msgpack
 import redis
 import structlog
 
+from phaseserve import token_log
 from phaseserve.procs import child_setup
 from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 
@@ -148,12 +150,15 @@ class Relay:
             for raw in batch:
                 entry_id, result, batches = msgpack.unpackb(raw)
                 for gateway_id, token_batch in batches:
+                    # the durable copy first: a gateway that gets the message can always re-read it
+                    token_log.append_batch(pipe, keys, token_batch)
                     pipe.publish(keys.gateway_channel(gateway_id), token_batch)
                 if result is not None:
                     pipe.xadd(keys.results, {FIELD: result}, maxlen=STREAM_MAXLEN, approximate=True)
                 pipe.xack(self.steps_key, keys.worker_group, entry_id)
                 pipe.xdel(self.steps_key, entry_id)
-            pipe.execute()
+            # the token log refuses an offset it already has (a replayed step): that is not a failure
+            token_log.raise_unexpected(pipe.execute(raise_on_error=False))
 
     def run(self) -> int:
         """Join the steps group first, then heartbeat: the scheduler sends plans only to live workers."""

@@ -1,0 +1,55 @@
+"""Optional bearer API keys on the /v1 routes (/health, /metrics and /openapi.json stay open).
+
+Keys come from --api-key (comma-separated) and --api-key-file (one a line). Each given key is
+compared with every configured one by hmac.compare_digest, so the time taken does not say how
+much of a key matched, nor which key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+
+from aiohttp import web
+
+from gateway.errors import invalid_api_key
+
+PROTECTED_PREFIX = "/v1"
+
+
+def load_api_keys(settings: argparse.Namespace) -> list[bytes]:
+    """The configured keys (empty: no key needed); a missing key file is a clear exit, not a traceback."""
+    keys = [k.strip() for k in (getattr(settings, "api_key", None) or "").split(",")]
+    path = getattr(settings, "api_key_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys += [line.strip() for line in f]
+        except OSError as e:
+            raise SystemExit(f"phaseserve gateway: cannot read --api-key-file {path}: {e.strerror}") from None
+        if not any(keys):
+            raise SystemExit(f"phaseserve gateway: --api-key-file {path} holds no key")
+    return [k.encode() for k in keys if k and not k.startswith("#")]
+
+
+def key_matches(given: bytes, keys: list[bytes]) -> bool:
+    found = False
+    for k in keys:  # no early exit: every key is compared
+        found |= hmac.compare_digest(given, k)
+    return found
+
+
+def auth_middleware(keys: list[bytes]):
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        path = request.path
+        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/"):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise invalid_api_key(given=False)
+            if not key_matches(token.strip().encode(), keys):
+                raise invalid_api_key(given=True)
+        return await handler(request)
+
+    return check_api_key

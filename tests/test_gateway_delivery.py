@@ -1,0 +1,301 @@
+"""Delivery that cannot lose tokens, and SSE resume (issue #11), over real sockets against a real Redis; the
+test plays the worker and its relay: it writes each event to the token log (phaseserve/token_log.py, as the
+relay does) and publishes it, or deliberately does not publish it (a message pub/sub lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgpack
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from phaseserve import token_log
+from phaseserve.tokenizer import Tokenizer
+from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent
+from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401
+
+REPLY = "The quick brown fox jumps"
+
+
+class Gw:
+    def __init__(self, url, gateway_id, redis_url, model_dir, http):
+        self.url, self.gateway_id, self.http = url, gateway_id, http
+        self.redis = aioredis.Redis.from_url(redis_url)
+        self.keys = Keys("t")
+        self.tok = Tokenizer(str(model_dir))
+
+
+@pytest.fixture
+async def make_gw(redis_server, text_model):
+    made = []
+
+    async def make(gateway_id: str = "gw-a", *flags: str) -> Gw:
+        runner, url = await start_gateway(redis_server, text_model, "--gateway-id", gateway_id,
+                                          "--max-waiting-requests", "8", *flags)
+        g = Gw(url, gateway_id, redis_server, text_model, aiohttp.ClientSession())
+        made.append((runner, g))
+        return g
+
+    yield make
+    for runner, g in made:
+        await g.http.close()
+        await runner.cleanup()
+        await g.redis.aclose()
+
+
+async def emit(g: Gw, ev: TokenEvent, publish: bool = True) -> None:
+    """What the relay does for one event: the token log first, then (unless 'lost') the pub/sub message."""
+    async with g.redis.pipeline(transaction=False) as pipe:
+        token_log.append_event(pipe, g.keys, ev.to_list())
+        if publish:
+            pipe.publish(g.keys.gateway_channel(g.gateway_id), TokenBatch(0, "w1", [ev]).to_wire())
+        await pipe.execute()
+
+
+async def read_sse(resp: aiohttp.ClientResponse, stop_after: int | None = None) -> tuple[list[str], list[dict]]:
+    """-> (event ids, data objects) of an SSE response; stop_after: stop reading after that many data events."""
+    ids, data = [], []
+    async for line in resp.content:
+        if line.startswith(b"id: "):
+            ids.append(line[4:].strip().decode())
+        elif line.startswith(b"data: {"):
+            data.append(json.loads(line[6:]))
+            if stop_after is not None and len(data) >= stop_after:
+                break
+    return ids, data
+
+
+def texts(data: list[dict]) -> str:
+    return "".join(d["choices"][0]["text"] for d in data if d.get("choices"))
+
+
+async def test_token_log_refuses_a_second_entry_for_an_offset_and_nothing_after_an_abort(redis_server):
+    r, keys = redis.Redis.from_url(redis_server), Keys("t")
+    pipe = r.pipeline(transaction=False)
+    for ev in (TokenEvent("s", 0, [1, 2]), TokenEvent("s", 2, [3]), TokenEvent("s", 0, [1, 2]),
+               TokenEvent("s", 1, [2])):  # the last two: a replayed step after a worker died
+        token_log.append_event(pipe, keys, ev.to_list())
+    results = pipe.execute(raise_on_error=False)
+    token_log.raise_unexpected(results)  # refused duplicates are not errors
+    assert sum(token_log.is_duplicate(x) for x in results) == 2
+    entries = r.xrange(keys.token_log("s"))
+    assert [e[0] for e in entries] == [b"2-0", b"3-0"]
+    assert [token_log.decode_entry(f).token_ids for _, f in entries] == [[1, 2], [3]]
+    assert 0 < r.ttl(keys.token_log("s")) <= 300
+    # "everything from offset 2": XREAD from read_from(2)
+    got = r.xread({keys.token_log("s"): token_log.read_from(2)})
+    assert [token_log.decode_entry(f).offset for _, f in got[0][1]] == [2]
+    pipe = r.pipeline(transaction=False)
+    token_log.append_abort(pipe, keys, "s", 3)
+    token_log.append_event(pipe, keys, TokenEvent("s", 3, [4]).to_list())  # a worker late after the cancel
+    results = pipe.execute(raise_on_error=False)
+    assert token_log.is_duplicate(results[-1])
+    last = token_log.decode_entry(r.xrange(keys.token_log("s"))[-1][1])
+    assert last.finish_reason == "abort" and last.token_ids == []
+    # the relay's way: a whole step's TokenBatch in one script call, duplicates refused inside it
+    pipe = r.pipeline(transaction=False)
+    token_log.append_batch(pipe, keys, TokenBatch(7, "w1", [TokenEvent("u", 0, [9]), TokenEvent("v", 0, [8]),
+                                                           TokenEvent("u", 1, [10], "stop")]).to_wire())
+    token_log.append_batch(pipe, keys, TokenBatch(7, "w1", [TokenEvent("u", 1, [10], "stop")]).to_wire())
+    token_log.raise_unexpected(pipe.execute(raise_on_error=False))
+    assert [token_log.decode_entry(f).token_ids for _, f in r.xrange(keys.token_log("u"))] == [[9], [10]]
+    assert r.xrange(keys.token_log("u"))[-1][0] == b"2-0" and r.xlen(keys.token_log("v")) == 1
+    assert 0 < r.ttl(keys.token_log("u")) <= 300
+    # what a recovering scheduler reads back as the confirmed output (up to the abort)
+    assert token_log.output_ids(r.xrange(keys.token_log("s"))) == [1, 2, 3]
+    assert token_log.output_ids(r.xrange(keys.token_log("u"))) == [9, 10]
+    with pytest.raises(redis.ResponseError):  # any other error is still raised
+        token_log.raise_unexpected([redis.ResponseError("WRONGTYPE Operation against a key")])
+    r.close()
+
+
+async def test_a_gap_in_pubsub_is_filled_from_the_token_log(make_gw):
+    g = await make_gw("gw-a", "--token-silence-timeout", "30")  # only the gap may trigger the fill
+    await add_worker(g)
+    reader = RequestsReader(g)
+    ids = g.tok.encode(REPLY, add_special_tokens=False)
+    resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                              "max_tokens": 50})
+    sub = await reader.next()
+    for off, t in enumerate(ids):
+        last = off == len(ids) - 1
+        # tokens 2 and 3 are lost on pub/sub; the next message shows the gap
+        await emit(g, TokenEvent(sub.request_id, off, [t], "length" if last else None), publish=off not in (2, 3))
+    _, data = await asyncio.wait_for(read_sse(resp), 10)
+    assert texts(data) == REPLY and data[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_silent_channel_is_read_from_the_token_log(make_gw):
+    g = await make_gw("gw-a", "--token-silence-timeout", "0.2")
+    await add_worker(g)
+    reader = RequestsReader(g)
+    ids = g.tok.encode(REPLY, add_special_tokens=False)
+    resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+    sub = await reader.next()
+    # nothing published at all (e.g. the gateway was resubscribing): the log alone carries the tokens
+    await emit(g, TokenEvent(sub.request_id, 0, ids, "length"), publish=False)
+    _, data = await asyncio.wait_for(read_sse(resp), 10)
+    assert texts(data) == REPLY
+
+
+async def test_a_stalled_request_gets_an_error_after_the_deadline_and_is_cancelled(make_gw):
+    g = await make_gw("gw-a", "--request-progress-timeout", "0.5", "--token-silence-timeout", "0.1")
+    await add_worker(g)
+    reader = RequestsReader(g)
+    resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+    sub = await reader.next()
+    await emit(g, TokenEvent(sub.request_id, 0, g.tok.encode("The", add_special_tokens=False)))
+    _, data = await asyncio.wait_for(read_sse(resp), 10)  # then nothing: the worker hangs
+    assert texts(data) == "The"
+    assert_openai_error(data[-1], "server_error", None, "timeout")
+    assert "no progress for 0.5 s" in data[-1]["error"]["message"]
+    cancel = await reader.next()
+    assert isinstance(cancel, CancelRequest) and cancel.request_id == sub.request_id
+    # a whole (non-streaming) response: 504 in OpenAI's format
+    async with g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+        assert r.status == 504
+        assert_openai_error(await r.json(), "server_error", None, "timeout")
+
+
+async def test_sse_resume_on_another_gateway_gets_exactly_the_rest_and_starts_nothing_new(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "30")
+    b = await make_gw("gw-b")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    ids = a.tok.encode(REPLY, add_special_tokens=False)
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50, "stream_options": {"include_usage": True}}
+    first = await a.http.post(a.url + "/v1/completions", json=body)
+    sub = await reader.next()
+    rid = sub.request_id[:-2]
+    half = 6
+    for off in range(half):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
+    got_ids, data = await asyncio.wait_for(read_sse(first, stop_after=half), 10)
+    assert got_ids == [f"{rid}:{i + 1}" for i in range(half)]
+    first.close()  # the client's connection breaks
+    # the worker goes on meanwhile: the rest is published to gateway A's channel (and the log)
+    for off in range(half, len(ids)):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
+    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"] == rid
+        rest_ids, rest = await asyncio.wait_for(read_sse(r), 10)
+    assert texts(data) + texts(rest) == REPLY  # exactly once: nothing repeated, nothing missing
+    assert rest_ids[-1] == f"{rid}:{len(ids) + 1}"  # the finished choice: its offset + 1
+    assert rest[-1]["usage"]["completion_tokens"] == len(ids)
+    assert all(d["id"] == f"cmpl-{rid}" for d in data + rest)
+    # no second generation, and gateway A's grace saw the lease taken by B: nothing cancelled
+    assert await a.redis.xlen(a.keys.requests) == 1
+    lease = await a.redis.get(a.keys.client_lease(sub.request_id))
+    assert lease is None or lease.startswith(b"gw-b:")
+    # the heartbeat a scheduler can watch
+    info = GatewayInfo.from_wire(await a.redis.get(a.keys.gateway_heartbeat("gw-a")))
+    assert info.gateway_id == "gw-a" and info.resume_grace == 30
+
+    # resuming from the last id again: only the end (the finish was seen, so nothing but usage + DONE)
+    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": rest_ids[-1]}) as r:
+        _, again = await asyncio.wait_for(read_sse(r), 10)
+    assert texts(again) == "" and again[-1]["usage"]["completion_tokens"] == len(ids)
+
+    # bad ids: 400 (malformed) and 404 (unknown request)
+    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": "nope"}) as r:
+        assert r.status == 400
+    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": "0" * 32 + ":3"}) as r:
+        assert r.status == 404
+        assert_openai_error(await r.json(), "invalid_request_error", None, "resume_not_found")
+
+
+async def test_a_client_that_does_not_come_back_is_cancelled_after_the_grace(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "0.3")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50}
+    first = await a.http.post(a.url + "/v1/completions", json=body)
+    sub = await reader.next()
+    await emit(a, TokenEvent(sub.request_id, 0, [5]))
+    await asyncio.wait_for(read_sse(first, stop_after=1), 10)
+    first.close()
+    cancel = await reader.next()
+    assert isinstance(cancel, CancelRequest) and cancel.request_id == sub.request_id
+    # a later resume reads the end the cancel wrote to the log: an abort, not an endless wait
+    async with a.http.post(a.url + "/v1/completions", json=body,
+                           headers={"Last-Event-ID": f"{sub.request_id[:-2]}:1"}) as r:
+        _, rest = await asyncio.wait_for(read_sse(r), 10)
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    assert msgpack.unpackb(await a.redis.get(a.keys.gateway_heartbeat("gw-a")))["k"] == "gateway"
+    assert isinstance(SubmitRequest, type)
+
+
+def test_orphan_tracker_cancels_what_has_had_no_lease_for_the_grace():
+    from phaseserve.client_lease import OrphanTracker
+
+    t = OrphanTracker(grace_s=10)
+    assert t.update(["a", "b"], [False, True], now=100) == []
+    assert t.update(["a", "b"], [False, True], now=109) == []
+    assert t.update(["a", "b"], [True, False], now=111) == []  # a resumed in time; b's clock starts
+    assert t.update(["a", "b"], [False, False], now=121.5) == ["b"]
+    assert t.update(["a"], [False], now=132) == ["a"]  # b is gone from the running set: forgotten
+    assert t.missing_since == {}
+
+
+async def test_a_resume_on_the_same_gateway_keeps_the_request_when_the_old_connection_ends(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "1.0", "--client-lease-ttl", "0.3")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    ids = a.tok.encode(REPLY, add_special_tokens=False)
+    body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50}
+    first = await a.http.post(a.url + "/v1/completions", json=body)
+    sub = await reader.next()
+    for off in range(3):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
+    got_ids, head = await asyncio.wait_for(read_sse(first, stop_after=3), 10)
+    # the client reconnects before the gateway noticed the old connection is gone
+    second = await a.http.post(a.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]})
+    first.close()
+    await asyncio.sleep(1.6)  # the old serving's grace (several lease TTLs) passes
+    for off in range(3, len(ids)):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
+    _, tail = await asyncio.wait_for(read_sse(second), 10)
+    second.close()
+    assert texts(head) + texts(tail) == REPLY
+    assert await a.redis.xlen(a.keys.requests) == 1  # the submit only: no CancelRequest
+
+
+async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(make_gw):
+    a = await make_gw("gw-a", "--resume-grace", "30")
+    b = await make_gw("gw-b")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    replies = [REPLY, "Hello wörld 🙂 again"]
+    toks = [a.tok.encode(t, add_special_tokens=False) for t in replies]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+            "max_tokens": 60}
+    first = await a.http.post(a.url + "/v1/chat/completions", json=body)
+    subs = [await reader.next(), await reader.next()]
+    # choice 0 gets 5 tokens, choice 1 gets 2, interleaved
+    for off in range(5):
+        await emit(a, TokenEvent(subs[0].request_id, off, [toks[0][off]]))
+        if off < 2:
+            await emit(a, TokenEvent(subs[1].request_id, off, [toks[1][off]]))
+    got_ids, head = await asyncio.wait_for(read_sse(first, stop_after=2 + 7), 10)  # 2 role chunks + 7
+    first.close()
+    for i in range(2):
+        start = 5 if i == 0 else 2
+        for off in range(start, len(toks[i])):
+            await emit(a, TokenEvent(subs[i].request_id, off, [toks[i][off]],
+                                     "stop" if off == len(toks[i]) - 1 else None))
+    rid = subs[0].request_id[:-2]
+    assert got_ids[-1] == f"{rid}:5.2"
+    async with b.http.post(b.url + "/v1/chat/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+        _, tail = await asyncio.wait_for(read_sse(r), 10)
+    assert not any(c["choices"][0]["delta"].get("role") for c in tail)  # no second opening chunk
+
+    def text(chunks, i):
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c.get("choices") and c["choices"][0]["index"] == i)
+
+    assert [text(head, i) + text(tail, i) for i in range(2)] == replies
+    assert sorted(c["choices"][0]["finish_reason"] for c in tail if c["choices"][0]["finish_reason"]) == ["stop"] * 2
