@@ -181,8 +181,8 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
         for i, plan in enumerate(plans):
             service.run_step(f"0-{i}".encode(), plan.to_wire())
     for i in range(2):  # each step's writes: the plan's entry id, its result, one token batch for "gw"
-        entry_id, result, batches = msgpack.unpackb(relay_end.recv_bytes())
-        assert entry_id == f"0-{i}".encode() and StepResult.from_wire(result).step_id == i
+        entry_id, result, batches, reset = msgpack.unpackb(relay_end.recv_bytes())
+        assert entry_id == f"0-{i}".encode() and StepResult.from_wire(result).step_id == i and reset is False
         assert [gw for gw, _ in batches] == ["gw"]
     steps = [e for e in logs if e["event"] == "step"]
     assert [(s["step_id"], s["decodes"], s["prefill_tokens"], s["context"]) for s in steps] == \
