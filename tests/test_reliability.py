@@ -1,0 +1,223 @@
+"""Faults the queue must survive (issue #11), each driven deterministically over a real Redis with real
+model workers: a plan or a result lost (or unreadable) between the scheduler and a worker, unreadable
+messages on the requests stream, a worker whose model is frozen (SIGSTOP), Redis restarted, and the
+active scheduler killed with a standby running. Every request completes, token for token what an
+unfaulted run produces; an unseeded sampled request stays one sample through a scheduler fail-over."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+import runner_driver
+from model_factory import make_model
+from phaseserve.params import SamplingParams
+from phaseserve.redis_server import EmbeddedRedis
+from phaseserve.wire import (
+    FIELD, CancelRequest, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest, TokenBatch,
+    TokenEvent, WorkerInfo,
+)
+from service_harness import Gateway, SchedulerProcess, WorkerProcess, WorkerThread, start, stop
+from workers.runner import ModelRunner
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m"), "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    runner = ModelRunner(model_dir, num_blocks=64)
+    return [s.outputs for s in runner_driver.run(runner, PROMPTS, GREEDY)]
+
+
+def reference_for(model_dir, prompts, params, max_tokens):
+    runner = ModelRunner(model_dir, num_blocks=128)
+    return [s.outputs for s in runner_driver.run(runner, prompts, params)]
+
+
+def lose_steps(worker: WorkerThread, *, lose_plan=lambda plan: False, corrupt_plan=lambda plan: False,
+               lose_result=lambda plan, result: False) -> list[str]:
+    """Make the worker lose chosen messages, each once, exactly where the faults happen in production:
+    a plan that never reaches the model (deleted from its stream: only acked), a plan the worker cannot
+    read, a result that never reaches the scheduler (its tokens still reach the client)."""
+    service = worker.service
+    run_step, publish = service.run_step, service.publish
+    lost: list[str] = []
+
+    def faulty_run_step(entry_id, data):
+        plan = StepPlan.from_wire(data)
+        if lose_plan(plan):
+            lost.append(f"plan {plan.step_id}")
+            return service._send(msgpack.packb([entry_id, None, []]))
+        if corrupt_plan(plan):
+            lost.append(f"unreadable plan {plan.step_id}")
+            return run_step(entry_id, data[:-3] + b"\xc1\xc1\xc1")
+        return run_step(entry_id, data)
+
+    def faulty_publish(plan, result, entry_id):
+        if lose_result(plan, result):
+            lost.append(f"result {plan.step_id}")  # its tokens still go out: only the scheduler's copy is lost
+            return _publish_tokens_only(service, plan, result, entry_id)
+        return publish(plan, result, entry_id)
+
+    service.run_step, service.publish = faulty_run_step, faulty_publish
+    return lost
+
+
+def _publish_tokens_only(service, plan, result, entry_id):
+    from collections import defaultdict
+    by_gateway = defaultdict(list)
+    for ev in result.events:
+        gw = service.gateway_of.get(ev.seq_id)
+        if gw is not None:
+            by_gateway[gw].append(ev)
+    batches = [[gw, TokenBatch(plan.step_id, service.worker_id, evs).to_wire()] for gw, evs in by_gateway.items()]
+    service.writes.send_bytes(msgpack.packb([entry_id, None, batches, plan.reset]))
+
+
+def once(predicate):
+    fired = []
+
+    def check(*args):
+        if not fired and predicate(*args):
+            fired.append(True)
+            return True
+        return False
+    return check
+
+
+def decodes(plan: StepPlan, seq_id: str, offset: int) -> bool:
+    """The plan samples output `offset` of `seq_id` with a decode (prompt length of PROMPTS)."""
+    i = int(seq_id[1:])
+    return any(c.seq_id == seq_id and c.num_tokens == 1 and c.start_pos == len(PROMPTS[i]) + offset - 1
+               for c in plan.chunks)
+
+
+async def test_lost_and_unreadable_plans_and_results_are_replanned(model_dir, reference, redis_server):
+    """Found out of order: the worker runs plans in order, so a result that overtakes an open step means
+    that step's plan or result was lost. Its sequences are recomputed; the worker is never stranded."""
+    keys = Keys("lost")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    lost = lose_steps(
+        worker,
+        lose_plan=once(lambda plan: decodes(plan, "r0", 4) or any(s.seq_id == "r2" for s in plan.starts)),
+        corrupt_plan=once(lambda plan: decodes(plan, "r3", 13)),
+        lose_result=once(lambda plan, result: any(e.seq_id == "r1" and e.offset == 8 for e in result.events)),
+    )
+    # faults in adjacent steps leave no later result to reveal them: then the deadline does
+    client, sched, gw, tasks = await start(redis_server, keys, step_timeout=2.0)
+    try:
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, MAX_TOKENS)
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS))
+        assert len(lost) == 3, lost
+        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert all(gw.finish[f"r{i}"] == "length" for i in range(len(PROMPTS))) and gw.conflicts == 0
+        assert sched.num_steps_given_up >= 3
+        assert list(sched.workers) == ["w1"] and not sched.workers["w1"].in_flight  # not stranded
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
+
+
+async def test_a_lost_result_with_nothing_after_it_is_given_up_at_its_deadline(model_dir, reference, redis_server):
+    """One plan in flight: no later result can reveal the loss, only the step deadline."""
+    keys = Keys("deadline")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    lost = lose_steps(worker, lose_result=once(lambda plan, result: any(e.offset == 7 for e in result.events)))
+    client, sched, gw, tasks = await start(redis_server, keys, plans_in_flight=1, step_timeout=0.2)
+    try:
+        await gw.submit("r0", PROMPTS[0], MAX_TOKENS)
+        t0 = time.monotonic()
+        await gw.wait(lambda: "r0" in gw.finish, 30)
+        assert lost == [lost[0]] and lost[0].startswith("result")
+        assert gw.tokens["r0"] == reference[0] and gw.conflicts == 0
+        assert sched.num_steps_given_up == 1
+        assert time.monotonic() - t0 >= sched.step_timeout  # it waited for the deadline, no longer
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
+
+
+async def test_unreadable_messages_are_dead_lettered_and_their_clients_told(model_dir, reference, redis_server):
+    keys = Keys("dead")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    client, sched, gw, tasks = await start(redis_server, keys)
+    try:
+        # a newer gateway: a message kind this scheduler does not know, for a client waiting on "gw"
+        newer = msgpack.packb({"v": 1, "k": "submit_v2", "request_id": "future", "gateway_id": "gw", "x": [1]})
+        await client.xadd(keys.requests, {FIELD: newer})
+        await client.xadd(keys.requests, {FIELD: b"\xc1 not msgpack"})  # corrupt
+        await client.xadd(keys.requests, {"other": b"1"})  # no message field at all
+        # a submit whose request id and gateway are readable but whose body is not a valid submit
+        broken = msgpack.packb({"v": 1, "k": "submit", "request_id": "broken", "gateway_id": "gw"})
+        await client.xadd(keys.requests, {FIELD: broken})
+        await client.xadd(keys.results, {FIELD: b"garbage"})
+        # a newer gateway's submit with extra fields (top level and in the sampling params): served
+        req = SubmitRequest("extra", "gw", PROMPTS[0], GREEDY).to_dict()
+        req.update(v=1, k="submit", tenant="t1")
+        req["params"]["speculative"] = True
+        await client.xadd(keys.requests, {FIELD: msgpack.packb(req)})
+        await gw.wait(lambda: {"future", "broken", "extra"} <= set(gw.finish))
+        assert gw.finish["future"] == "error" and "unknown message kind 'submit_v2'" in gw.errors["future"][1]
+        assert gw.finish["broken"] == "error" and gw.errors["broken"][1].startswith(
+            "the scheduler could not read this request")
+        assert gw.finish["extra"] == "length" and gw.tokens["extra"] == reference[0]
+        deadline = time.monotonic() + 5
+        while await client.xlen(keys.dead_letters) < 5:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        dead = {e[1][b"stream"].decode(): e[1] for e in await client.xrange(keys.dead_letters)}
+        entries = await client.xrange(keys.dead_letters)
+        assert len(entries) == 5 and sched.num_dead_letters == 5
+        assert dead[keys.results][FIELD.encode()] == b"garbage" and b"WireError" in dead[keys.results][b"reason"]
+        reasons = sorted(e[1][b"reason"].decode() for e in entries)
+        assert any("not msgpack" in r for r in reasons) and any("no 'm' field" in r for r in reasons)
+        # the scheduler still serves: nothing pending, and a new request runs
+        await gw.submit("after", PROMPTS[1], MAX_TOKENS)
+        await gw.wait(lambda: "after" in gw.finish)
+        assert gw.tokens["after"] == reference[1]
+        assert (await client.xpending(keys.requests, keys.scheduler_group))["pending"] == 0
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
+
+
+def test_the_wire_contract_ignores_fields_a_newer_peer_adds():
+    def with_extra(message, **extra):
+        body = msgpack.unpackb(message.to_wire(), raw=False)
+        body.update(extra)
+        return msgpack.packb(body)
+
+    params = SamplingParams(max_tokens=3, temperature=0.5, seed=7)
+    sub = SubmitRequest("r", "g", [1, 2], params, priority=2)
+    body = msgpack.unpackb(sub.to_wire(), raw=False)
+    body["params"]["new_knob"] = 1
+    body["new_field"] = "x"
+    assert SubmitRequest.from_wire(msgpack.packb(body)) == sub
+    assert CancelRequest.from_wire(with_extra(CancelRequest("r"), why="x")) == CancelRequest("r")
+    plan = StepPlan(3, "w", [SeqStart("r", "g", [1], params, [4])], [ScheduledChunk("r", 0, 1, [0])], ["q"], 9, True)
+    assert StepPlan.from_wire(with_extra(plan, priority_hint=1)) == plan
+    result = StepResult(3, "w", [TokenEvent("r", 0, [5], "stop", None, None, None)], 1, 0.5, 9)
+    extra_event = msgpack.unpackb(result.to_wire(), raw=False)
+    extra_event["events"][0] += [None, "a newer event field"]  # positional: error_kind (unset), then the new one
+    extra_event["trace"] = {}
+    assert StepResult.from_wire(msgpack.packb(extra_event)) == result
+    info = WorkerInfo("w", "mixed", "m", 8, 16, 128, 1, 2.0, 5, 3)
+    assert WorkerInfo.from_wire(with_extra(info, gpu="none")) == info
+    # an older peer's message (no epoch, no reset, no incarnation) reads with the defaults
+    old = msgpack.unpackb(plan.to_wire(), raw=False)
+    del old["epoch"], old["reset"]
+    assert StepPlan.from_wire(msgpack.packb(old)).epoch == 0 and not StepPlan.from_wire(msgpack.packb(old)).reset
