@@ -175,7 +175,7 @@ class SchedulerService:
             return
         self.epoch = int(await self.client.eval(NEXT_EPOCH, 1, self.keys.scheduler_epoch(), int(time.time() * 1000)))
         self.is_leader = True
-        log.info("scheduler holds the lease", consumer=self.consumer, epoch=self.epoch)
+        log.info("lease taken: this scheduler is the active one", consumer=self.consumer, epoch=self.epoch)
 
     def renew_lease(self, pipe) -> None:
         pipe.eval(RENEW_LEASE, 2, self.keys.scheduler_lease(), self.keys.scheduler_epoch(), self.consumer,

@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from phaseserve.params import SamplingParams
+from phaseserve.redis_client import connect_async
 from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch
 from scheduler.service import PolicyLimits, SchedulerService
 from workers.runner import ModelRunner
@@ -192,10 +193,10 @@ async def stats(client: aioredis.Redis, keys: Keys) -> dict:
 
 
 async def start(url: str, keys: Keys, *, gateway: bool = True, allow_gaps: bool = False, **service_kw):
-    client = aioredis.Redis.from_url(url)
+    client = connect_async(url)  # as the service's own: commands retried through a Redis restart
     kw = dict(heartbeat_interval=0.1) | service_kw
     sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40), **kw)
-    gw = Gateway(aioredis.Redis.from_url(url), keys, allow_gaps=allow_gaps)
+    gw = Gateway(connect_async(url), keys, allow_gaps=allow_gaps)
     ready = asyncio.Event()
     tasks = [asyncio.create_task(sched.run()), asyncio.create_task(gw.listen(ready))]
     await ready.wait()

@@ -7,7 +7,7 @@ unfaulted run produces; an unseeded sampled request stays one sample through a s
 from __future__ import annotations
 
 import asyncio
-import os
+import re
 import signal
 import time
 
@@ -221,3 +221,155 @@ def test_the_wire_contract_ignores_fields_a_newer_peer_adds():
     old = msgpack.unpackb(plan.to_wire(), raw=False)
     del old["epoch"], old["reset"]
     assert StepPlan.from_wire(msgpack.packb(old)).epoch == 0 and not StepPlan.from_wire(msgpack.packb(old)).reset
+
+
+LONG = 200  # tokens: a stream lasts well past the moment a fault is injected
+
+
+@pytest.fixture(scope="module")
+def long_reference(model_dir):
+    params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    return reference_for(model_dir, PROMPTS, params, LONG)
+
+
+def assert_matches(gw: Gateway, reference: list[list[int]]) -> None:
+    """Every token a client got is the unfaulted run's at its offset (gaps allowed only if the stand-in
+    gateway allows them: pub/sub drops what is published while Redis is away)."""
+    for i, ref in enumerate(reference):
+        seen = gw.by_offset[f"r{i}"]
+        assert all(ref[off] == tok for off, tok in seen.items()), f"r{i} differs from the unfaulted run"
+        assert gw.finish[f"r{i}"] == "length"
+    assert gw.conflicts == 0
+
+
+async def test_a_frozen_worker_is_treated_as_dead_and_rejoins_when_it_thaws(model_dir, long_reference,
+                                                                           redis_server, tmp_path):
+    """SIGSTOP the model process of a worker (its relay keeps running): past the step deadline the relay
+    withdraws the heartbeat, the scheduler moves its sequences to the other worker, and no stream stalls
+    for much longer than the deadline. SIGCONT: its late writes are void, and it rejoins as a new life."""
+    keys = Keys("frozen")
+    workers = [WorkerProcess(model_dir, redis_server, keys, w, tmp_path / f"{w}.log", "--step-timeout", "1")
+               for w in ("w1", "w2")]
+    client, sched, gw, tasks = await start(redis_server, keys, step_timeout=1.0)
+    try:
+        await gw.wait(lambda: {"w1", "w2"} <= set(sched.workers), 60)
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
+        workers[0].signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        on_w1 = {rid for rid, wid in sched.owner.items() if wid == "w1"} - set(gw.finish)
+        assert on_w1, "the frozen worker must hold live streams"
+        await gw.wait(lambda: "w1" not in sched.workers, 10)
+        retired_after = time.monotonic() - frozen_at
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS), 120)
+        assert_matches(gw, long_reference)
+        assert 1.0 <= retired_after < 4.0, retired_after  # the deadline, plus a heartbeat refresh or two
+        assert gw.longest_stall < 6.0, gw.longest_stall
+
+        workers[0].signal(signal.SIGCONT)  # thawed: a new incarnation, adopted afresh
+        await gw.wait(lambda: "w1" in sched.workers and sched.workers["w1"].info.incarnation == 1, 30)
+        await gw.submit("after", PROMPTS[1], 8)
+        await gw.wait(lambda: "after" in gw.finish, 30)
+        assert gw.tokens["after"] == long_reference[1][:8] and gw.conflicts == 0
+        log_text = (tmp_path / "w1.log").read_text()
+        assert "withdrawing the heartbeat" in log_text and "rejoining as a new life" in log_text
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()
+
+
+async def test_redis_restarted_on_its_port_every_service_resumes(model_dir, long_reference):
+    """Redis stopped for 2 s and started again, empty, on the same port: the scheduler and both workers
+    (models loaded, same processes) wait it out and every stream completes as in an unfaulted run."""
+    keys = Keys("outage")
+    server = EmbeddedRedis().start()
+    workers = [WorkerThread(model_dir, server.url, keys, w, step_timeout=30.0) for w in ("w1", "w2")]
+    client, sched, gw, tasks = await start(server.url, keys, allow_gaps=True, step_timeout=1.0)
+    try:
+        await gw.wait(lambda: {"w1", "w2"} <= set(sched.workers), 30)
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
+        server.stop()
+        unfinished = set(f"r{i}" for i in range(len(PROMPTS))) - set(gw.finish)
+        assert unfinished
+        await asyncio.sleep(2.0)
+        server.start()
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS), 120)
+        assert_matches(gw, long_reference)
+        assert not tasks[0].done()  # the scheduler is still running
+        assert all(w.error is None and w.thread.is_alive() for w in workers)  # same processes, models loaded
+        await gw.submit("after", PROMPTS[2], 8)
+        await gw.wait(lambda: "after" in gw.finish, 30)
+        assert gw.tokens["after"] == long_reference[2][:8]
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()
+        server.stop()
+
+
+async def test_a_killed_scheduler_is_replaced_by_its_standby_and_samples_stay_one_sample(
+        model_dir, long_reference, redis_server, tmp_path):
+    """Two schedulers against one Redis: one holds the lease and plans, the other stands by. kill -9 the
+    active one mid-stream: the standby takes over within the lease time, with a new epoch, resumes every
+    sequence from its confirmed outputs, and an unseeded sampled stream continues the very sample its
+    client has (it got a seed at admission, kept in its record)."""
+    keys = Keys("failover")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    runner, inner = worker.service.runner, worker.service.runner.execute
+    runner.execute = lambda plan: (time.sleep(0.01), inner(plan))[1]  # streams stay mid-flight
+    lease = ["--scheduler-lease-ttl", "1.0", "--step-timeout", "2"]
+    active = SchedulerProcess(redis_server, keys, tmp_path / "a.log", *lease)
+    standby = None
+    client = aioredis.Redis.from_url(redis_server)
+    gw = Gateway(aioredis.Redis.from_url(redis_server), keys)
+    ready = asyncio.Event()
+    listener = asyncio.create_task(gw.listen(ready))
+    try:
+        await ready.wait()
+        await gw.wait(lambda: "lease taken" in active.text(), 30)
+        standby = SchedulerProcess(redis_server, keys, tmp_path / "b.log", *lease)
+        await gw.wait(lambda: "standby" in standby.text(), 30)
+        assert (await client.get(keys.scheduler_lease())).decode() == active.consumer
+        epoch_a = int(await client.get(keys.scheduler_epoch()))
+
+        sampled = SamplingParams(max_tokens=LONG, temperature=1.0, ignore_eos=True)  # no seed
+        for i, p in enumerate(PROMPTS[:3]):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.submit("s", PROMPTS[3], params=sampled)
+        ids = [f"r{i}" for i in range(3)] + ["s"]
+        await gw.wait(lambda: all(len(gw.tokens.get(r, ())) >= 5 for r in ids), 60)
+        record = SubmitRequest.from_wire(await client.hget(keys.request_record("s"), "submit"))
+        assert record.params.seed is not None  # drawn at admission
+        assert "lease taken" not in standby.text()  # the standby has planned nothing
+        active.proc.kill()
+        killed_at = time.monotonic()
+        active.proc.wait(5)
+        assert not any(gw.finish.get(r) for r in ids)
+        await gw.wait(lambda: "lease taken" in standby.text(), 10)
+        took_over = time.monotonic() - killed_at
+        assert took_over < 1.0 + 1.5, took_over  # the lease time, plus a standby poll and start-up
+        assert (await client.get(keys.scheduler_lease())).decode() == standby.consumer
+        assert int(await client.get(keys.scheduler_epoch())) > epoch_a
+
+        await gw.wait(lambda: all(r in gw.finish for r in ids), 120)
+        # each resumed from the outputs its record had confirmed, not from its prompt
+        resumed = dict(re.findall(r"request admitted .*?request_id=(\S+) resumed_from=(\d+)", standby.text()))
+        assert set(resumed) == set(ids) and all(int(n) >= 5 for n in resumed.values()), resumed
+        assert [gw.tokens[f"r{i}"] for i in range(3)] == long_reference[:3] and gw.conflicts == 0
+        seeded = SamplingParams(max_tokens=LONG, temperature=1.0, ignore_eos=True, seed=record.params.seed)
+        (sample_ref,) = reference_for(model_dir, [PROMPTS[3]], seeded, LONG)
+        assert gw.tokens["s"] == sample_ref  # one sample: what the client had, continued
+        assert await client.keys(keys.request_record("*")) == []
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        for s in (active, standby):
+            if s is not None:
+                s.stop()
+        worker.stop()
+        await client.aclose()
+        await gw.client.aclose()
