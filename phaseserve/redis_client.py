@@ -22,21 +22,24 @@ BACKOFF_CAP_S = 1.0
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 
 
-def _kwargs(retry) -> dict:
-    return dict(retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-                socket_connect_timeout=2.0, health_check_interval=10)
+def _kwargs(retry, name: str | None) -> dict:
+    kw = dict(retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+              socket_connect_timeout=2.0, health_check_interval=10)
+    if name:
+        kw["client_name"] = name  # CLIENT LIST shows who is who (and bench.faults finds a consumer by it)
+    return kw
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, name: str | None = None) -> redis.Redis:
     """A blocking client that retries a command on connection errors."""
     retry = Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), COMMAND_RETRIES)
-    return redis.Redis.from_url(url, **_kwargs(retry))
+    return redis.Redis.from_url(url, **_kwargs(retry, name))
 
 
-def connect_async(url: str) -> aioredis.Redis:
+def connect_async(url: str, name: str | None = None) -> aioredis.Redis:
     """An asyncio client that retries a command on connection errors."""
     retry = AsyncRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), COMMAND_RETRIES)
-    return aioredis.Redis.from_url(url, **_kwargs(retry))
+    return aioredis.Redis.from_url(url, **_kwargs(retry, name))
 
 
 class Backoff:

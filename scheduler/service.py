@@ -682,7 +682,7 @@ def confirmed_outputs(record: dict) -> list[int]:
 
 
 async def serve(args) -> None:
-    client = connect_async(args.redis_url)
+    client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
