@@ -359,18 +359,18 @@ class WorkerInfo:
     block_size: int
     max_model_len: int
     pid: int = 0
+    # when this life of the worker began: its process start, or (set anew by its relay) the moment its model
+    # moved again after stalling past the step deadline. A new value = a new life: the scheduler retires
+    # the old one (its plans are void) and adopts the worker afresh
     started_at: float = 0.0
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
-    # bumped by the worker's relay when its model stalled past the step deadline and it went silent: the
-    # scheduler retires that life of the worker (its plans are void) and adopts the next afresh
-    incarnation: int = 0
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "incarnation")})
+            "attention_horizon")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

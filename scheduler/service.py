@@ -275,11 +275,11 @@ class SchedulerService:
             except (WireError, TypeError) as e:
                 log.warning("unreadable heartbeat", worker_id=wid, error=str(e))
         for wid in list(self.workers):
-            info, known = live.get(wid), self.workers[wid].info
-            if info is None or (info.started_at, info.incarnation) != (known.started_at, known.incarnation):
-                # a new incarnation: its model stalled past the step deadline; that life's plans are void
-                self.retire_worker(wid, "heartbeat expired" if info is None else
-                                   "restarted" if info.started_at != known.started_at else "stalled")
+            info = live.get(wid)
+            if info is None or info.started_at != self.workers[wid].info.started_at:
+                # a new started_at: a new process, or a model that moved again after stalling past the step
+                # deadline (its relay starts a new life); the old life's plans are void either way
+                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)")
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)

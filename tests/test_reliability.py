@@ -215,9 +215,9 @@ def test_the_wire_contract_ignores_fields_a_newer_peer_adds():
     extra_event["events"][0] += [None, "a newer event field"]  # positional: error_kind (unset), then the new one
     extra_event["trace"] = {}
     assert StepResult.from_wire(msgpack.packb(extra_event)) == result
-    info = WorkerInfo("w", "mixed", "m", 8, 16, 128, 1, 2.0, 5, 3)
+    info = WorkerInfo("w", "mixed", "m", 8, 16, 128, 1, 2.0, 5)
     assert WorkerInfo.from_wire(with_extra(info, gpu="none")) == info
-    # an older peer's message (no epoch, no reset, no incarnation) reads with the defaults
+    # an older peer's message (no epoch, no reset) reads with the defaults
     old = msgpack.unpackb(plan.to_wire(), raw=False)
     del old["epoch"], old["reset"]
     assert StepPlan.from_wire(msgpack.packb(old)).epoch == 0 and not StepPlan.from_wire(msgpack.packb(old)).reset
@@ -253,6 +253,7 @@ async def test_a_frozen_worker_is_treated_as_dead_and_rejoins_when_it_thaws(mode
     client, sched, gw, tasks = await start(redis_server, keys, step_timeout=1.0)
     try:
         await gw.wait(lambda: {"w1", "w2"} <= set(sched.workers), 60)
+        started_at = {w: s.info.started_at for w, s in sched.workers.items()}
         for i, p in enumerate(PROMPTS):
             await gw.submit(f"r{i}", p, LONG)
         await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
@@ -267,8 +268,9 @@ async def test_a_frozen_worker_is_treated_as_dead_and_rejoins_when_it_thaws(mode
         assert 1.0 <= retired_after < 4.0, retired_after  # the deadline, plus a heartbeat refresh or two
         assert gw.longest_stall < 6.0, gw.longest_stall
 
-        workers[0].signal(signal.SIGCONT)  # thawed: a new incarnation, adopted afresh
-        await gw.wait(lambda: "w1" in sched.workers and sched.workers["w1"].info.incarnation == 1, 30)
+        first_life = started_at["w1"]
+        workers[0].signal(signal.SIGCONT)  # thawed: a new life (a new started_at), adopted afresh
+        await gw.wait(lambda: "w1" in sched.workers and sched.workers["w1"].info.started_at > first_life, 30)
         await gw.submit("after", PROMPTS[1], 8)
         await gw.wait(lambda: "after" in gw.finish, 30)
         assert gw.tokens["after"] == long_reference[1][:8] and gw.conflicts == 0

@@ -17,8 +17,8 @@ may take up to `step_timeout` seconds from when its plan is due (handed over, or
 written, whichever is later). Past that the model counts as hung (SIGSTOPped, stuck in a kernel): the
 relay deletes the heartbeat and stops beating, so the scheduler retires the worker and recomputes its
 sequences elsewhere at its next look, and every write of a plan handed over before then is void (only
-acked). When the model makes progress again the relay beats with the next `incarnation`; the scheduler
-adopts it as a new worker and its first plan (`reset`) ends the void. See `ModelLiveness`.
+acked). When the model makes progress again the relay beats with a new `started_at` (a new life); the
+scheduler adopts it as a new worker and its first plan (`reset`) ends the void. See `ModelLiveness`.
 
 Redis outages: commands retry with backoff (phaseserve/redis_client.py); the plan reader and the step
 writer wait and resume, so the model stays loaded through a Redis restart.
@@ -71,7 +71,8 @@ class ModelLiveness:
     A plan is due when it is handed over, or when the step before it is written back, whichever is later;
     the model is hung when its oldest unfinished plan has been due for longer than `step_timeout`. Once
     hung, the worker's current life is over: every write until the model reports a `reset` plan (the
-    scheduler's first to the next life) is void. Thread-safe: the reader, writer and heartbeat threads share it.
+    scheduler's first to the next life) is void, and the heartbeat announces the next life (a new
+    WorkerInfo.started_at) once the model moves again. Thread-safe: the reader, writer and heartbeat threads share it.
     """
 
     def __init__(self, step_timeout: float):
@@ -129,6 +130,7 @@ class Heartbeat(threading.Thread):
         self.liveness = liveness or ModelLiveness(float("inf"))
         self.stopped = threading.Event()
         self.silent = False  # the heartbeat was withdrawn for a hung model
+        self.incarnation = 0  # lives this worker has had after hangs (ModelLiveness.incarnation announced)
 
     def beat(self) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -150,9 +152,10 @@ class Heartbeat(threading.Thread):
                 self.withdraw()
             return
         incarnation = self.liveness.incarnation
-        if incarnation != self.info.incarnation:  # progress after a hang: announce the next life
+        if incarnation != self.incarnation:  # progress after a hang: announce the next life
             self.silent = False
-            self.info.incarnation = incarnation
+            self.incarnation = incarnation
+            self.info.started_at = time.time()  # a new started_at is a new life to the scheduler
             log.warning("model making progress again; rejoining as a new life", incarnation=incarnation)
         self.beat()
 
