@@ -121,7 +121,9 @@ SETTINGS: list[Setting] = [
     Setting("step_timeout", "PHASESERVE_STEP_TIMEOUT", 30.0, float,
             "seconds a worker's model step may take (from when its plan is due) before the step counts as lost: "
             "the scheduler re-plans its sequences, and a worker whose model is stuck that long stops "
-            "heartbeating and is treated as dead", ("worker", "scheduler", "up")),
+            "heartbeating and is treated as dead. The scheduler's value goes with each plan (scaled up for a "
+            "step larger than its token budget); a worker's own is for plans that carry none",
+            ("worker", "scheduler", "up")),
     Setting("scheduler_lease_ttl", "PHASESERVE_SCHEDULER_LEASE_TTL", 5.0, float,
             "seconds the active scheduler's lease lasts unrenewed; a second scheduler is a standby that takes "
             "over (with a new epoch) once the lease lapses", ("scheduler", "up")),

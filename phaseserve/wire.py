@@ -244,6 +244,9 @@ class StepPlan:
     # adoption; the worker forgets every sequence it holds (they belong to a scheduler or adoption gone).
     epoch: int = 0
     reset: bool = False
+    # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
+    # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
+    timeout_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -255,6 +258,7 @@ class StepPlan:
             "starts": [s.to_dict() for s in self.starts],
             "chunks": [c.to_list() for c in self.chunks],
             "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
+            "timeout_s": self.timeout_s,
         })
 
     @classmethod
@@ -262,7 +266,7 @@ class StepPlan:
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
                    [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
-                   bool(d.get("reset", False)))
+                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)))
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler

@@ -98,15 +98,17 @@ class LeaseLost(Exception):
 class WorkerSlot:
     info: WorkerInfo
     policy: Scheduler
-    in_flight: deque = field(default_factory=deque)  # (step id, sent at) of plans sent, no result yet, oldest first
+    # (step id, sent at, seconds it may take once due) of plans sent with no result yet, oldest first
+    in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
 
-    def head_deadline(self, step_timeout: float) -> float | None:
+    def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
         if not self.in_flight:
             return None
-        return max(self.in_flight[0][1], self.head_since) + step_timeout
+        _step_id, sent_at, timeout = self.in_flight[0]
+        return max(sent_at, self.head_since) + timeout
 
 
 @dataclass
@@ -129,9 +131,10 @@ class SchedulerService:
         self.consumer = consumer or f"scheduler-{socket.gethostname()}-{os.getpid()}"
         self.refresh_interval = max(0.05, heartbeat_interval)
         self.plans_in_flight = max(1, plans_in_flight)
-        # the worker's relay gives up on a step after step_timeout; we wait a refresh longer, so its
+        # the worker's relay gives up on a step after its timeout; we wait a refresh longer, so its
         # heartbeat is withdrawn (a hung model: retire) before we give up on the step (a lost message)
-        self.step_timeout = step_timeout + max(1.0, self.refresh_interval)
+        self.base_step_timeout = step_timeout
+        self.deadline_margin = max(1.0, self.refresh_interval)
         self.lease_ttl_ms = max(100, int(lease_ttl * 1000))
         self.epoch = 0  # ours, from the epoch key when we took the lease
         self.is_leader = False
@@ -414,7 +417,7 @@ class SchedulerService:
     def on_result(self, data: bytes) -> None:
         result = StepResult.from_wire(data)
         slot = self.workers.get(result.worker_id)
-        open_ids = [step_id for step_id, _sent in slot.in_flight] if slot is not None else []
+        open_ids = [entry[0] for entry in slot.in_flight] if slot is not None else []
         if result.epoch not in (0, self.epoch) or result.step_id not in open_ids:
             # an earlier scheduler's plan, a worker we gave up on, a step given up, or a duplicate
             log.debug("ignoring stale step result", worker_id=result.worker_id, step_id=result.step_id,
@@ -423,7 +426,7 @@ class SchedulerService:
         # the worker runs plans in order: the open steps before this one lost their plan or result (the
         # policy recomputes what they sampled when it applies this result)
         while slot.in_flight[0][0] != result.step_id:
-            lost, _sent = slot.in_flight.popleft()
+            lost = slot.in_flight.popleft()[0]
             self.num_steps_given_up += 1
             log.warning("step result missing (a later one came first)", worker_id=result.worker_id, step_id=lost)
         slot.in_flight.popleft()
@@ -448,23 +451,32 @@ class SchedulerService:
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
         self._stats_dirty = True
 
+    @property
+    def step_timeout(self) -> float:
+        """How long a step of at most the budget may go without a result before it is given up."""
+        return self.base_step_timeout + self.deadline_margin
+
+    def plan_timeout(self, plan: StepPlan) -> float:
+        """A step's deadline, scaled for one larger than the token budget (chunked prefill off)."""
+        return self.base_step_timeout * max(1.0, plan.num_tokens / self.limits.max_num_batched_tokens)
+
     def give_up_overdue_steps(self, now: float) -> float | None:
         """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is
         retired by its heartbeat before this). Returns seconds until the next deadline, or None."""
         nearest = None
         for slot in self.workers.values():
             while True:
-                deadline = slot.head_deadline(self.step_timeout)
+                deadline = slot.head_deadline()
                 if deadline is None:
                     break
                 if deadline > now:
                     nearest = deadline - now if nearest is None else min(nearest, deadline - now)
                     break
-                step_id, _sent = slot.in_flight.popleft()
+                step_id, _sent, timeout = slot.in_flight.popleft()
                 slot.head_since = now
                 self.num_steps_given_up += 1
                 log.warning("step overran its deadline; giving it up", worker_id=slot.info.worker_id,
-                            step_id=step_id, step_timeout=self.step_timeout)
+                            step_id=step_id, timeout_s=timeout)
                 slot.policy.drop_step(step_id)
                 self._stats_dirty = True
         return nearest
@@ -482,9 +494,9 @@ class SchedulerService:
                 if plan is None or not (plan.chunks or plan.starts or plan.releases):
                     break
                 plan.epoch = self.epoch
+                plan.timeout_s = self.plan_timeout(plan)
                 pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
-                if plan.step_id >= 0:
-                    slot.in_flight.append((plan.step_id, now))
+                slot.in_flight.append((plan.step_id, now, plan.timeout_s + self.deadline_margin))
                 sent += 1
         if sent:
             self._stats_dirty = True

@@ -146,6 +146,11 @@ async def test_a_lost_result_with_nothing_after_it_is_given_up_at_its_deadline(m
         assert gw.tokens["r0"] == reference[0] and gw.conflicts == 0
         assert sched.num_steps_given_up == 1
         assert time.monotonic() - t0 >= sched.step_timeout  # it waited for the deadline, no longer
+        # a step larger than the budget (a whole long prompt, chunked prefill off) gets a longer deadline
+        budget = sched.limits.max_num_batched_tokens
+        assert sched.plan_timeout(StepPlan(0, "w1", chunks=[ScheduledChunk("x", 0, budget, [])])) == 0.2
+        assert sched.plan_timeout(StepPlan(0, "w1", chunks=[ScheduledChunk("x", 0, 3 * budget, [])])) == \
+            pytest.approx(0.6)
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()

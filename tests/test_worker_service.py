@@ -262,3 +262,14 @@ def test_the_relay_judges_the_models_liveness_by_its_steps():
     live.plan_delivered(106.0)
     assert live.step_written(107.5, reset=False) == (False, True)  # found overdue when it came back
     assert live.incarnation == 2
+    live.plan_delivered(107.6)
+    assert live.step_written(107.7, reset=True) == (True, False)
+    live.plan_delivered(108.0, timeout=5.0)  # a long step: the scheduler gave it a longer deadline
+    assert not live.check(112.0) and live.check(113.5)
+
+
+def test_a_plan_carries_its_deadline_to_the_relay():
+    from workers.relay import plan_timeout
+
+    assert plan_timeout(StepPlan(0, "w", timeout_s=42.0).to_wire()) == 42.0
+    assert plan_timeout(b"\xc1 garbage") == 0.0  # the model acks an unreadable plan at once

@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
@@ -65,6 +66,15 @@ class RelayConfig:
     step_timeout: float = 30.0  # a model step due longer than this: the model is hung (see ModelLiveness)
 
 
+def plan_timeout(data: bytes) -> float:
+    """The deadline a plan carries (StepPlan.timeout_s), 0 if none or unreadable (the model reports that)."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return float(body.get("timeout_s", 0.0)) if isinstance(body, dict) else 0.0
+    except Exception:  # noqa: BLE001 -- a plan the model cannot read either; it acks it at once
+        return 0.0
+
+
 class ModelLiveness:
     """Is the model process making progress? Counts plans handed to it and steps it wrote back.
 
@@ -78,21 +88,26 @@ class ModelLiveness:
     def __init__(self, step_timeout: float):
         self.step_timeout = step_timeout
         self.lock = threading.Lock()
-        self.outstanding = 0  # plans handed over, not yet written back
+        self.timeouts: deque[float] = deque()  # per plan handed over and not yet written back, oldest first
         self.due_at = 0.0  # when the oldest outstanding plan became due (time.monotonic())
         self.void = False  # the model overran: this life's writes are dropped until a reset plan
         self.hung = False  # overran, and no step written back since
         self.incarnation = 0
 
-    def plan_delivered(self, now: float) -> None:
+    @property
+    def outstanding(self) -> int:
+        return len(self.timeouts)
+
+    def plan_delivered(self, now: float, timeout: float = 0.0) -> None:
+        """A plan handed to the model; `timeout` > 0: the scheduler's deadline for it (a long step's is longer)."""
         with self.lock:
-            if self.outstanding == 0:
+            if not self.timeouts:
                 self.due_at = now
-            self.outstanding += 1
+            self.timeouts.append(timeout if timeout > 0 else self.step_timeout)
 
     def _check(self, now: float) -> bool:
         """Enter the void if the oldest plan is overdue; True if this call did (caller holds the lock)."""
-        if self.void or self.outstanding == 0 or now - self.due_at <= self.step_timeout:
+        if self.void or not self.timeouts or now - self.due_at <= self.timeouts[0]:
             return False
         self.void = self.hung = True
         self.incarnation += 1
@@ -106,7 +121,8 @@ class ModelLiveness:
         """A step came back: (keep its writes?, did the model just turn out hung?)."""
         with self.lock:
             hung = self._check(now)
-            self.outstanding = max(0, self.outstanding - 1)
+            if self.timeouts:
+                self.timeouts.popleft()
             self.due_at = now
             self.hung = False
             if reset and self.void:
@@ -226,8 +242,9 @@ class Relay:
                 for _stream, entries in resp or ():
                     for entry_id, fields in entries:
                         # counted before it is handed over: its write can come back before this line's next
-                        self.liveness.plan_delivered(time.monotonic())
-                        self._send_plan(entry_id, fields.get(FIELD_BYTES, b""))
+                        data = fields.get(FIELD_BYTES, b"")
+                        self.liveness.plan_delivered(time.monotonic(), plan_timeout(data))
+                        self._send_plan(entry_id, data)
         except Exception as e:  # a worker that cannot read plans must stop: tell the model process
             if not self.stopping.is_set():
                 log.error("reading plans failed", error=str(e))
