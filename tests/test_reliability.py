@@ -23,6 +23,7 @@ from phaseserve.wire import (
     FIELD, CancelRequest, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest, TokenBatch,
     TokenEvent, WorkerInfo,
 )
+from scheduler.service import PolicyLimits, SchedulerService
 from service_harness import Gateway, SchedulerProcess, WorkerProcess, WorkerThread, start, stop
 from workers.runner import ModelRunner
 
@@ -380,3 +381,42 @@ async def test_a_killed_scheduler_is_replaced_by_its_standby_and_samples_stay_on
         worker.stop()
         await client.aclose()
         await gw.client.aclose()
+
+
+class KeysWithTokenLog(Keys):
+    """Keys with the relay's durable token log (the gateway side of #11 names it `Keys.token_log`)."""
+
+    def token_log(self, seq_id: str) -> str:
+        return f"{self.prefix}:out:{seq_id}"
+
+
+async def test_a_takeover_resumes_from_the_token_log_when_it_is_ahead_of_the_record(redis_server):
+    """The record's confirmed outputs lag a turn behind what the relay logged (and the client has): a
+    takeover resumes from the longer of the two, and leaves alone a sequence whose client saw the end."""
+    keys = KeysWithTokenLog("tlog")
+    r = aioredis.Redis.from_url(redis_server)
+    await r.sadd(keys.workers, "w")  # a heartbeat only: plans go to its stream, nobody runs them
+    await r.set(keys.worker_heartbeat("w"), WorkerInfo("w", "mixed", "m", 64, 16, 2048, 1, 1.0).to_wire(), px=60_000)
+    cases = {  # request id: (record's confirmed outputs, token log events (offset, tokens, finish))
+        "ahead": ([5, 6, 7], [(0, [5], None), (1, [6, 7], None), (3, [8], None)]),
+        "done": ([5], [(0, [5], None), (1, [6], "stop")]),
+        "no-log": ([5, 6], []),
+    }
+    for rid, (outputs, events) in cases.items():
+        req = SubmitRequest(rid, "gw", [1, 2, 3], GREEDY)
+        await r.hset(keys.request_record(rid), mapping={"submit": req.to_wire(),
+                                                        **{f"o{i}": t for i, t in enumerate(outputs)}})
+        for off, toks, finish in events:
+            await r.xadd(keys.token_log(rid), {FIELD: msgpack.packb(TokenEvent(rid, off, toks, finish).to_list())},
+                         id=f"{off + len(toks)}-0")
+    sched = SchedulerService(r, keys, PolicyLimits(max_num_batched_tokens=64), heartbeat_interval=0.1)
+    try:
+        await sched.acquire_lease()
+        await sched.setup()
+        policy = sched.workers["w"].policy
+        assert policy.outputs_of("ahead") == [5, 6, 7, 8]
+        assert policy.outputs_of("no-log") == [5, 6]
+        assert not sched.is_known("done") and not await r.exists(keys.request_record("done"))
+    finally:
+        await sched.release_lease()
+        await r.aclose()
