@@ -154,6 +154,7 @@ class SchedulerService:
         self._pending_ops: list[tuple] = []  # Redis writes decided while handling messages, sent next turn
         self._acks: list[tuple[str, list]] = []
         self._adoptions = 0
+        self._next_claim = 0.0
         self.num_dead_letters = 0
         self.num_duplicates = 0
         self.num_steps_given_up = 0
@@ -268,21 +269,22 @@ class SchedulerService:
             finished = finished or ev.finish_reason is not None
         return tokens, finished
 
-    async def claim_pending(self) -> None:
-        """Entries read by a scheduler before us (or by our own earlier life) but never acknowledged: a
-        submit read but not yet recorded when it died. Claimed and handled like new ones (duplicates of
-        recovered requests are dropped by id; old results by epoch)."""
+    async def claim_pending(self, min_idle_ms: int = 0) -> None:
+        """Entries read but never acknowledged: at takeover (min idle 0) every earlier consumer's, such as a
+        submit a dead scheduler read but had not recorded, and our own earlier life's; then now and again
+        those idle longer than two leases (a deposed scheduler's last read, made in the same round trip as
+        the renewal that told it it was deposed). Handled like new ones: a submit already known is dropped
+        by request id, an old result by epoch and step id."""
         claimed = 0
         for stream in (self.keys.requests, self.keys.results):
-            # our own consumer's pending entries first (a restart under the same name) ...
-            resp = await self.client.xreadgroup(self.keys.scheduler_group, self.consumer, {stream: "0"},
-                                                count=READ_COUNT)
-            self.handle(resp)
-            claimed += sum(len(entries) for _s, entries in (resp.items() if isinstance(resp, dict) else resp or ()))
-            # ... then every other consumer's: we hold the lease, so they are dead (min idle 0)
+            if min_idle_ms == 0:  # our own consumer's pending entries (a restart under the same name)
+                resp = await self.client.xreadgroup(self.keys.scheduler_group, self.consumer, {stream: "0"},
+                                                    count=READ_COUNT)
+                self.handle(resp)
+                claimed += sum(len(e) for _s, e in (resp.items() if isinstance(resp, dict) else resp or ()))
             start = "0-0"
             while True:
-                reply = await self.client.xautoclaim(stream, self.keys.scheduler_group, self.consumer, 0,
+                reply = await self.client.xautoclaim(stream, self.keys.scheduler_group, self.consumer, min_idle_ms,
                                                      start_id=start, count=READ_COUNT)
                 start, entries = reply[0], reply[1]
                 if entries:
@@ -290,8 +292,9 @@ class SchedulerService:
                     claimed += len(entries)
                 if not entries or start in (b"0-0", "0-0"):
                     break
+        self._next_claim = time.monotonic() + self.lease_ttl_ms / 1000
         if claimed:
-            log.info("claimed pending entries of earlier schedulers", count=claimed)
+            log.info("claimed pending entries", count=claimed, min_idle_ms=min_idle_ms)
 
     # ------------------------------------------------------------------ workers
 
@@ -672,6 +675,8 @@ class SchedulerService:
             now = time.monotonic()
             if now >= self._next_refresh:
                 await self.refresh_workers(now)
+            if now >= self._next_claim:
+                await self.claim_pending(min_idle_ms=2 * self.lease_ttl_ms)
             next_deadline = self.give_up_overdue_steps(now)
             ops, acks = list(self._pending_ops), list(self._acks)  # restored if Redis is unreachable
             pipe = self.client.pipeline(transaction=False)

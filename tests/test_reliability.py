@@ -420,3 +420,37 @@ async def test_a_takeover_resumes_from_the_token_log_when_it_is_ahead_of_the_rec
     finally:
         await sched.release_lease()
         await r.aclose()
+
+
+async def test_entries_another_consumer_read_and_left_are_claimed(model_dir, reference, redis_server):
+    """Entries another consumer read but will never handle (a dead scheduler's, or a deposed one's last
+    read) are claimed: at takeover at once, later once idle for two leases; and served."""
+    keys = Keys("ghost")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    client, sched, gw, tasks = await start(redis_server, keys, lease_ttl=0.3)
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 10)
+        sched.stop()  # no active scheduler for a moment: a ghost reads the next submit
+        await asyncio.wait_for(tasks[0], 10)
+        await gw.submit("r0", PROMPTS[0], MAX_TOKENS)
+        taken = await client.xreadgroup(keys.scheduler_group, "ghost", {keys.requests: ">"}, count=10)
+        assert sum(len(e) for _s, e in taken) == 1
+        sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64), heartbeat_interval=0.1,
+                                 lease_ttl=0.3)
+        tasks[0] = asyncio.create_task(sched.run())  # its takeover claims the ghost's entry (min idle 0)
+        await gw.wait(lambda: "r0" in gw.finish, 30)
+        # a ghost read while the active one runs: XADD and the ghost's read in one transaction, so the
+        # active scheduler (blocked on the stream) is served after it and finds nothing new
+        tx = client.pipeline(transaction=True)
+        tx.xadd(keys.requests, {FIELD: SubmitRequest("r1", "gw", PROMPTS[1], GREEDY).to_wire()})
+        tx.xreadgroup(keys.scheduler_group, "ghost", {keys.requests: ">"}, count=10)
+        _entry, ghost_read = await tx.execute()
+        assert sum(len(e) for _s, e in ghost_read) == 1
+        read_at = time.monotonic()
+        await gw.wait(lambda: "r1" in gw.finish, 30)  # claimed once idle for two leases
+        assert time.monotonic() - read_at >= 0.6
+        assert [gw.tokens[r] for r in ("r0", "r1")] == reference[:2]
+        assert (await client.xpending(keys.requests, keys.scheduler_group))["pending"] == 0
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
