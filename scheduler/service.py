@@ -758,5 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_prefill_threshold < 0:
         raise SystemExit(f"phaseserve scheduler: --long-prefill-threshold must be >= 0 (0 = no cap), "
                          f"got {args.long_prefill_threshold}")
+    for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"phaseserve scheduler: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     event_loop.run(serve(args))
     return 0

@@ -454,3 +454,13 @@ async def test_entries_another_consumer_read_and_left_are_claimed(model_dir, ref
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()
+
+
+def test_timeouts_that_make_no_sense_are_refused_in_one_line():
+    from scheduler.service import main as scheduler_main
+    from workers.service import main as worker_main
+
+    with pytest.raises(SystemExit, match="--scheduler-lease-ttl must be > 0, got 0.0"):
+        scheduler_main(["--redis-url", "redis://127.0.0.1:1", "--scheduler-lease-ttl", "0"])
+    with pytest.raises(SystemExit, match="--step-timeout must be > 0, got -1.0"):
+        worker_main(["--redis-url", "redis://127.0.0.1:1", "--step-timeout", "-1"])

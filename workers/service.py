@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("worker", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
+    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"phaseserve worker: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     try:
         relay_cpus = parse_cpus(args.relay_cpus)
     except ValueError as e:
