@@ -155,6 +155,7 @@ class SchedulerService:
         self._acks: list[tuple[str, list]] = []
         self._adoptions = 0
         self._next_claim = 0.0
+        self._renew_at = 0.0
         self.num_dead_letters = 0
         self.num_duplicates = 0
         self.num_steps_given_up = 0
@@ -181,9 +182,15 @@ class SchedulerService:
         self.is_leader = True
         log.info("lease taken: this scheduler is the active one", consumer=self.consumer, epoch=self.epoch)
 
-    def renew_lease(self, pipe) -> None:
+    def renew_lease(self, pipe, now: float) -> bool:
+        """Queue the check-and-renew when a quarter of the lease has passed since the last (not every
+        turn: a turn can be a few milliseconds); True if queued (its reply comes first)."""
+        if now < self._renew_at:
+            return False
+        self._renew_at = now + self.lease_ttl_ms / 4000
         pipe.eval(RENEW_LEASE, 2, self.keys.scheduler_lease(), self.keys.scheduler_epoch(), self.consumer,
                   self.lease_ttl_ms, self.epoch)
+        return True
 
     async def release_lease(self) -> None:
         """On a clean stop: a standby need not wait for the lease to lapse."""
@@ -680,7 +687,7 @@ class SchedulerService:
             next_deadline = self.give_up_overdue_steps(now)
             ops, acks = list(self._pending_ops), list(self._acks)  # restored if Redis is unreachable
             pipe = self.client.pipeline(transaction=False)
-            self.renew_lease(pipe)
+            renewing = self.renew_lease(pipe, now)
             self._flush_ops(pipe)  # request records and publishes decided while handling the last read
             self.plan_steps(pipe, now)
             for stream, ids in self._acks:
@@ -689,7 +696,7 @@ class SchedulerService:
             self._acks.clear()
             stats_wait = self.maybe_write_stats(pipe, now)
             block_s = self._next_refresh - now
-            for wait in (stats_wait, next_deadline):
+            for wait in (stats_wait, next_deadline, self._renew_at - now):
                 if wait is not None:
                     block_s = min(block_s, wait)
             block_ms = max(1, int(block_s * 1000))
@@ -699,9 +706,10 @@ class SchedulerService:
                 replies = await pipe.execute(raise_on_error=False)
             except CONNECTION_ERRORS:
                 self._pending_ops[:0], self._acks[:0] = ops, acks
+                self._renew_at = 0.0  # renew first thing once Redis is back
                 raise
             backoff.reset()
-            if replies[0] != 1:
+            if renewing and replies[0] != 1:
                 raise LeaseLost(await self.client.get(self.keys.scheduler_lease()))
             errors = [r for r in replies if isinstance(r, ResponseError)]
             if any("NOGROUP" in str(r) for r in errors):  # Redis was flushed or restarted: recreate the groups
