@@ -68,6 +68,11 @@ READ_COUNT = 512
 # adoption (or of a scheduler before us, whose epoch differs anyway) matches no open step
 STEP_IDS_PER_ADOPTION = 1_000_000_000
 DEAD_LETTER_MAXLEN = 10_000
+# confirmed tokens go into a request's record in runs of this many: one Redis command per run, not per token
+# (a command per token was most of the scheduler's CPU). A takeover resumes from the record, up to this far
+# behind the client, and regenerates the rest: the same tokens (greedy, or sampled with the request's seed,
+# exactly in float32), or it reads them from the relay's token log when there is one.
+OUTPUTS_PER_WRITE = 16
 
 # Renew the lease only if we hold it, or take it back if it vanished (a Redis restart without persistence)
 # and nobody else took it meanwhile; the epoch key comes back with it. 1: ours, 0: someone else's.
@@ -154,6 +159,7 @@ class SchedulerService:
         self._pending_ops: list[tuple] = []  # Redis writes decided while handling messages, sent next turn
         self._acks: list[tuple[str, list]] = []
         self._adoptions = 0
+        self._outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
         self._next_claim = 0.0
         self._renew_at = 0.0
         self.num_dead_letters = 0
@@ -237,7 +243,7 @@ class SchedulerService:
                 continue
             if self.is_known(req.request_id):
                 continue
-            outputs = confirmed_outputs(record)
+            outputs = recorded = confirmed_outputs(record)
             logged = await self.logged_outputs(req.request_id)
             if logged is not None:
                 tokens, finished = logged
@@ -250,6 +256,8 @@ class SchedulerService:
                 await self.client.delete(key)
                 continue
             self.parked.append((req, outputs))
+            # what the record holds of them (none, if the log disagreed: the next write rewrites from 0)
+            self._outputs_written[req.request_id] = len(recorded) if outputs[:len(recorded)] == recorded else 0
             found += 1
         if found:
             log.info("recovered requests", count=found)
@@ -416,6 +424,7 @@ class SchedulerService:
         self._pending_ops.append(("publish", self.keys.gateway_channel(req.gateway_id),
                                   TokenBatch(-1, "scheduler", [event]).to_wire()))
         self._pending_ops.append(("delete", self.keys.request_record(req.request_id)))
+        self._outputs_written.pop(req.request_id, None)
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
@@ -453,6 +462,7 @@ class SchedulerService:
             self.parked = [(r, o) for r, o in self.parked if r.request_id != rid]
             cancelled = len(self.parked) < before
         self._pending_ops.append(("delete", self.keys.request_record(rid)))
+        self._outputs_written.pop(rid, None)
         self._stats_dirty = True
         log.info("request cancelled", request_id=rid, reason=msg.reason, found=cancelled)
 
@@ -480,14 +490,17 @@ class SchedulerService:
             if outputs is not None:
                 before[ev.seq_id] = len(outputs)
         finished = set(policy.update(result))
-        for rid, n in before.items():
+        for rid in before:
             if rid in finished:
                 continue
             outputs = policy.outputs_of(rid)
-            if outputs is not None and len(outputs) > n:  # confirmed: into the record (a takeover resumes here)
-                self._pending_ops.append(("outputs", self.keys.request_record(rid), n, outputs[n:]))
+            written = self._outputs_written.get(rid, 0)
+            if outputs is not None and len(outputs) - written >= OUTPUTS_PER_WRITE:  # a takeover resumes here
+                self._pending_ops.append(("outputs", self.keys.request_record(rid), written, outputs[written:]))
+                self._outputs_written[rid] = len(outputs)
         for rid in finished:
             self.owner.pop(rid, None)
+            self._outputs_written.pop(rid, None)
             self._pending_ops.append(("delete", self.keys.request_record(rid)))
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
