@@ -457,9 +457,12 @@ async def test_entries_another_consumer_read_and_left_are_claimed(model_dir, ref
         worker.stop()
 
 
-def test_timeouts_that_make_no_sense_are_refused_in_one_line():
+def test_timeouts_that_make_no_sense_are_refused_in_one_line(monkeypatch):
+    from phaseserve import logs
     from scheduler.service import main as scheduler_main
     from workers.service import main as worker_main
+
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
 
     with pytest.raises(SystemExit, match="--scheduler-lease-ttl must be > 0, got 0.0"):
         scheduler_main(["--redis-url", "redis://127.0.0.1:1", "--scheduler-lease-ttl", "0"])
