@@ -6,7 +6,7 @@ the worker's sampler can never disagree about what a request asked for.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 class InvalidParams(ValueError):
@@ -68,7 +68,8 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, d: dict) -> "SamplingParams":
-        return cls(**d)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a newer peer's extra fields are ignored
 
 
 def finish_reason(

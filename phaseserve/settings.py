@@ -158,6 +158,15 @@ SETTINGS: list[Setting] = [
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,
             "a worker silent this long is considered dead", ("worker", "scheduler", "up")),
+    Setting("step_timeout", "PHASESERVE_STEP_TIMEOUT", 30.0, float,
+            "seconds a worker's model step may take (from when its plan is due) before the step counts as lost: "
+            "the scheduler re-plans its sequences, and a worker whose model is stuck that long stops "
+            "heartbeating and is treated as dead. The scheduler's value goes with each plan (scaled up for a "
+            "step larger than its token budget); a worker's own is for plans that carry none",
+            ("worker", "scheduler", "up")),
+    Setting("scheduler_lease_ttl", "PHASESERVE_SCHEDULER_LEASE_TTL", 5.0, float,
+            "seconds the active scheduler's lease lasts unrenewed; a second scheduler is a standby that takes "
+            "over (with a new epoch) once the lease lapses", ("scheduler", "up")),
     Setting("log_level", "PHASESERVE_LOG_LEVEL", "info", str, "log level", ALL),
     Setting("log_json", "PHASESERVE_LOG_JSON", False, parse_bool, "JSON log lines", ALL),
 ]

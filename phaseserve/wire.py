@@ -17,7 +17,7 @@ duplicates and notice gaps (what makes recompute after a crash invisible).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import msgpack
@@ -85,6 +85,29 @@ class Keys:
     def gateway_heartbeat(self, gateway_id: str) -> str:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
+
+    # ---- reliability (issue #11, scheduler/worker side): fail-over, dead letters, confirmed outputs
+
+    @property
+    def dead_letters(self) -> str:
+        """Stream of messages nobody could read: {FIELD: the raw bytes, "stream", "entry_id", "reason"}."""
+        return f"{self.prefix}:dead"
+
+    def scheduler_lease(self) -> str:
+        """Holds the active scheduler's consumer name, with a TTL (SET NX PX); a standby waits for it."""
+        return f"{self.prefix}:scheduler:lease"
+
+    def scheduler_epoch(self) -> str:
+        """INCR'ed by each scheduler that takes the lease; every StepPlan carries it."""
+        return f"{self.prefix}:scheduler:epoch"
+
+    # A request record (`request_record`, a hash) holds "submit" (the SubmitRequest as admitted, with the
+    # seed the scheduler drew for an unseeded sampled request), "worker", and one field per confirmed output
+    # token, OUTPUT_FIELD_PREFIX + offset -> token id, written as step results confirm them (idempotent, so
+    # a retried pipeline cannot duplicate a token). A scheduler that takes over resumes from these.
+
+
+OUTPUT_FIELD_PREFIX = "o"
 
 
 def _pack(kind: str, body: dict) -> bytes:
@@ -233,6 +256,14 @@ class StepPlan:
     starts: list[SeqStart] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # seq ids the worker may forget
+    # reliability fields (defaults: what older schedulers mean). `epoch`: the sending scheduler's lease
+    # epoch; a worker drops plans of an epoch older than one it has seen. `reset`: the first plan of an
+    # adoption; the worker forgets every sequence it holds (they belong to a scheduler or adoption gone).
+    epoch: int = 0
+    reset: bool = False
+    # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
+    # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
+    timeout_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -243,14 +274,16 @@ class StepPlan:
             "step_id": self.step_id, "worker_id": self.worker_id,
             "starts": [s.to_dict() for s in self.starts],
             "chunks": [c.to_list() for c in self.chunks],
-            "releases": list(self.releases),
+            "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
+            "timeout_s": self.timeout_s,
         })
 
     @classmethod
     def from_wire(cls, data: bytes) -> "StepPlan":
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
-                   [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"])
+                   [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
+                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)))
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler
@@ -288,7 +321,7 @@ class TokenEvent:
 
     @classmethod
     def from_list(cls, x: list) -> "TokenEvent":
-        return cls(*x)
+        return cls(*x[:7])  # a newer peer's extra trailing fields are ignored
 
 
 @dataclass
@@ -320,17 +353,19 @@ class StepResult:
     events: list[TokenEvent]
     num_tokens: int = 0
     step_time_s: float = 0.0
+    epoch: int = 0  # the plan's epoch, echoed: a scheduler ignores results of another epoch's plans
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {"step_id": self.step_id, "worker_id": self.worker_id,
                                  "events": [e.to_list() for e in self.events],
-                                 "num_tokens": self.num_tokens, "step_time_s": self.step_time_s})
+                                 "num_tokens": self.num_tokens, "step_time_s": self.step_time_s,
+                                 "epoch": self.epoch})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "StepResult":
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]],
-                   d.get("num_tokens", 0), d.get("step_time_s", 0.0))
+                   d.get("num_tokens", 0), d.get("step_time_s", 0.0), d.get("epoch", 0))
 
 
 @dataclass
@@ -345,6 +380,9 @@ class WorkerInfo:
     block_size: int
     max_model_len: int
     pid: int = 0
+    # when this life of the worker began: its process start, or (set anew by its relay) the moment its model
+    # moved again after stalling past the step deadline. A new value = a new life: the scheduler retires
+    # the old one (its plans are void) and adopts the worker afresh
     started_at: float = 0.0
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
@@ -358,8 +396,8 @@ class WorkerInfo:
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":
         d = _unpack(data, cls.KIND)
-        d.pop("v"), d.pop("k")
-        return cls(**d)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a newer worker's extra fields are ignored
 
 
 # --------------------------------------------------------------- delivery (issue #11, gateway side)

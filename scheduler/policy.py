@@ -165,7 +165,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, worker_id: str = "local"):
+    def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0):
         self.config = config
         self.worker_id = worker_id
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
@@ -177,7 +177,7 @@ class Scheduler:
         self._releases: list[str] = []  # for the next plan
         self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences planned to sample in it
         self._arrivals = itertools.count()
-        self._next_step_id = 0
+        self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         self._num_preemptions = 0
         self._num_resyncs = 0
         self._num_finished = 0
@@ -402,6 +402,21 @@ class Scheduler:
                 finished.append(seq.seq_id)
         self._settle(sampled, accepted)
         return finished
+
+    def drop_step(self, step_id: int) -> bool:
+        """A step whose result will never come (its plan or result was lost, or it overran the deadline):
+        its sequences are recomputed from their confirmed outputs. False if the step was not open."""
+        lost = self._inflight.pop(step_id, None)
+        if lost is None:
+            return False
+        log.warning("step given up; recomputing its sequences", step_id=step_id, num_seqs=len(lost))
+        self._settle(lost, set())
+        return True
+
+    def outputs_of(self, seq_id: str) -> list[int] | None:
+        """A live sequence's confirmed outputs (the list itself: read, do not change), or None."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.output_ids
 
     def _settle(self, sampled: list[Sequence], accepted: set[Sequence]) -> None:
         """Close a step's expected samples; a live sequence whose sample never came is recomputed."""

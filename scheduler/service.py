@@ -15,11 +15,32 @@ Workers are discovered from the `workers` set plus their expiring heartbeat
 keys; one policy instance per live worker holds that worker's KV block
 accounting. A worker whose heartbeat lapses has its sequences taken back and
 re-planned elsewhere by recompute (prompt + tokens already generated).
+
+Reliability (issue #11):
+- A plan in flight has a deadline (`step_timeout` from when it is due, plus a margin); a result that
+  overtakes an older open step, or a deadline passing, gives the older step up: the policy recomputes its
+  sequences from their confirmed outputs (`Scheduler.drop_step`). A lost plan or result never strands a
+  worker. (A hung model is noticed by the worker's relay, which withdraws its heartbeat.)
+- One active scheduler: it holds a lease (`Keys.scheduler_lease`, SET NX PX, renewed by a check-and-renew
+  script in every turn's pipeline). A second scheduler waits as a standby and takes over when the lease
+  lapses, with a new epoch (`Keys.scheduler_epoch`) that goes into every StepPlan; workers drop plans of
+  an older epoch, and the first plan to each adopted worker resets it.
+- Nothing submitted vanishes: at takeover the scheduler re-admits every request record (prompt + the
+  confirmed outputs stored in the record), then claims the pending entries of every earlier consumer
+  (XAUTOCLAIM) and its own (XREADGROUP 0); duplicates are dropped by request id (submits) and by epoch,
+  step id and offset (results). A message nobody can read goes to `Keys.dead_letters` with the reason,
+  and a submit whose request id and gateway can be read gets an error event.
+- An unseeded sampled request is given a seed at admission (kept in its record), so a recompute samples
+  the tokens the client already has (exactly in float32; see docs/architecture.md for bf16).
+- Redis outages: commands retry with backoff, the loop waits and resumes, consumer groups are recreated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import random
 import signal
 import socket
 import time
@@ -32,9 +53,10 @@ import structlog
 from redis.exceptions import ResponseError
 
 from phaseserve import event_loop
+from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
-    ERROR_REJECTED, FIELD, FIELD_BYTES, STREAM_MAXLEN, CancelRequest, Keys, StepResult, SubmitRequest, TokenBatch,
-    TokenEvent, WireError, WorkerInfo, peek_kind,
+    ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
+    StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig
 
@@ -42,14 +64,56 @@ log = structlog.get_logger("scheduler.service")
 
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
 READ_COUNT = 512
+# step ids of one adoption of a worker start at (adoption number) * this: a late result of an earlier
+# adoption (or of a scheduler before us, whose epoch differs anyway) matches no open step
+STEP_IDS_PER_ADOPTION = 1_000_000_000
+DEAD_LETTER_MAXLEN = 10_000
+# confirmed tokens go into a request's record in runs of this many: one Redis command per run, not per token
+# (a command per token was most of the scheduler's CPU). A takeover resumes from the record, up to this far
+# behind the client, and regenerates the rest: the same tokens (greedy, or sampled with the request's seed,
+# exactly in float32), or it reads them from the relay's token log when there is one.
+OUTPUTS_PER_WRITE = 16
+
+# Renew the lease only if we hold it, or take it back if it vanished (a Redis restart without persistence)
+# and nobody else took it meanwhile; the epoch key comes back with it. 1: ours, 0: someone else's.
+RENEW_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] or holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3], 'NX')
+  return 1
+end
+return 0
+"""
+# A new epoch: one more than the last, and at least the wall clock in ms, so it still grows if Redis
+# lost the key (workers remember the newest epoch they saw and drop older plans).
+NEXT_EPOCH = """
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+local epoch = math.max(last + 1, tonumber(ARGV[1]))
+redis.call('SET', KEYS[1], epoch)
+return epoch
+"""
+
+
+class LeaseLost(Exception):
+    """Another scheduler holds the lease now: this one stops planning and waits as a standby."""
 
 
 @dataclass
 class WorkerSlot:
     info: WorkerInfo
     policy: Scheduler
-    in_flight: deque = field(default_factory=deque)  # step ids sent, result not seen yet, oldest first
+    # (step id, sent at, seconds it may take once due) of plans sent with no result yet, oldest first
+    in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
+    head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
+
+    def head_deadline(self) -> float | None:
+        """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
+        if not self.in_flight:
+            return None
+        _step_id, sent_at, timeout = self.in_flight[0]
+        return max(sent_at, self.head_since) + timeout
 
 
 @dataclass
@@ -63,28 +127,93 @@ class PolicyLimits:
 
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
-                 heartbeat_interval: float = 1.0, plans_in_flight: int = 2):
+                 heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
+                 lease_ttl: float = 5.0):
         self.client = client
         self.keys = keys
         self.limits = limits
-        self.consumer = consumer or f"scheduler-{socket.gethostname()}"
+        # unique per process: pending entries of a dead scheduler are another consumer's, claimed at takeover
+        self.consumer = consumer or f"scheduler-{socket.gethostname()}-{os.getpid()}"
         self.refresh_interval = max(0.05, heartbeat_interval)
         self.plans_in_flight = max(1, plans_in_flight)
+        # the worker's relay gives up on a step after its timeout; we wait a refresh longer, so its
+        # heartbeat is withdrawn (a hung model: retire) before we give up on the step (a lost message)
+        self.base_step_timeout = step_timeout
+        self.deadline_margin = max(1.0, self.refresh_interval)
+        self.lease_ttl_ms = max(100, int(lease_ttl * 1000))
+        self.epoch = 0  # ours, from the epoch key when we took the lease
+        self.is_leader = False
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """Everything a scheduler knows is rebuilt from Redis when it takes the lease."""
         self.workers: dict[str, WorkerSlot] = {}
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
         self.retired_preemptions = 0  # preemptions counted by policies of workers that went away
-        self.stopping = asyncio.Event()
+        self.stopping = getattr(self, "stopping", None) or asyncio.Event()
         self._next_refresh = 0.0
         self._stats_dirty = True
         self._stats_written_at = 0.0
         self._last_stats: dict | None = None
         self._pending_ops: list[tuple] = []  # Redis writes decided while handling messages, sent next turn
         self._acks: list[tuple[str, list]] = []
+        self._adoptions = 0
+        self._outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
+        self._next_claim = 0.0
+        self._renew_at = 0.0
+        self.num_dead_letters = 0
+        self.num_duplicates = 0
+        self.num_steps_given_up = 0
+
+    # ------------------------------------------------------------------ lease and takeover
+
+    async def acquire_lease(self) -> None:
+        """Wait (a standby) until the lease is ours, then take a new epoch."""
+        waiting_logged = False
+        while not self.stopping.is_set():
+            if await self.client.set(self.keys.scheduler_lease(), self.consumer, nx=True, px=self.lease_ttl_ms):
+                break
+            if not waiting_logged:
+                holder = await self.client.get(self.keys.scheduler_lease())
+                log.info("standby: another scheduler holds the lease", holder=holder.decode() if holder else None)
+                waiting_logged = True
+            try:  # poll a few times per lease: a takeover comes within about one lease time
+                await asyncio.wait_for(self.stopping.wait(), self.lease_ttl_ms / 4000)
+            except asyncio.TimeoutError:
+                pass
+        if self.stopping.is_set():
+            return
+        self.epoch = int(await self.client.eval(NEXT_EPOCH, 1, self.keys.scheduler_epoch(), int(time.time() * 1000)))
+        self.is_leader = True
+        log.info("lease taken: this scheduler is the active one", consumer=self.consumer, epoch=self.epoch)
+
+    def renew_lease(self, pipe, now: float) -> bool:
+        """Queue the check-and-renew when a quarter of the lease has passed since the last (not every
+        turn: a turn can be a few milliseconds); True if queued (its reply comes first)."""
+        if now < self._renew_at:
+            return False
+        self._renew_at = now + self.lease_ttl_ms / 4000
+        pipe.eval(RENEW_LEASE, 2, self.keys.scheduler_lease(), self.keys.scheduler_epoch(), self.consumer,
+                  self.lease_ttl_ms, self.epoch)
+        return True
+
+    async def release_lease(self) -> None:
+        """On a clean stop: a standby need not wait for the lease to lapse."""
+        if self.is_leader:
+            self.is_leader = False
+            await self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
+                                   "end return 0", 1, self.keys.scheduler_lease(), self.consumer)
 
     # ------------------------------------------------------------------ setup
 
     async def setup(self) -> None:
+        await self.create_groups()
+        await self.refresh_workers(time.monotonic())
+        await self.recover_records()
+        await self.claim_pending()
+
+    async def create_groups(self) -> None:
         for stream in (self.keys.requests, self.keys.results):
             try:
                 # id 0: requests a gateway queued before the scheduler started are served too
@@ -92,28 +221,95 @@ class SchedulerService:
             except ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
-        await self.refresh_workers(time.monotonic())
-        await self.recover_records()
 
     async def recover_records(self) -> None:
-        """Requests a previous scheduler accepted but did not finish: re-admit them (recompute)."""
+        """Requests a previous scheduler accepted but did not finish: re-admit them with their confirmed
+        outputs (recompute), so each continues where its client is."""
         found = 0
         async for key in self.client.scan_iter(match=self.keys.request_record("*"), count=500):
-            data = await self.client.hget(key, "submit")
+            try:
+                record = await self.client.hgetall(key)
+            except ResponseError:  # not a record (WRONGTYPE): another key under the same pattern
+                continue
+            data = record.get(b"submit")
             if data is None:
                 continue
             try:
                 req = SubmitRequest.from_wire(data)
-            except WireError as e:
+            except (WireError, KeyError, TypeError, ValueError) as e:
                 log.warning("dropping unreadable request record", key=key, error=str(e))
+                self._pending_ops.append(("dead", "record", data, key, f"unreadable record: {e}"))
                 await self.client.delete(key)
                 continue
-            if req.request_id not in self.owner:
-                self.parked.append((req, None))
-                found += 1
+            if self.is_known(req.request_id):
+                continue
+            outputs = recorded = confirmed_outputs(record)
+            logged = await self.logged_outputs(req.request_id)
+            if logged is not None:
+                tokens, finished = logged
+                if finished:  # its client saw the end: nothing left to do
+                    await self.client.delete(key)
+                    continue
+                if len(tokens) > len(outputs) or tokens != outputs[:len(tokens)]:
+                    outputs = tokens  # what its client has (the log's first writer wins, as the client's does)
+            if len(outputs) >= req.params.max_tokens:  # its last token was confirmed: nothing left to do
+                await self.client.delete(key)
+                continue
+            self.parked.append((req, outputs))
+            # what the record holds of them (none, if the log disagreed: the next write rewrites from 0)
+            self._outputs_written[req.request_id] = len(recorded) if outputs[:len(recorded)] == recorded else 0
+            found += 1
         if found:
             log.info("recovered requests", count=found)
             self.place_parked()
+
+    async def logged_outputs(self, request_id: str) -> tuple[list[int], bool] | None:
+        """A sequence's tokens in the relay's durable token log (the gateway side of #11:
+        `Keys.token_log`, entries of TokenEvent lists, first writer per offset wins), contiguous from
+        offset 0, and whether it finished; None without a log. It can be ahead of the record's confirmed
+        outputs (a result the scheduler had not handled yet), and it is what the client has."""
+        token_log = getattr(self.keys, "token_log", None)
+        if token_log is None:
+            return None
+        tokens: list[int] = []
+        finished = False
+        for _entry_id, fields in await self.client.xrange(token_log(request_id)):
+            try:
+                ev = TokenEvent.from_list(msgpack.unpackb(fields[FIELD_BYTES], raw=False))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("unreadable token log entry", request_id=request_id, error=str(e))
+                continue
+            if ev.offset <= len(tokens):
+                tokens.extend(ev.token_ids[len(tokens) - ev.offset:])
+            finished = finished or ev.finish_reason is not None
+        return tokens, finished
+
+    async def claim_pending(self, min_idle_ms: int = 0) -> None:
+        """Entries read but never acknowledged: at takeover (min idle 0) every earlier consumer's, such as a
+        submit a dead scheduler read but had not recorded, and our own earlier life's; then now and again
+        those idle longer than two leases (a deposed scheduler's last read, made in the same round trip as
+        the renewal that told it it was deposed). Handled like new ones: a submit already known is dropped
+        by request id, an old result by epoch and step id."""
+        claimed = 0
+        for stream in (self.keys.requests, self.keys.results):
+            if min_idle_ms == 0:  # our own consumer's pending entries (a restart under the same name)
+                resp = await self.client.xreadgroup(self.keys.scheduler_group, self.consumer, {stream: "0"},
+                                                    count=READ_COUNT)
+                self.handle(resp)
+                claimed += sum(len(e) for _s, e in (resp.items() if isinstance(resp, dict) else resp or ()))
+            start = "0-0"
+            while True:
+                reply = await self.client.xautoclaim(stream, self.keys.scheduler_group, self.consumer, min_idle_ms,
+                                                     start_id=start, count=READ_COUNT)
+                start, entries = reply[0], reply[1]
+                if entries:
+                    self.handle([(stream, entries)])
+                    claimed += len(entries)
+                if not entries or start in (b"0-0", "0-0"):
+                    break
+        self._next_claim = time.monotonic() + self.lease_ttl_ms / 1000
+        if claimed:
+            log.info("claimed pending entries", count=claimed, min_idle_ms=min_idle_ms)
 
     # ------------------------------------------------------------------ workers
 
@@ -134,7 +330,9 @@ class SchedulerService:
         for wid in list(self.workers):
             info = live.get(wid)
             if info is None or info.started_at != self.workers[wid].info.started_at:
-                self.retire_worker(wid, "heartbeat expired" if info is None else "restarted")
+                # a new started_at: a new process, or a model that moved again after stalling past the step
+                # deadline (its relay starts a new life); the old life's plans are void either way
+                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)")
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
@@ -151,8 +349,18 @@ class SchedulerService:
             long_prefill_threshold=self.limits.long_prefill_threshold,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
-        await self.client.xtrim(self.keys.steps(info.worker_id), maxlen=0)
-        self.workers[info.worker_id] = WorkerSlot(info, Scheduler(cfg, info.worker_id))
+        # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),
+        # and from here on drops plans of an older epoch (a deposed scheduler's late ones). Its result
+        # (step -1) matches no open step.
+        steps = self.keys.steps(info.worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xtrim(steps, maxlen=0)
+        pipe.xadd(steps, {FIELD: StepPlan(-1, info.worker_id, epoch=self.epoch, reset=True).to_wire()},
+                  maxlen=STREAM_MAXLEN, approximate=True)
+        await pipe.execute()
+        self._adoptions += 1
+        policy = Scheduler(cfg, info.worker_id, first_step_id=self._adoptions * STEP_IDS_PER_ADOPTION)
+        self.workers[info.worker_id] = WorkerSlot(info, policy)
         self._stats_dirty = True
         log.info("worker joined", worker_id=info.worker_id, model=info.model, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len,
@@ -204,7 +412,7 @@ class SchedulerService:
             self._fail_request(req, str(e), ERROR_REJECTED if rejected else None)
             return False
         self.owner[req.request_id] = slot.info.worker_id
-        self._pending_ops.append(("hset", self.keys.request_record(req.request_id), slot.info.worker_id))
+        self._pending_ops.append(("hset", self.keys.request_record(req.request_id), "worker", slot.info.worker_id))
         log.info("request admitted", request_id=req.request_id, worker_id=slot.info.worker_id,
                  prompt_tokens=len(req.prompt_ids), max_tokens=req.params.max_tokens,
                  resumed_from=len(output_ids or ()))
@@ -216,9 +424,22 @@ class SchedulerService:
         self._pending_ops.append(("publish", self.keys.gateway_channel(req.gateway_id),
                                   TokenBatch(-1, "scheduler", [event]).to_wire()))
         self._pending_ops.append(("delete", self.keys.request_record(req.request_id)))
+        self._outputs_written.pop(req.request_id, None)
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
 
     def on_submit(self, data: bytes) -> None:
         req = SubmitRequest.from_wire(data)
+        if self.is_known(req.request_id):  # a claimed pending entry of a request recovered from its record
+            self.num_duplicates += 1
+            log.info("dropping a duplicate submit", request_id=req.request_id)
+            return
+        if req.params.seed is None and not req.params.greedy:
+            # a seed of its own, kept in the record: a recompute (worker lost, scheduler fail-over) then
+            # samples again the tokens its client already has, so the stream stays one sample
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=random.getrandbits(63)))
+            data = req.to_wire()
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         try:
             # the record first (same pipeline, earlier): a restarted scheduler finds every admitted request
@@ -241,28 +462,85 @@ class SchedulerService:
             self.parked = [(r, o) for r, o in self.parked if r.request_id != rid]
             cancelled = len(self.parked) < before
         self._pending_ops.append(("delete", self.keys.request_record(rid)))
+        self._outputs_written.pop(rid, None)
         self._stats_dirty = True
         log.info("request cancelled", request_id=rid, reason=msg.reason, found=cancelled)
 
     def on_result(self, data: bytes) -> None:
         result = StepResult.from_wire(data)
         slot = self.workers.get(result.worker_id)
-        if slot is None or not slot.in_flight or slot.in_flight[0] != result.step_id:
-            # from a worker we gave up on, or a plan of an earlier scheduler: its sequences live elsewhere now
-            log.debug("ignoring stale step result", worker_id=result.worker_id, step_id=result.step_id)
+        open_ids = [entry[0] for entry in slot.in_flight] if slot is not None else []
+        if result.epoch not in (0, self.epoch) or result.step_id not in open_ids:
+            # an earlier scheduler's plan, a worker we gave up on, a step given up, or a duplicate
+            log.debug("ignoring stale step result", worker_id=result.worker_id, step_id=result.step_id,
+                      epoch=result.epoch)
             return
+        # the worker runs plans in order: the open steps before this one lost their plan or result (the
+        # policy recomputes what they sampled when it applies this result)
+        while slot.in_flight[0][0] != result.step_id:
+            lost = slot.in_flight.popleft()[0]
+            self.num_steps_given_up += 1
+            log.warning("step result missing (a later one came first)", worker_id=result.worker_id, step_id=lost)
         slot.in_flight.popleft()
-        for rid in slot.policy.update(result):
+        slot.head_since = time.monotonic()
+        policy = slot.policy
+        before = {}
+        for ev in result.events:
+            outputs = policy.outputs_of(ev.seq_id)
+            if outputs is not None:
+                before[ev.seq_id] = len(outputs)
+        finished = set(policy.update(result))
+        for rid in before:
+            if rid in finished:
+                continue
+            outputs = policy.outputs_of(rid)
+            written = self._outputs_written.get(rid, 0)
+            if outputs is not None and len(outputs) - written >= OUTPUTS_PER_WRITE:  # a takeover resumes here
+                self._pending_ops.append(("outputs", self.keys.request_record(rid), written, outputs[written:]))
+                self._outputs_written[rid] = len(outputs)
+        for rid in finished:
             self.owner.pop(rid, None)
+            self._outputs_written.pop(rid, None)
             self._pending_ops.append(("delete", self.keys.request_record(rid)))
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
         self._stats_dirty = True
 
+    @property
+    def step_timeout(self) -> float:
+        """How long a step of at most the budget may go without a result before it is given up."""
+        return self.base_step_timeout + self.deadline_margin
+
+    def plan_timeout(self, plan: StepPlan) -> float:
+        """A step's deadline, scaled for one larger than the token budget (chunked prefill off)."""
+        return self.base_step_timeout * max(1.0, plan.num_tokens / self.limits.max_num_batched_tokens)
+
+    def give_up_overdue_steps(self, now: float) -> float | None:
+        """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is
+        retired by its heartbeat before this). Returns seconds until the next deadline, or None."""
+        nearest = None
+        for slot in self.workers.values():
+            while True:
+                deadline = slot.head_deadline()
+                if deadline is None:
+                    break
+                if deadline > now:
+                    nearest = deadline - now if nearest is None else min(nearest, deadline - now)
+                    break
+                step_id, _sent, timeout = slot.in_flight.popleft()
+                slot.head_since = now
+                self.num_steps_given_up += 1
+                log.warning("step overran its deadline; giving it up", worker_id=slot.info.worker_id,
+                            step_id=step_id, timeout_s=timeout)
+                slot.policy.drop_step(step_id)
+                self._stats_dirty = True
+        return nearest
+
     # ------------------------------------------------------------------ the loop
 
-    def plan_steps(self, pipe) -> int:
+    def plan_steps(self, pipe, now: float | None = None) -> int:
         """Fill every worker's pipeline of plans; returns how many plans were queued."""
+        now = time.monotonic() if now is None else now
         sent = 0
         for wid, slot in self.workers.items():
             while len(slot.in_flight) < self.plans_in_flight and (slot.policy.has_unfinished() or slot.needs_plan):
@@ -270,8 +548,10 @@ class SchedulerService:
                 slot.needs_plan = False
                 if plan is None or not (plan.chunks or plan.starts or plan.releases):
                     break
+                plan.epoch = self.epoch
+                plan.timeout_s = self.plan_timeout(plan)
                 pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
-                slot.in_flight.append(plan.step_id)
+                slot.in_flight.append((plan.step_id, now, plan.timeout_s + self.deadline_margin))
                 sent += 1
         if sent:
             self._stats_dirty = True
@@ -310,12 +590,37 @@ class SchedulerService:
             if kind == "record":
                 pipe.hset(key, "submit", op[2])
             elif kind == "hset":
-                pipe.hset(key, "worker", op[2])
+                pipe.hset(key, op[2], op[3])
+            elif kind == "outputs":  # one field per offset: a retried pipeline cannot duplicate a token
+                pipe.hset(key, mapping={f"{OUTPUT_FIELD_PREFIX}{op[2] + i}": t for i, t in enumerate(op[3])})
             elif kind == "delete":
                 pipe.delete(key)
             elif kind == "publish":
                 pipe.publish(key, op[2])
+            elif kind == "dead":
+                pipe.xadd(self.keys.dead_letters, {FIELD: op[2], "stream": key, "entry_id": op[3], "reason": op[4]},
+                          maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         self._pending_ops.clear()
+
+    def dead_letter(self, stream: str, entry_id, data: bytes, reason: str) -> None:
+        """An entry nobody can read: kept in the dead-letter stream with the reason, and when it is a submit
+        whose request id and gateway can still be read, its client gets an error instead of silence."""
+        self.num_dead_letters += 1
+        log.error("unreadable message; dead-lettered", stream=stream, entry_id=entry_id, reason=reason)
+        self._pending_ops.append(("dead", stream, data, entry_id, reason))
+        if stream != self.keys.requests:
+            return
+        try:
+            body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception:  # not even msgpack: nobody to tell
+            return
+        if not isinstance(body, dict) or body.get("k") == CancelRequest.KIND:
+            return
+        rid, gateway = body.get("request_id"), body.get("gateway_id")
+        if isinstance(rid, str) and isinstance(gateway, str) and not self.is_known(rid):
+            event = TokenEvent(rid, 0, [], "error", None, f"the scheduler could not read this request: {reason}")
+            self._pending_ops.append(("publish", self.keys.gateway_channel(gateway),
+                                      TokenBatch(-1, "scheduler", [event]).to_wire()))
 
     def handle(self, resp) -> None:
         if isinstance(resp, dict):  # RESP3 replies map stream -> entries
@@ -325,8 +630,11 @@ class SchedulerService:
             ids = []
             for entry_id, fields in entries:
                 ids.append(entry_id)
-                data = fields.get(FIELD_BYTES) if fields else None
+                if not fields:  # deleted from the stream while pending (XAUTOCLAIM reports it so): nothing to do
+                    continue
+                data = fields.get(FIELD_BYTES)
                 if data is None:
+                    self.dead_letter(stream, entry_id, b"", f"no {FIELD!r} field")
                     continue
                 try:
                     if stream == self.keys.results:
@@ -338,54 +646,117 @@ class SchedulerService:
                         elif kind == CancelRequest.KIND:
                             self.on_cancel(data)
                         else:
-                            log.warning("unknown message on requests stream", kind=kind)
-                except (WireError, KeyError, TypeError, ValueError) as e:
-                    log.error("dropping unreadable message", stream=stream, entry_id=entry_id, error=str(e))
+                            raise WireError(f"unknown message kind {kind!r}")
+                except Exception as e:  # noqa: BLE001 -- one bad message must not stop the scheduler
+                    self.dead_letter(stream, entry_id, data, f"{type(e).__name__}: {e}")
             if ids:
                 self._acks.append((stream, ids))
 
     async def run(self) -> None:
-        await self.setup()
-        log.info("scheduler ready", consumer=self.consumer, workers=len(self.workers))
+        """Standby until the lease is ours, then lead until stopped (or the lease is lost: standby again).
+        A Redis outage is waited out with backoff; the state survives it."""
+        backoff = Backoff()
+        ready = False
+        try:
+            while not self.stopping.is_set():
+                try:
+                    if not self.is_leader:
+                        ready = False
+                        self._reset_state()
+                        await self.acquire_lease()
+                        if self.stopping.is_set():
+                            break
+                    if not ready:
+                        await self.setup()
+                        ready = True
+                        log.info("scheduler ready", consumer=self.consumer, epoch=self.epoch,
+                                 workers=len(self.workers))
+                    await self.lead(backoff)
+                except LeaseLost as e:
+                    log.error("lease lost to another scheduler; standing by", holder=str(e))
+                    self.is_leader = False
+                except CONNECTION_ERRORS as e:
+                    delay = backoff.next_delay()
+                    log.warning("redis unreachable; retrying", error=str(e), retry_in_s=round(delay, 2))
+                    try:
+                        await asyncio.wait_for(self.stopping.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            try:
+                await self.release_lease()
+            except (*CONNECTION_ERRORS, ResponseError):
+                pass
+        log.info("scheduler stopped")
+
+    async def lead(self, backoff: Backoff) -> None:
         streams = {self.keys.requests: ">", self.keys.results: ">"}
         while not self.stopping.is_set():
             now = time.monotonic()
             if now >= self._next_refresh:
                 await self.refresh_workers(now)
+            if now >= self._next_claim:
+                await self.claim_pending(min_idle_ms=2 * self.lease_ttl_ms)
+            next_deadline = self.give_up_overdue_steps(now)
+            ops, acks = list(self._pending_ops), list(self._acks)  # restored if Redis is unreachable
             pipe = self.client.pipeline(transaction=False)
+            renewing = self.renew_lease(pipe, now)
             self._flush_ops(pipe)  # request records and publishes decided while handling the last read
-            self.plan_steps(pipe)
+            self.plan_steps(pipe, now)
             for stream, ids in self._acks:
                 pipe.xack(stream, self.keys.scheduler_group, *ids)
                 pipe.xdel(stream, *ids)  # acknowledged entries are history nobody reads
             self._acks.clear()
             stats_wait = self.maybe_write_stats(pipe, now)
             block_s = self._next_refresh - now
-            if stats_wait is not None:
-                block_s = min(block_s, stats_wait)
+            for wait in (stats_wait, next_deadline, self._renew_at - now):
+                if wait is not None:
+                    block_s = min(block_s, wait)
             block_ms = max(1, int(block_s * 1000))
             # the blocking read rides in the same pipeline: one round trip per turn
             pipe.xreadgroup(self.keys.scheduler_group, self.consumer, streams, count=READ_COUNT, block=block_ms)
             try:
-                replies = await pipe.execute()
-            except ResponseError as e:
-                if "NOGROUP" in str(e):  # Redis was flushed or restarted: recreate the groups
-                    log.warning("consumer group missing; recreating", error=str(e))
-                    await self.setup()
-                    continue
+                replies = await pipe.execute(raise_on_error=False)
+            except CONNECTION_ERRORS:
+                self._pending_ops[:0], self._acks[:0] = ops, acks
+                self._renew_at = 0.0  # renew first thing once Redis is back
                 raise
-            self.handle(replies[-1])
-        log.info("scheduler stopped")
+            backoff.reset()
+            if renewing and replies[0] != 1:
+                raise LeaseLost(await self.client.get(self.keys.scheduler_lease()))
+            errors = [r for r in replies if isinstance(r, ResponseError)]
+            if any("NOGROUP" in str(r) for r in errors):  # Redis was flushed or restarted: recreate the groups
+                log.warning("consumer group missing; recreating", error=str(errors[0]))
+                await self.setup()
+                continue
+            for err in errors:
+                log.error("a scheduler write failed", error=str(err))
+            if not isinstance(replies[-1], ResponseError):
+                self.handle(replies[-1])
 
     def stop(self) -> None:
         self.stopping.set()
 
 
+def confirmed_outputs(record: dict) -> list[int]:
+    """A request record's confirmed output tokens, in offset order, up to the first gap."""
+    by_offset = {}
+    for name, value in record.items():
+        name = name.decode() if isinstance(name, bytes) else name
+        if name.startswith(OUTPUT_FIELD_PREFIX) and name[len(OUTPUT_FIELD_PREFIX):].isdigit():
+            by_offset[int(name[len(OUTPUT_FIELD_PREFIX):])] = int(value)
+    outputs = []
+    while len(outputs) in by_offset:
+        outputs.append(by_offset[len(outputs)])
+    return outputs
+
+
 async def serve(args) -> None:
-    client = aioredis.Redis.from_url(args.redis_url)
+    client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold)
-    service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval)
+    service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
+                               step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -408,5 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_prefill_threshold < 0:
         raise SystemExit(f"phaseserve scheduler: --long-prefill-threshold must be >= 0 (0 = no cap), "
                          f"got {args.long_prefill_threshold}")
+    for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"phaseserve scheduler: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     event_loop.run(serve(args))
     return 0

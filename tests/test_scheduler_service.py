@@ -10,21 +10,18 @@ import asyncio
 import threading
 import time
 
-import msgpack
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
-from phaseserve.wire import ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, WorkerInfo
+from phaseserve.wire import ERROR_REJECTED, Keys, SubmitRequest, WorkerInfo
 from scheduler.service import PolicyLimits, SchedulerService
+from service_harness import MAX_TOKENS, WorkerThread, start, stats, stop
 from workers.runner import ModelRunner
-from workers.service import RelayError, WorkerService
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -37,94 +34,6 @@ def reference(model_dir):
     runner = ModelRunner(model_dir, num_blocks=64)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [s.outputs for s in runner_driver.run(runner, PROMPTS, params)]
-
-
-class WorkerThread:
-    def __init__(self, model_dir, url: str, keys: Keys, worker_id: str, num_blocks: int = 64):
-        runner = ModelRunner(model_dir, num_blocks=num_blocks)
-        self.service = WorkerService(runner, url, keys, worker_id, heartbeat_interval=0.1,
-                                     heartbeat_ttl=0.6, block_ms=20)
-        self.error: Exception | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.service.run()
-        except RelayError as e:  # its relay was killed (a worker dying without a word)
-            self.error = e
-
-    def stop(self):
-        self.service.request_stop()
-        self.thread.join(10)
-
-
-class Gateway:
-    """The gateway's side of the wire: submit, cancel, collect tokens by offset."""
-
-    def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str = "gw"):
-        self.client, self.keys, self.gateway_id = client, keys, gateway_id
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, str] = {}
-        self.errors: dict[str, tuple[str | None, str]] = {}  # seq id -> (error_kind, message)
-        self.duplicates = 0
-
-    async def listen(self, ready: asyncio.Event):
-        pubsub = self.client.pubsub()
-        await pubsub.subscribe(self.keys.gateway_channel(self.gateway_id))
-        ready.set()
-        async for msg in pubsub.listen():
-            if msg["type"] != "message":
-                continue
-            for ev in TokenBatch.from_wire(msg["data"]).events:
-                out = self.tokens.setdefault(ev.seq_id, [])
-                assert ev.offset <= len(out), f"gap in {ev.seq_id}: offset {ev.offset} after {len(out)}"
-                new = ev.token_ids[len(out) - ev.offset:]
-                self.duplicates += len(ev.token_ids) - len(new)
-                out.extend(new)
-                if ev.finish_reason:
-                    self.finish[ev.seq_id] = ev.finish_reason
-                if ev.error:
-                    self.errors[ev.seq_id] = (ev.error_kind, ev.error)
-
-    async def submit(self, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        req = SubmitRequest(rid, self.gateway_id, prompt, params, arrival_time=time.time())
-        await self.client.xadd(self.keys.requests, {FIELD: req.to_wire()})
-
-    async def cancel(self, rid: str):
-        await self.client.xadd(self.keys.requests, {FIELD: CancelRequest(rid).to_wire()})
-
-    async def wait(self, predicate, timeout: float = 60):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out; finished: {self.finish}"
-            await asyncio.sleep(0.02)
-
-
-async def stats(client: aioredis.Redis, keys: Keys) -> dict:
-    data = await client.get(keys.scheduler_stats())
-    return msgpack.unpackb(data) if data else {}
-
-
-async def start(url: str, keys: Keys):
-    client = aioredis.Redis.from_url(url)
-    sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40),
-                             heartbeat_interval=0.1)
-    gw = Gateway(aioredis.Redis.from_url(url), keys)
-    ready = asyncio.Event()
-    tasks = [asyncio.create_task(sched.run()), asyncio.create_task(gw.listen(ready))]
-    await ready.wait()
-    return client, sched, gw, tasks
-
-
-async def stop(client, sched, gw, tasks):
-    sched.stop()
-    await asyncio.wait_for(tasks[0], 10)
-    tasks[1].cancel()
-    await asyncio.gather(tasks[1], return_exceptions=True)
-    await client.aclose()
-    await gw.client.aclose()
 
 
 async def test_requests_flow_to_a_worker_and_tokens_back(model_dir, reference, redis_server):
@@ -162,35 +71,46 @@ async def test_requests_flow_to_a_worker_and_tokens_back(model_dir, reference, r
         worker.stop()
 
 
-async def test_a_dead_workers_sequences_finish_on_another(model_dir, reference, redis_server):
+LONG_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def long_reference(model_dir):
+    runner = ModelRunner(model_dir, num_blocks=64)
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+    return [s.outputs for s in runner_driver.run(runner, PROMPTS, params)]
+
+
+async def test_a_dead_workers_sequences_finish_on_another(model_dir, long_reference, redis_server):
+    """Deterministic fail-over: both workers run before any request (so the least-loaded placement puts
+    half of them on w1), w1 is held mid-generation (its step blocks) and its relay killed; every request
+    it held finishes on w2, token for token."""
     keys = Keys("t2")
     w1 = WorkerThread(model_dir, redis_server, keys, "w1")
+    w2 = WorkerThread(model_dir, redis_server, keys, "w2")
     client, sched, gw, tasks = await start(redis_server, keys)
-    w2 = None
     dead = threading.Event()
     try:
-        await gw.wait(lambda: "w1" in sched.workers, 10)
-        # slow w1's steps down so the requests are mid-generation when it dies
+        await gw.wait(lambda: {"w1", "w2"} <= set(sched.workers), 10)
         runner, inner = w1.service.runner, w1.service.runner.execute
-        runner.execute = lambda plan: (time.sleep(0.05), inner(plan))[1]
+        runner.execute = lambda plan: (time.sleep(0.02), inner(plan))[1]  # w1's streams stay mid-flight
         for i, p in enumerate(PROMPTS):
-            await gw.submit(f"r{i}", p)
+            await gw.submit(f"r{i}", p, max_tokens=LONG_TOKENS)
         await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
-        w2 = WorkerThread(model_dir, redis_server, keys, "w2")
-        await gw.wait(lambda: "w2" in sched.workers, 10)
-        # w1 dies without a word: no more steps, no more heartbeats (its key expires)
+        # w1 dies without a word: its step never returns, its relay (heartbeat, plans, results) is gone
         runner.execute = lambda plan: (dead.wait(), inner(plan))[1]
-        w1.service.relay.kill()  # its Redis side: heartbeat, plans and results
+        on_w1 = {rid for rid, wid in sched.owner.items() if wid == "w1"}
+        w1.service.relay.kill()
+        assert on_w1 and not (on_w1 & set(gw.finish)), "fail-over must be exercised: w1 holds live requests"
         await gw.wait(lambda: len(gw.finish) == len(PROMPTS))
-        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
-        assert "w1" not in sched.workers
+        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == long_reference
+        assert "w1" not in sched.workers and gw.conflicts == 0
     finally:
         await stop(client, sched, gw, tasks)
         w1.service.request_stop()
         dead.set()
         w1.thread.join(10)
-        if w2:
-            w2.stop()
+        w2.stop()
 
 
 async def test_a_restarted_scheduler_recovers_accepted_requests(model_dir, reference, redis_server):

@@ -181,8 +181,8 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
         for i, plan in enumerate(plans):
             service.run_step(f"0-{i}".encode(), plan.to_wire())
     for i in range(2):  # each step's writes: the plan's entry id, its result, one token batch for "gw"
-        entry_id, result, batches = msgpack.unpackb(relay_end.recv_bytes())
-        assert entry_id == f"0-{i}".encode() and StepResult.from_wire(result).step_id == i
+        entry_id, result, batches, reset = msgpack.unpackb(relay_end.recv_bytes())
+        assert entry_id == f"0-{i}".encode() and StepResult.from_wire(result).step_id == i and reset is False
         assert [gw for gw, _ in batches] == ["gw"]
     steps = [e for e in logs if e["event"] == "step"]
     assert [(s["step_id"], s["decodes"], s["prefill_tokens"], s["context"]) for s in steps] == \
@@ -220,3 +220,56 @@ def test_a_worker_whose_relay_dies_stops_with_an_error(runner, redis_server):
     thread.join(5)
     assert not thread.is_alive()
     assert len(errors) == 1 and "relay process exited" in str(errors[0])
+
+
+def test_the_worker_drops_plans_of_an_older_epoch_and_forgets_everything_on_a_reset(runner, redis_server):
+    """Epoch fencing: after a plan of epoch 5 one of epoch 3 (a deposed scheduler's) is acked only. A
+    reset plan (the first of an adoption) makes the runner forget the sequences it held."""
+    service = WorkerService(runner, redis_server, Keys("epochs"), "w8")
+    relay_end, service.writes = Pipe(duplex=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plans = [StepPlan(0, "w8", [SeqStart("e", "gw", [5, 6, 7], params)], [ScheduledChunk("e", 0, 3, [4])], epoch=5),
+             StepPlan(1, "w8", [], [ScheduledChunk("e", 3, 1, [4])], epoch=3),  # older: dropped
+             StepPlan(2, "w8", [], [ScheduledChunk("e", 3, 1, [4])], epoch=5),
+             StepPlan(-1, "w8", epoch=6, reset=True)]
+    for i, plan in enumerate(plans):
+        service.run_step(f"0-{i}".encode(), plan.to_wire())
+    writes = [msgpack.unpackb(relay_end.recv_bytes()) for _ in plans]
+    assert [w[1] is None for w in writes] == [False, True, False, False]  # the old-epoch plan: ack only
+    results = [StepResult.from_wire(w[1]) for w in writes if w[1] is not None]
+    assert [(r.step_id, r.epoch, len(r.events)) for r in results] == [(0, 5, 1), (2, 5, 1), (-1, 6, 0)]
+    assert writes[3][3] is True and "e" not in runner.seqs and service.epoch == 6
+
+
+def test_the_relay_judges_the_models_liveness_by_its_steps():
+    """A plan is due when handed over or when the step before it is written back; past step_timeout the
+    model is hung: its writes are void until a reset plan, and the incarnation counts the new life."""
+    from workers.relay import ModelLiveness
+
+    live = ModelLiveness(step_timeout=1.0)
+    assert not live.check(100.0)  # idle: nothing due, never hung
+    live.plan_delivered(100.0)
+    live.plan_delivered(100.2)  # read ahead: due only once the first is written back
+    assert live.step_written(100.9, reset=False) == (True, False)
+    assert not live.check(101.8)  # the second became due at 100.9
+    assert live.check(102.0) and live.is_hung() and live.incarnation == 1
+    assert live.step_written(105.0, reset=False) == (False, False)  # the late step: void, but moving again
+    assert not live.is_hung()
+    live.plan_delivered(105.1)  # a plan of the old life still queued: void too
+    assert live.step_written(105.2, reset=False) == (False, False)
+    live.plan_delivered(105.3)
+    assert live.step_written(105.4, reset=True) == (True, False)  # the new life's first plan
+    live.plan_delivered(106.0)
+    assert live.step_written(107.5, reset=False) == (False, True)  # found overdue when it came back
+    assert live.incarnation == 2
+    live.plan_delivered(107.6)
+    assert live.step_written(107.7, reset=True) == (True, False)
+    live.plan_delivered(108.0, timeout=5.0)  # a long step: the scheduler gave it a longer deadline
+    assert not live.check(112.0) and live.check(113.5)
+
+
+def test_a_plan_carries_its_deadline_to_the_relay():
+    from workers.relay import plan_timeout
+
+    assert plan_timeout(StepPlan(0, "w", timeout_s=42.0).to_wire()) == 42.0
+    assert plan_timeout(b"\xc1 garbage") == 0.0  # the model acks an unreadable plan at once

@@ -13,7 +13,16 @@ talks to it over two pipes (multiprocessing connections, msgpack messages):
   entry as [entry id, plan bytes], so with two plans in flight the next one is usually already in the
   pipe. A Redis failure is forwarded as [None, message] (the worker stops), then the relay exits.
 
-A heartbeat thread keeps `worker:<id>` alive (with a TTL), whatever the model step takes.
+A heartbeat thread keeps `worker:<id>` alive (with a TTL) while the model makes progress: a model step
+may take up to `step_timeout` seconds from when its plan is due (handed over, or the previous step
+written, whichever is later). Past that the model counts as hung (SIGSTOPped, stuck in a kernel): the
+relay deletes the heartbeat and stops beating, so the scheduler retires the worker and recomputes its
+sequences elsewhere at its next look, and every write of a plan handed over before then is void (only
+acked). When the model makes progress again the relay beats with a new `started_at` (a new life); the
+scheduler adopts it as a new worker and its first plan (`reset`) ends the void. See `ModelLiveness`.
+
+Redis outages: commands retry with backoff (phaseserve/redis_client.py); the plan reader and the step
+writer wait and resume, so the model stays loaded through a Redis restart.
 
 Why a process and not threads beside the model: threads share the model's GIL. The relay's Python
 (msgpack, redis-py) is a few hundred microseconds a step, and a thread holding the GIL that long
@@ -26,6 +35,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
@@ -35,6 +46,7 @@ import structlog
 
 from phaseserve import token_log
 from phaseserve.procs import child_setup
+from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect
 from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 
 log = structlog.get_logger("workers.relay")
@@ -53,16 +65,90 @@ class RelayConfig:
     log_level: str = "info"
     log_json: bool = False
     cpus: list[int] | None = None  # run on these CPUs (None: wherever the model process may run)
+    step_timeout: float = 30.0  # a model step due longer than this: the model is hung (see ModelLiveness)
+
+
+def plan_timeout(data: bytes) -> float:
+    """The deadline a plan carries (StepPlan.timeout_s), 0 if none or unreadable (the model reports that)."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return float(body.get("timeout_s", 0.0)) if isinstance(body, dict) else 0.0
+    except Exception:  # noqa: BLE001 -- a plan the model cannot read either; it acks it at once
+        return 0.0
+
+
+class ModelLiveness:
+    """Is the model process making progress? Counts plans handed to it and steps it wrote back.
+
+    A plan is due when it is handed over, or when the step before it is written back, whichever is later;
+    the model is hung when its oldest unfinished plan has been due for longer than `step_timeout`. Once
+    hung, the worker's current life is over: every write until the model reports a `reset` plan (the
+    scheduler's first to the next life) is void, and the heartbeat announces the next life (a new
+    WorkerInfo.started_at) once the model moves again. Thread-safe: the reader, writer and heartbeat threads share it.
+    """
+
+    def __init__(self, step_timeout: float):
+        self.step_timeout = step_timeout
+        self.lock = threading.Lock()
+        self.timeouts: deque[float] = deque()  # per plan handed over and not yet written back, oldest first
+        self.due_at = 0.0  # when the oldest outstanding plan became due (time.monotonic())
+        self.void = False  # the model overran: this life's writes are dropped until a reset plan
+        self.hung = False  # overran, and no step written back since
+        self.incarnation = 0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.timeouts)
+
+    def plan_delivered(self, now: float, timeout: float = 0.0) -> None:
+        """A plan handed to the model; `timeout` > 0: the scheduler's deadline for it (a long step's is longer)."""
+        with self.lock:
+            if not self.timeouts:
+                self.due_at = now
+            self.timeouts.append(timeout if timeout > 0 else self.step_timeout)
+
+    def _check(self, now: float) -> bool:
+        """Enter the void if the oldest plan is overdue; True if this call did (caller holds the lock)."""
+        if self.void or not self.timeouts or now - self.due_at <= self.timeouts[0]:
+            return False
+        self.void = self.hung = True
+        self.incarnation += 1
+        return True
+
+    def check(self, now: float) -> bool:
+        with self.lock:
+            return self._check(now)
+
+    def step_written(self, now: float, reset: bool) -> tuple[bool, bool]:
+        """A step came back: (keep its writes?, did the model just turn out hung?)."""
+        with self.lock:
+            hung = self._check(now)
+            if self.timeouts:
+                self.timeouts.popleft()
+            self.due_at = now
+            self.hung = False
+            if reset and self.void:
+                self.void = False  # a plan of the new life: everything before it was dropped
+                return True, hung
+            return not self.void, hung
+
+    def is_hung(self) -> bool:
+        with self.lock:
+            return self.hung
 
 
 class Heartbeat(threading.Thread):
-    """Refreshes the heartbeat key every `interval` seconds, independent of the model step."""
+    """Refreshes the heartbeat key every `interval` seconds while the model makes progress (`liveness`)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float):
+    def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float,
+                 liveness: ModelLiveness | None = None):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.keys, self.info = client, keys, info
         self.interval, self.ttl_ms = interval, max(1, int(ttl * 1000))
+        self.liveness = liveness or ModelLiveness(float("inf"))
         self.stopped = threading.Event()
+        self.silent = False  # the heartbeat was withdrawn for a hung model
+        self.incarnation = 0  # lives this worker has had after hangs (ModelLiveness.incarnation announced)
 
     def beat(self) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -70,10 +156,31 @@ class Heartbeat(threading.Thread):
         pipe.set(self.keys.worker_heartbeat(self.info.worker_id), self.info.to_wire(), px=self.ttl_ms)
         pipe.execute()
 
+    def withdraw(self) -> None:
+        """The model is hung: the scheduler must see this worker gone at its next look, not after the TTL."""
+        self.silent = True
+        log.error("model step overran the deadline; withdrawing the heartbeat",
+                  step_timeout=self.liveness.step_timeout)
+        self.client.delete(self.keys.worker_heartbeat(self.info.worker_id))
+
+    def tick(self) -> None:
+        self.liveness.check(time.monotonic())
+        if self.liveness.is_hung():
+            if not self.silent:
+                self.withdraw()
+            return
+        incarnation = self.liveness.incarnation
+        if incarnation != self.incarnation:  # progress after a hang: announce the next life
+            self.silent = False
+            self.incarnation = incarnation
+            self.info.started_at = time.time()  # a new started_at is a new life to the scheduler
+            log.warning("model making progress again; rejoining as a new life", incarnation=incarnation)
+        self.beat()
+
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.beat()
+                self.tick()
             except redis.RedisError as e:  # keep trying: Redis may come back before the TTL runs out
                 log.warning("heartbeat failed", error=str(e))
 
@@ -94,20 +201,21 @@ class Relay:
         self.worker_id = self.info.worker_id
         self.keys = Keys(config.key_prefix)
         self.steps_key = self.keys.steps(self.worker_id)
-        self.client = redis.Redis.from_url(config.redis_url)
+        self.client = connect(config.redis_url, name=f"{config.key_prefix}:relay:{self.worker_id}")
+        self.liveness = ModelLiveness(config.step_timeout)
         self.heartbeat = Heartbeat(self.client, self.keys, self.info, config.heartbeat_interval,
-                                   config.heartbeat_ttl)
+                                   config.heartbeat_ttl, self.liveness)
         self.stopping = threading.Event()
         self.send_lock = threading.Lock()  # the reader and a failing writer both send on `plans`
 
-    def _join_group(self) -> None:
+    def _join_group(self, start: str = "$") -> None:
         try:
-            self.client.xgroup_create(self.steps_key, self.keys.worker_group, id="$", mkstream=True)
+            self.client.xgroup_create(self.steps_key, self.keys.worker_group, id=start, mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-            # a restarted worker with the same id: plans meant for its previous life are stale
-            self.client.xgroup_setid(self.steps_key, self.keys.worker_group, id="$")
+            if start == "$":  # a restarted worker with the same id: plans meant for its previous life are stale
+                self.client.xgroup_setid(self.steps_key, self.keys.worker_group, id="$")
 
     def _send_plan(self, entry_id: bytes | None, payload) -> None:
         with self.send_lock:
@@ -115,13 +223,30 @@ class Relay:
 
     def read_plans(self) -> None:
         streams = {self.steps_key: ">"}
+        backoff = Backoff()
         try:
             while not self.stopping.is_set():
-                resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, streams,
-                                              count=READ_AHEAD, block=self.config.block_ms)
+                try:
+                    resp = self.client.xreadgroup(self.keys.worker_group, self.worker_id, streams,
+                                                  count=READ_AHEAD, block=self.config.block_ms)
+                except CONNECTION_ERRORS as e:  # Redis away: wait for it, the model stays loaded
+                    log.warning("reading plans: redis unreachable; retrying", error=str(e))
+                    self.stopping.wait(backoff.next_delay())
+                    continue
+                except redis.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    # Redis came back empty (no persistence): every plan in the new stream is this life's
+                    log.warning("steps group missing; rejoining", error=str(e))
+                    self._join_group(start="0")
+                    continue
+                backoff.reset()
                 for _stream, entries in resp or ():
                     for entry_id, fields in entries:
-                        self._send_plan(entry_id, fields.get(FIELD_BYTES, b""))
+                        # counted before it is handed over: its write can come back before this line's next
+                        data = fields.get(FIELD_BYTES, b"")
+                        self.liveness.plan_delivered(time.monotonic(), plan_timeout(data))
+                        self._send_plan(entry_id, data)
         except Exception as e:  # a worker that cannot read plans must stop: tell the model process
             if not self.stopping.is_set():
                 log.error("reading plans failed", error=str(e))
@@ -148,7 +273,13 @@ class Relay:
                 continue
             pipe = self.client.pipeline(transaction=False)
             for raw in batch:
-                entry_id, result, batches = msgpack.unpackb(raw)
+                entry_id, result, batches, *flags = msgpack.unpackb(raw)
+                keep, hung = self.liveness.step_written(time.monotonic(), bool(flags and flags[0]))
+                if hung:
+                    log.error("model step overran the deadline; this life's writes are void until the "
+                              "scheduler adopts the worker again", step_timeout=self.liveness.step_timeout)
+                if not keep:  # the scheduler has given these sequences to others: acked only
+                    result, batches = None, []
                 for gateway_id, token_batch in batches:
                     # the durable copy first: a gateway that gets the message can always re-read it
                     token_log.append_batch(pipe, keys, token_batch)
@@ -157,18 +288,41 @@ class Relay:
                     pipe.xadd(keys.results, {FIELD: result}, maxlen=STREAM_MAXLEN, approximate=True)
                 pipe.xack(self.steps_key, keys.worker_group, entry_id)
                 pipe.xdel(self.steps_key, entry_id)
-            # the token log refuses an offset it already has (a replayed step): that is not a failure
-            token_log.raise_unexpected(pipe.execute(raise_on_error=False))
+            self._execute(pipe)
+
+    def _execute(self, pipe) -> None:
+        """Send a step's writes, waiting out a Redis outage (in step order: nothing later goes first).
+        Per-command errors (an XACK whose group went with a restarted Redis) are logged, not fatal."""
+        backoff = Backoff()
+        while True:
+            try:
+                replies = pipe.execute(raise_on_error=False)
+                break
+            except CONNECTION_ERRORS as e:
+                log.warning("publishing a step: redis unreachable; retrying", error=str(e))
+                time.sleep(backoff.next_delay())
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" not in str(reply) \
+                    and not token_log.is_duplicate(reply):  # a replayed step's offset: not a failure
+                log.warning("a step write failed", error=str(reply))
 
     def run(self) -> int:
         """Join the steps group first, then heartbeat: the scheduler sends plans only to live workers."""
-        try:
-            self._join_group()
-            self.heartbeat.beat()
-        except Exception as e:
-            log.error("worker could not announce itself", error=str(e))
-            self._fail(f"announcing the worker failed: {e}")
-            return 1
+        backoff = Backoff()
+        while True:
+            try:
+                self._join_group()
+                self.heartbeat.beat()
+                break
+            except CONNECTION_ERRORS as e:  # Redis not up (yet): wait, keeping the loaded model
+                if self.writes.poll(0):  # the model process is stopping (or gone)
+                    return 0
+                log.warning("announcing the worker: redis unreachable; retrying", error=str(e))
+                time.sleep(backoff.next_delay())
+            except Exception as e:
+                log.error("worker could not announce itself", error=str(e))
+                self._fail(f"announcing the worker failed: {e}")
+                return 1
         self.heartbeat.start()
         reader = threading.Thread(target=self.read_plans, name="plan-reader", daemon=True)
         reader.start()

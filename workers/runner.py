@@ -81,6 +81,8 @@ class SequenceState:
     token_ids: list[int]  # prompt + outputs
     finished: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
+    num_computed: int = 0
 
     @property
     def num_outputs(self) -> int:
@@ -155,8 +157,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
+    def reset(self) -> None:
+        """Forget every sequence (a new scheduler or adoption owns this worker's blocks now)."""
+        self.seqs.clear()
+
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        if plan.reset:
+            self.reset()
         for seq_id in plan.releases:
             self.seqs.pop(seq_id, None)
         for s in plan.starts:
@@ -167,6 +175,12 @@ class ModelRunner:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
                 continue  # planned one step ahead of a finish, or already released
+            if c.start_pos != seq.num_computed:
+                # a plan before this one never reached us (lost from its stream): this chunk's context is
+                # missing from the cache. Run nothing for it; the scheduler sees no sample and recomputes it.
+                log.warning("chunk after a missing one; skipped", seq_id=c.seq_id, start_pos=c.start_pos,
+                            computed=seq.num_computed, step_id=plan.step_id)
+                continue
             problem = self._check_chunk(c, seq)
             if problem:
                 log.error("bad chunk", seq_id=c.seq_id, error=problem)
@@ -174,6 +188,7 @@ class ModelRunner:
                 events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem))
                 continue
             chunks.append(c)
+            seq.num_computed = c.start_pos + c.num_tokens
         if chunks:
             events.extend(self._run(chunks))
         num_tokens = sum(c.num_tokens for c in chunks)

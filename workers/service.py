@@ -3,8 +3,13 @@
 The model runs in this process, with nothing else competing for its GIL; all Redis traffic runs in a
 child process, the relay (workers/relay.py): it reads step plans ahead into a pipe, sends each step's
 writes (one TokenBatch per gateway, the StepResult, the XACK of the plan) in one pipeline, in step
-order, and keeps the heartbeat alive (with a TTL) so a long step never makes the scheduler think the
-worker died. The model loop only moves bytes through two pipes: it never waits on a Redis round trip.
+order, and keeps the heartbeat alive (with a TTL) while the model makes progress: a step overrunning
+`step_timeout` counts as a hung model and the worker as dead (workers/relay.py, ModelLiveness). The model
+loop only moves bytes through two pipes: it never waits on a Redis round trip.
+
+Plans carry the scheduler's epoch: a plan of an older epoch than one already seen (left in the stream by
+a scheduler that lost its lease) is dropped. A `reset` plan (the first of a scheduler's adoption of this
+worker) makes the runner forget every sequence it holds.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class RelayError(RuntimeError):
 class WorkerService:
     def __init__(self, runner, redis_url: str, keys: Keys, worker_id: str, *, role: str = "mixed",
                  heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500,
-                 relay_cpus: list[int] | None = None, log_level: str = "info", log_json: bool = False):
+                 relay_cpus: list[int] | None = None, log_level: str = "info", log_json: bool = False,
+                 step_timeout: float = 30.0):
         self.runner = runner
         self.keys = keys
         self.worker_id = worker_id
@@ -49,7 +55,8 @@ class WorkerService:
             started_at=time.time(), attention_horizon=runner.attention_horizon,
         )
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
-                                        heartbeat_ttl, block_ms, log_level, log_json, relay_cpus)
+                                        heartbeat_ttl, block_ms, log_level, log_json, relay_cpus, step_timeout)
+        self.epoch = 0  # the newest scheduler epoch seen in a plan
         self.relay: subprocess.Popen | None = None
         self.plans = self.writes = None  # our ends of the two pipes, once the relay runs
         self.steps_run = 0
@@ -118,6 +125,14 @@ class WorkerService:
             log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
             self._send(msgpack.packb([entry_id, None, []]))  # acked, nothing to publish
             return
+        if plan.epoch < self.epoch:  # left in the stream by a scheduler that has lost its lease
+            log.warning("dropping a plan of an older scheduler", step_id=plan.step_id, epoch=plan.epoch,
+                        current_epoch=self.epoch)
+            self._send(msgpack.packb([entry_id, None, []]))
+            return
+        self.epoch = plan.epoch
+        if plan.reset:  # a new adoption: the sequences held so far belong to nobody (the runner forgets them)
+            self.gateway_of.clear()
         for seq in plan.starts:
             self.gateway_of[seq.seq_id] = seq.gateway_id
         t0 = time.perf_counter()
@@ -129,7 +144,7 @@ class WorkerService:
             result = StepResult(plan.step_id, self.worker_id,
                                 [TokenEvent(s, -1, [], "error", None, f"worker step failed: {e}") for s in seq_ids])
         result.step_time_s = result.step_time_s or (time.perf_counter() - t0)
-        result.step_id, result.worker_id = plan.step_id, self.worker_id
+        result.step_id, result.worker_id, result.epoch = plan.step_id, self.worker_id, plan.epoch
         self.publish(plan, result, entry_id)
         self.steps_run += 1
         self.busy_s += time.perf_counter() - t0
@@ -154,7 +169,7 @@ class WorkerService:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
         batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
-        self._send(msgpack.packb([entry_id, result.to_wire(), batches]))
+        self._send(msgpack.packb([entry_id, result.to_wire(), batches, plan.reset]))
 
     def _send(self, message: bytes) -> None:
         try:
@@ -215,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("worker", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
+    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"phaseserve worker: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     try:
         relay_cpus = parse_cpus(args.relay_cpus)
     except ValueError as e:
@@ -247,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     service = WorkerService(runner, args.redis_url, Keys(args.key_prefix), worker_id, role=args.role,
                             heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
                             relay_cpus=relay_cpus, log_level=args.log_level,
-                            log_json=args.log_json)
+                            log_json=args.log_json, step_timeout=args.step_timeout)
     signal.signal(signal.SIGTERM, service.request_stop)
     signal.signal(signal.SIGINT, service.request_stop)
     try:
