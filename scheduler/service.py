@@ -52,7 +52,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from phaseserve import event_loop
+from phaseserve import event_loop, token_log
+from phaseserve.client_lease import OrphanTracker
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
     ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
@@ -128,7 +129,7 @@ class PolicyLimits:
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
-                 lease_ttl: float = 5.0):
+                 lease_ttl: float = 5.0, resume_grace: float = 10.0):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -143,6 +144,7 @@ class SchedulerService:
         self.lease_ttl_ms = max(100, int(lease_ttl * 1000))
         self.epoch = 0  # ours, from the epoch key when we took the lease
         self.is_leader = False
+        self.resume_grace = resume_grace
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -165,6 +167,7 @@ class SchedulerService:
         self.num_dead_letters = 0
         self.num_duplicates = 0
         self.num_steps_given_up = 0
+        self.orphans = OrphanTracker(self.resume_grace)  # sequences whose gateway and client are gone
 
     # ------------------------------------------------------------------ lease and takeover
 
@@ -338,6 +341,17 @@ class SchedulerService:
                 await self.adopt_worker(info)
         if self.parked and self.workers:
             self.place_parked()
+        await self.cancel_orphans(now)
+
+    async def cancel_orphans(self, now: float) -> None:
+        """Cancel the sequences nobody serves any more: a gateway refreshes a client lease for every sequence
+        it streams (phaseserve/client_lease.py); one that died leaves leases that expire, and after the resume
+        grace its sequences stop generating instead of running to the end of their context."""
+        seq_ids = list(self.owner) + [r.request_id for r, _ in self.parked]
+        leases = await self.client.mget([self.keys.client_lease(s) for s in seq_ids]) if seq_ids else []
+        for rid in self.orphans.update(seq_ids, [v is not None for v in leases], now):
+            self.cancel(rid, "no client or gateway left")
+            self._pending_ops.append(("abort", rid))
 
     async def adopt_worker(self, info: WorkerInfo) -> None:
         cfg = SchedulerConfig(
@@ -420,9 +434,7 @@ class SchedulerService:
         return True
 
     def _fail_request(self, req: SubmitRequest, message: str, error_kind: str | None = None) -> None:
-        event = TokenEvent(req.request_id, 0, [], "error", None, message, error_kind)
-        self._pending_ops.append(("publish", self.keys.gateway_channel(req.gateway_id),
-                                  TokenBatch(-1, "scheduler", [event]).to_wire()))
+        self._tell_error(req.request_id, req.gateway_id, message, error_kind)
         self._pending_ops.append(("delete", self.keys.request_record(req.request_id)))
         self._outputs_written.pop(req.request_id, None)
 
@@ -448,9 +460,18 @@ class SchedulerService:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
+    def _tell_error(self, rid: str, gateway_id: str, message: str, error_kind: str | None = None) -> None:
+        """An error event for a request's client: published, and in its token log, so a gateway that missed
+        the message (or a client resuming later) still reads it instead of waiting for a deadline."""
+        event = TokenEvent(rid, 0, [], "error", None, message, error_kind)
+        self._pending_ops.append(("error", self.keys.gateway_channel(gateway_id),
+                                  TokenBatch(-1, "scheduler", [event]).to_wire(), event.to_list()))
+
     def on_cancel(self, data: bytes) -> None:
         msg = CancelRequest.from_wire(data)
-        rid = msg.request_id
+        self.cancel(msg.request_id, msg.reason)
+
+    def cancel(self, rid: str, reason: str | None) -> None:
         wid = self.owner.pop(rid, None)
         cancelled = False
         if wid is not None and wid in self.workers:
@@ -464,7 +485,7 @@ class SchedulerService:
         self._pending_ops.append(("delete", self.keys.request_record(rid)))
         self._outputs_written.pop(rid, None)
         self._stats_dirty = True
-        log.info("request cancelled", request_id=rid, reason=msg.reason, found=cancelled)
+        log.info("request cancelled", request_id=rid, reason=reason, found=cancelled)
 
     def on_result(self, data: bytes) -> None:
         result = StepResult.from_wire(data)
@@ -597,6 +618,11 @@ class SchedulerService:
                 pipe.delete(key)
             elif kind == "publish":
                 pipe.publish(key, op[2])
+            elif kind == "error":  # the durable copy first, as the relay does for tokens
+                token_log.append_event(pipe, self.keys, op[3])
+                pipe.publish(key, op[2])
+            elif kind == "abort":
+                token_log.append_abort(pipe, self.keys, key, 0)
             elif kind == "dead":
                 pipe.xadd(self.keys.dead_letters, {FIELD: op[2], "stream": key, "entry_id": op[3], "reason": op[4]},
                           maxlen=DEAD_LETTER_MAXLEN, approximate=True)
@@ -618,9 +644,7 @@ class SchedulerService:
             return
         rid, gateway = body.get("request_id"), body.get("gateway_id")
         if isinstance(rid, str) and isinstance(gateway, str) and not self.is_known(rid):
-            event = TokenEvent(rid, 0, [], "error", None, f"the scheduler could not read this request: {reason}")
-            self._pending_ops.append(("publish", self.keys.gateway_channel(gateway),
-                                      TokenBatch(-1, "scheduler", [event]).to_wire()))
+            self._tell_error(rid, gateway, f"the scheduler could not read this request: {reason}")
 
     def handle(self, resp) -> None:
         if isinstance(resp, dict):  # RESP3 replies map stream -> entries
@@ -756,7 +780,8 @@ async def serve(args) -> None:
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
-                               step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl)
+                               step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
+                               resume_grace=args.resume_grace)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)

@@ -181,6 +181,10 @@ async def test_unreadable_messages_are_dead_lettered_and_their_clients_told(mode
         assert gw.finish["broken"] == "error" and gw.errors["broken"][1].startswith(
             "the scheduler could not read this request")
         assert gw.finish["extra"] == "length" and gw.tokens["extra"] == reference[0]
+        # the errors are in the requests' token logs too: a gateway that missed the message still reads them
+        for rid in ("future", "broken"):
+            (_, fields), = await client.xrange(keys.token_log(rid))
+            assert msgpack.unpackb(fields[FIELD.encode()])[3] == "error"
         deadline = time.monotonic() + 5
         while await client.xlen(keys.dead_letters) < 5:
             assert time.monotonic() < deadline
@@ -196,6 +200,42 @@ async def test_unreadable_messages_are_dead_lettered_and_their_clients_told(mode
         await gw.wait(lambda: "after" in gw.finish)
         assert gw.tokens["after"] == reference[1]
         assert (await client.xpending(keys.requests, keys.scheduler_group))["pending"] == 0
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
+
+
+async def test_sequences_a_dead_gateway_left_are_cancelled_after_the_resume_grace(model_dir, redis_server):
+    """A gateway keeps a client lease on every sequence it streams; when it dies the leases expire, and the
+    scheduler cancels those sequences after the grace (instead of generating to the end of the context).
+    A sequence whose gateway keeps no leases at all is left alone."""
+    keys = Keys("orphan")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1", num_blocks=128)
+    client, sched, gw, tasks = await start(redis_server, keys, resume_grace=0.3)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    run_step = worker.service.run_step
+
+    def slow_step(entry_id, data):  # 400 steps take 8 s: far longer than the grace the test waits for
+        time.sleep(0.02)
+        return run_step(entry_id, data)
+
+    worker.service.run_step = slow_step
+    try:
+        await client.set(keys.client_lease("leased"), "gw:1")
+        await gw.submit("leased", PROMPTS[0], params=long)
+        await gw.submit("unleased", PROMPTS[1], MAX_TOKENS)
+        await gw.wait(lambda: "unleased" in gw.finish)
+        assert gw.finish["unleased"] == "length"
+        assert "leased" in sched.orphans.leased and "leased" in sched.owner
+        await client.delete(keys.client_lease("leased"))  # its gateway dies: the lease is gone
+        deadline = time.monotonic() + 10
+        while "leased" in sched.owner:
+            assert time.monotonic() < deadline, "the orphaned sequence was never cancelled"
+            await asyncio.sleep(0.05)
+        assert len(gw.tokens.get("leased", [])) < 400
+        last = (await client.xrevrange(keys.token_log("leased"), count=1))[0][1]
+        assert msgpack.unpackb(last[FIELD.encode()])[3] == "abort"  # a late resume reads the end
+        assert not await client.exists(keys.request_record("leased"))
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()
