@@ -13,8 +13,9 @@ scheduler-standby (kill -9 with a standby running), redis-restart (Redis stopped
 its port from its AOF), worker-freeze (SIGSTOP of a worker's model process for 3 step deadlines),
 lost-messages (one plan and one result deleted from their streams before their consumer reads them:
 the relay's blocked read is cut and the next plan deleted while it reconnects; the scheduler is paused
-while a result is deleted). The gateway fail-over with Last-Event-ID resume is
-the gateway's side of the issue and not run here.
+while a result is deleted), gateway-kill (kill -9 of the gateway the clients stream from: each client
+re-sends its request with the `Last-Event-ID` of the last event it got to a second gateway, as an SSE
+client reconnecting through a load balancer does, and reads the rest of its stream there).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from phaseserve.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "worker-freeze",
-          "lost-messages")
+          "lost-messages", "gateway-kill")
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
 STEP_TIMEOUT_S = 2.0
@@ -85,9 +86,10 @@ class Service:
 
 
 class Stack:
-    def __init__(self, model: str, dtype: str, log_dir: Path, standby: bool):
+    def __init__(self, model: str, dtype: str, log_dir: Path, standby: bool, second_gateway: bool = False):
         self.model, self.dtype, self.log_dir = model, dtype, log_dir
         self.redis_port, self.port = free_port(), free_port()
+        self.second_port = free_port() if second_gateway else None
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.keys = Keys("ps")
         self.redis_dir = tempfile.mkdtemp(prefix="faults-redis-", dir=log_dir)
@@ -119,9 +121,13 @@ class Stack:
             self.services["s2"] = self.scheduler("s2").start()
         for w in ("w1", "w2"):
             self.services[w] = self.worker(w).start()
-        self.services["gw"] = Service("gw", [sys.executable, "-m", "gateway", "--model", self.model, "--redis-url",
-                                             self.redis_url, "--port", str(self.port)], self.log_dir).start()
-        self.wait(lambda: self._stats().get("num_workers") == 2 and self._health(), 120, "the stack")
+        for name, port in (("gw", self.port), ("gw2", self.second_port)):
+            if port is not None:
+                self.services[name] = Service(name, [sys.executable, "-m", "gateway", "--model", self.model,
+                                                     "--redis-url", self.redis_url, "--port", str(port)],
+                                              self.log_dir).start()
+        self.wait(lambda: self._stats().get("num_workers") == 2 and self._health(self.port)
+                  and (self.second_port is None or self._health(self.second_port)), 120, "the stack")
 
     def _ping(self) -> bool:
         try:
@@ -137,10 +143,10 @@ class Stack:
             return {}
         return msgpack.unpackb(data) if data else {}
 
-    def _health(self) -> bool:
+    def _health(self, port: int) -> bool:
         import urllib.request
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -227,6 +233,8 @@ class Stack:
             result = await loop.run_in_executor(None, self.delete_a_result)
             if not (plan and result):
                 raise RuntimeError(f"could not delete a plan ({plan}) and a result ({result})")
+        elif fault == "gateway-kill":
+            self.services["gw"].kill9()
         elif fault != "none":
             raise ValueError(f"unknown fault {fault!r}")
 
@@ -240,17 +248,33 @@ class Stream:
     error: str | None = None
     longest_stall: float = 0.0
     last_at: float = field(default_factory=time.monotonic)
+    last_event_id: str | None = None
+    resumes: int = 0
 
 
-async def run_stream(session: aiohttp.ClientSession, url: str, model: str, s: Stream, max_tokens: int,
+async def run_stream(session: aiohttp.ClientSession, urls: list[str], model: str, s: Stream, max_tokens: int,
                      timeout_s: float) -> None:
+    """One client: streams from urls[0]; when that connection breaks before the end, it re-sends the same
+    request with `Last-Event-ID` to the next url (a client reconnecting through a load balancer)."""
     body = {"model": model, "prompt": f"{SUBJECTS[s.index % 8]}{' and more' * (s.index // 8)}",
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.0}
     if s.index >= 16:  # 4 seeded sampled streams
         body.update(temperature=0.8, seed=1000 + s.index)
     s.last_at = time.monotonic()
+    for attempt, url in enumerate(urls):
+        s.error = None
+        headers = {"Last-Event-ID": s.last_event_id} if attempt and s.last_event_id else {}
+        s.resumes = attempt
+        await _read_stream(session, url, body, headers, s, timeout_s)
+        if s.finish_reason is not None:
+            return
+
+
+async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, s: Stream,
+                       timeout_s: float) -> None:
     try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}"
                 return
@@ -260,6 +284,9 @@ async def run_stream(session: aiohttp.ClientSession, url: str, model: str, s: St
                 *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
                 for event in events:
                     for line in event.split(b"\n"):
+                        if line.startswith(b"id:"):
+                            s.last_event_id = line[3:].strip().decode()
+                            continue
                         if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                             continue
                         msg = json.loads(line[5:])
@@ -278,11 +305,11 @@ async def run_stream(session: aiohttp.ClientSession, url: str, model: str, s: St
 
 async def run_fault(stack: Stack, fault: str, max_tokens: int, timeout_s: float) -> list[Stream]:
     streams = [Stream(i) for i in range(20)]
-    url = f"http://127.0.0.1:{stack.port}/v1/completions"
+    urls = [f"http://127.0.0.1:{port}/v1/completions" for port in (stack.port, stack.second_port) if port]
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{stack.port}/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        tasks = [asyncio.create_task(run_stream(session, url, model, s, max_tokens, timeout_s)) for s in streams]
+        tasks = [asyncio.create_task(run_stream(session, urls, model, s, max_tokens, timeout_s)) for s in streams]
         deadline = time.monotonic() + timeout_s
         while not all(s.chunks >= 8 or s.finish_reason or s.error for s in streams):  # mid-run
             if time.monotonic() > deadline:
@@ -309,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     for fault in tqdm(["none", *args.faults], desc="faults", file=sys.stderr):
         fault_dir = log_dir / fault
         fault_dir.mkdir(exist_ok=True)
-        stack = Stack(args.model, args.dtype, fault_dir, standby=fault == "scheduler-standby")
+        stack = Stack(args.model, args.dtype, fault_dir, standby=fault == "scheduler-standby",
+                      second_gateway=fault == "gateway-kill")
         try:
             stack.start()
             t0 = time.monotonic()
@@ -323,14 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the unfaulted run did not complete ({len(completed)}/20); logs: {fault_dir}")
             reference = [s.text for s in streams]
         equal = sum(s.text == r for s, r in zip(streams, reference))
-        rows.append((fault, len(completed), equal, max(s.longest_stall for s in streams), elapsed))
+        rows.append((fault, len(completed), equal, max(s.longest_stall for s in streams), elapsed,
+                     sum(s.resumes > 0 for s in streams)))
     print(f"\n{args.dtype}, {args.max_tokens} tokens a stream, 16 greedy + 4 seeded sampled, 2 workers "
           f"(logs: {log_dir})")
-    print("| fault | completed | texts equal to the unfaulted run | longest client stall (s) | run (s) |")
-    print("| --- | --- | --- | --- | --- |")
-    for fault, done, equal, stall, elapsed in rows:
-        print(f"| {fault} | {done} / 20 | {equal} / 20 | {stall:.2f} | {elapsed:.1f} |")
-    return 0 if all(done == 20 and equal == 20 for _f, done, equal, _s, _e in rows) else 1
+    print("| fault | completed | texts equal to the unfaulted run | longest client stall (s) | run (s) "
+          "| clients that resumed elsewhere |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for fault, done, equal, stall, elapsed, resumed in rows:
+        print(f"| {fault} | {done} / 20 | {equal} / 20 | {stall:.2f} | {elapsed:.1f} | {resumed} |")
+    return 0 if all(done == 20 and equal == 20 for _f, done, equal, *_rest in rows) else 1
 
 
 if __name__ == "__main__":
