@@ -8,6 +8,7 @@ catches those, waits (`Backoff`) and resumes, so an outage of any length stops w
 from __future__ import annotations
 
 import random
+import time
 
 import redis
 import redis.asyncio as aioredis
@@ -56,3 +57,21 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
+
+
+def execute_through_outages(pipe: redis.client.Pipeline, on_retry=None) -> list:
+    """Send a (blocking) pipeline, waiting out a Redis outage of any length, and return its replies (errors
+    as values). execute() empties the pipeline even when it fails, so the commands are kept and queued again
+    before each retry: the caller's writes must be safe to apply twice (the first attempt may have reached
+    Redis before the connection broke)."""
+    commands = list(pipe.command_stack)
+    backoff = Backoff()
+    while True:
+        try:
+            return pipe.execute(raise_on_error=False)
+        except CONNECTION_ERRORS as e:
+            if on_retry is not None:
+                on_retry(e)
+            time.sleep(backoff.next_delay())
+            pipe.command_stack = list(commands)
+

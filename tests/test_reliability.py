@@ -508,3 +508,32 @@ def test_timeouts_that_make_no_sense_are_refused_in_one_line(monkeypatch):
         scheduler_main(["--redis-url", "redis://127.0.0.1:1", "--scheduler-lease-ttl", "0"])
     with pytest.raises(SystemExit, match="--step-timeout must be > 0, got -1.0"):
         worker_main(["--redis-url", "redis://127.0.0.1:1", "--step-timeout", "-1"])
+
+
+def test_a_step_s_writes_sent_during_an_outage_arrive_after_it(redis_server):
+    """execute() empties a pipeline even when it fails: a relay's step writes caught by an outage must still
+    reach Redis once it is back (they were once lost, and clients' streams had a hole). The connection
+    breaks inside execute() more times than the client's own retries allow, as when Redis dies mid-write."""
+    import redis as redis_sync
+
+    from phaseserve.redis_client import COMMAND_RETRIES, connect, execute_through_outages
+
+    client = connect(redis_server)
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd("log", {"m": b"token"}, id="9-0")
+    pipe.publish("gw", b"batch")
+    real, calls = pipe._execute_pipeline, []
+
+    def broken_then_back(conn, stack, raise_on_error):
+        calls.append(len(stack))
+        if len(calls) <= COMMAND_RETRIES + 2:  # the first execute() gives up; the second one's first try too
+            raise redis_sync.ConnectionError("connection reset (injected)")
+        return real(conn, stack, raise_on_error)
+
+    pipe._execute_pipeline = broken_then_back
+    retries: list = []
+    replies = execute_through_outages(pipe, retries.append)
+    assert len(retries) == 1 and calls == [2] * len(calls)  # every attempt carried both writes
+    assert not any(isinstance(r, Exception) for r in replies)
+    assert [e[0] for e in client.xrange("log")] == [b"9-0"]
+    client.close()

@@ -46,7 +46,7 @@ import structlog
 
 from phaseserve import token_log
 from phaseserve.procs import child_setup
-from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect
+from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect, execute_through_outages
 from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 
 log = structlog.get_logger("workers.relay")
@@ -293,14 +293,10 @@ class Relay:
     def _execute(self, pipe) -> None:
         """Send a step's writes, waiting out a Redis outage (in step order: nothing later goes first).
         Per-command errors (an XACK whose group went with a restarted Redis) are logged, not fatal."""
-        backoff = Backoff()
-        while True:
-            try:
-                replies = pipe.execute(raise_on_error=False)
-                break
-            except CONNECTION_ERRORS as e:
-                log.warning("publishing a step: redis unreachable; retrying", error=str(e))
-                time.sleep(backoff.next_delay())
+        # every write is idempotent: token-log offsets are refused twice, the scheduler drops a repeated
+        # result, subscribers drop a repeated offset
+        replies = execute_through_outages(
+            pipe, lambda e: log.warning("publishing a step: redis unreachable; retrying", error=str(e)))
         for reply in replies:
             if isinstance(reply, redis.ResponseError) and "NOGROUP" not in str(reply) \
                     and not token_log.is_duplicate(reply):  # a replayed step's offset: not a failure
