@@ -37,6 +37,7 @@ import redis
 from tqdm import tqdm
 
 from phaseserve.model_source import bundled_model_path
+from phaseserve.procs import stop_process
 from phaseserve.redis_server import find_redis_server, free_port
 from phaseserve.wire import Keys
 
@@ -76,13 +77,8 @@ class Service:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.signal(signal.SIGCONT)
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+        stop_process(self.proc, 15)
 
 
 class Stack:

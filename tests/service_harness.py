@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from phaseserve.params import SamplingParams
+from phaseserve.procs import stop_process
 from phaseserve.redis_client import connect_async
 from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch
 from scheduler.service import PolicyLimits, SchedulerService
@@ -64,13 +65,8 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            os.kill(self.proc.pid, signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+        stop_process(self.proc, 15)
         self.log.close()
 
 
@@ -96,13 +92,7 @@ class SchedulerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15)
         self.log.close()
 
 
