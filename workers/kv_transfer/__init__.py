@@ -22,7 +22,7 @@ transport moves. The shared-memory transport stages for free: its segment *is* t
 
 The payload is the same bytes in both transports: a sequence of *pieces*, one per send_blocks call, each the
 raw bytes of KVCache.export_blocks (layout [layer, K|V, block, block_size, kv_heads, head_dim], the cache's
-dtype, no pickling), and the checksum is crc32 chained over those bytes in order. On a GPU the sender's
+dtype, no pickling), and the checksum is XXH3-64 over those bytes in order. On a GPU the sender's
 export gathers on the device and copies into a pinned host staging buffer (KVCache.export_blocks(out=...));
 an RDMA transport (NIXL, Mooncake) would instead register the cache tensors and read the blocks directly,
 which this interface allows: nothing in it names host memory, only block ids.
@@ -30,11 +30,11 @@ which this interface allows: nothing in it names host memory, only block ids.
 
 from __future__ import annotations
 
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from workers.kv_cache import KVCache
 
@@ -64,10 +64,25 @@ class KVLayoutMismatch(KVTransferError):
     """The sender's cache layout (layers, heads, block size, dtype) or block count differs from the receiver's."""
 
 
-def checksum(data, previous: int = 0) -> int:
-    """crc32, chained. Measured on this machine: zlib.crc32 7 GB/s, blake2b 1.4 GB/s, sha1 2.2 GB/s
-    (64 MiB buffer); crc32 is enough to catch corruption (not an adversary)."""
-    return zlib.crc32(data, previous)
+def checksum(data) -> int:
+    """One chunk's checksum: 64-bit XXH3. Measured on this machine (64 MiB, one core): XXH3 32 GB/s,
+    zlib.crc32 7 GB/s, sha1 2.2 GB/s, blake2b 1.4 GB/s. It catches corruption, not an adversary."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class Digest:
+    """The whole transfer's checksum: XXH3 over every piece's bytes in order, however they were split
+    (Redis chunks, shared-memory pieces), so both transports agree on it."""
+
+    def __init__(self):
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    @property
+    def value(self) -> int:
+        return self._h.intdigest()
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -165,7 +180,7 @@ class KVSender(ABC):
         self.block_ids = list(block_ids)
         self.layout = KVLayout.of(cache)
         self.pieces = PieceTracker(len(self.block_ids))
-        self.crc = 0
+        self.digest = Digest()
         self.num_bytes = 0
 
     @abstractmethod

@@ -2,8 +2,8 @@
 
 Entries, each {h: msgpack header, d: raw bytes}, numbered by `seq` from 0:
   begin  {layout, num_blocks}
-  chunk  {piece, piece_blocks, offset, crc}  + at most CHUNK_BYTES of one piece's export bytes
-  end    {num_tokens, num_pieces, num_bytes, crc}   (crc chained over every chunk's bytes, in order)
+  chunk  {piece, piece_blocks, offset, crc (XXH3 of this chunk)}  + at most CHUNK_BYTES of one piece's export bytes
+  end    {num_tokens, num_pieces, num_bytes, crc}   (crc: XXH3 over every chunk's bytes, in order)
 The stream has an exact MAXLEN of the whole transfer's entry count (a runaway sender cannot grow it) and
 an EXPIRE refreshed by every write (an abandoned transfer disappears). The receiver reads it with XREAD
 BLOCK and deletes it when done, whatever the outcome.
@@ -23,7 +23,7 @@ import torch
 from workers.kv_cache import KVCache
 from workers.kv_transfer import (
     CHUNK_BYTES, DEFAULT_TIMEOUT_S, KVLayout, KVLayoutMismatch, KVReceiver, KVSender, KVTransferCorrupt,
-    KVTransferError, KVTransferOutOfOrder, KVTransferTimeout, TransferSummary, apply_pieces, as_bytes,
+    Digest, KVTransferError, KVTransferOutOfOrder, KVTransferTimeout, TransferSummary, apply_pieces, as_bytes,
     check_num_tokens, checksum,
 )
 
@@ -67,7 +67,7 @@ class RedisKVSender(KVSender):
         pipe = self.client.pipeline(transaction=False)
         for i, offset in enumerate(range(0, len(data), self.chunk_bytes)):
             chunk = data[offset:offset + self.chunk_bytes]
-            self.crc = checksum(chunk, self.crc)
+            self.digest.update(chunk)
             self._add(pipe, {"k": "chunk", "piece": piece, "piece_blocks": end - start, "offset": offset,
                              "crc": checksum(chunk)}, chunk)
             if (i + 1) % PIPELINE_CHUNKS == 0:
@@ -80,7 +80,7 @@ class RedisKVSender(KVSender):
         check_num_tokens(num_tokens, len(self.block_ids), self.layout.block_size)
         pipe = self.client.pipeline(transaction=False)
         self._add(pipe, {"k": "end", "num_tokens": num_tokens, "num_pieces": len(self.pieces.sizes),
-                         "num_bytes": self.num_bytes, "crc": self.crc})
+                         "num_bytes": self.num_bytes, "crc": self.digest.value})
         pipe.execute()
 
     def abort(self) -> None:
@@ -97,7 +97,7 @@ class _Assembly:
         self.pieces: list[tuple[int, torch.Tensor]] = []
         self.current: tuple[int, torch.Tensor] | None = None
         self.filled = 0
-        self.crc = 0
+        self.digest = Digest()
         self.num_bytes = 0
         self.blocks = 0
 
@@ -119,7 +119,7 @@ class _Assembly:
                                        f"{h['offset']}) does not continue piece {len(self.pieces)} at {self.filled}")
         buf.numpy()[self.filled:self.filled + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         self.filled += len(payload)
-        self.crc = checksum(payload, self.crc)
+        self.digest.update(payload)
         self.num_bytes += len(payload)
         if self.filled == buf.numel():
             self.pieces.append(self.current)
@@ -130,7 +130,7 @@ class _Assembly:
         if self.current is not None or self.blocks != self.num_blocks or h["num_pieces"] != len(self.pieces):
             raise KVTransferOutOfOrder(f"transfer {self.transfer_id}: end after {self.blocks} of {self.num_blocks} "
                                        f"blocks in {len(self.pieces)} of {h['num_pieces']} pieces")
-        if h["crc"] != self.crc or h["num_bytes"] != self.num_bytes:
+        if h["crc"] != self.digest.value or h["num_bytes"] != self.num_bytes:
             raise KVTransferCorrupt(f"transfer {self.transfer_id}: whole-transfer checksum or size differs "
                                     f"({self.num_bytes} bytes received, {h['num_bytes']} sent)")
         check_num_tokens(h["num_tokens"], self.num_blocks, self.layout.block_size)

@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 SHM_DIR = Path("/dev/shm")
 HEADER_BYTES = 4096
 MAGIC = b"PSKV0001"
-FIXED = struct.Struct("<8sIIIQ")  # magic, crc, num_tokens, description length, payload bytes
+FIXED = struct.Struct("<8sQIIQ")  # magic, checksum, num_tokens, description length, payload bytes
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 POLL_S = 0.0005
 
@@ -63,7 +63,7 @@ class ShmKVSender(KVSender):
         region = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER_BYTES + self.num_bytes, count=count)
         out = region.view(self.cache.dtype).view(self.cache.export_shape(n))
         self.cache.export_blocks(self.block_ids[start:end], out=out)
-        self.crc = checksum(as_bytes(region), self.crc)
+        self.digest.update(as_bytes(region))
         self.num_bytes += count
         del region, out  # the mapping cannot close while a tensor views it
 
@@ -75,7 +75,7 @@ class ShmKVSender(KVSender):
             raise KVTransferError(f"transfer {self.transfer_id}: {len(self.pieces.sizes)} pieces do not fit the "
                                   "shared-memory header; send fewer, larger ranges")
         self.mm[FIXED.size:FIXED.size + len(desc)] = desc
-        self.mm[:FIXED.size] = FIXED.pack(b"\0" * 8, self.crc, num_tokens, len(desc), self.total)
+        self.mm[:FIXED.size] = FIXED.pack(b"\0" * 8, self.digest.value, num_tokens, len(desc), self.total)
         self.mm[:len(MAGIC)] = MAGIC  # last: the commit mark
         self.mm.close()
 
