@@ -5,9 +5,10 @@
 For each KV shape (the bundled model, SmolLM2-135M, the 200M random Llama of bench_model), a random
 cache is filled and one sequence's blocks are sent then received (sequentially, one process: send =
 export + writes, receive = reads + checksum + scatter into other block ids), through an embedded
-redis-server on loopback and through /dev/shm; Redis and shared memory alternate round by round and each
-figure is the median. Beside them: the machine's memory read bandwidth (bench_model's measurement), an
-in-process export + import (the copy floor), and, unless --skip-prefill, the prefill speed of the bundled
+redis-server on loopback and through /dev/shm; Redis and shared memory alternate round by round; figures
+are best-of-rounds (the machine's capability) with the median total beside it (what sharing the cores costs). Beside them: the machine's memory read bandwidth (bench_model's measurement), an
+in-process export + import (the copy floor). The sender ships the prompt in pieces of
+PIECE_BLOCKS blocks, as a chunked prefill would stream them, and, unless --skip-prefill, the prefill speed of the bundled
 and 200M models (chunk 512), for the break-even: transferring a token's KV pays while it costs less than
 prefilling that token again.
 """
@@ -30,12 +31,14 @@ from bench.bench_model import build_random_model, measure_bandwidth
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from phaseserve.params import SamplingParams
+from workers.cpu_memory import keep_heap_memory
 from workers.kv_cache import KVCache, bytes_per_block
 from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
 from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender
 
 BUNDLED = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
 BLOCK_SIZE = 16
+PIECE_BLOCKS = 32  # one 512-token prefill chunk's blocks per send_blocks call
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ def timed_transfer(make_sender, receiver, src: KVCache, dst: KVCache, n_blocks: 
     src_ids = list(range(n_blocks))
     dst_ids = list(range(n_blocks, 2 * n_blocks))
     t0 = time.perf_counter()
-    make_sender(tid, src, src_ids).send_all(tokens)
+    sender = make_sender(tid, src, src_ids)
+    for a in range(0, n_blocks, PIECE_BLOCKS):  # as a chunked prefill streams them
+        sender.send_blocks(a, min(a + PIECE_BLOCKS, n_blocks))
+    sender.finish(tokens)
     t1 = time.perf_counter()
     receiver.receive(tid, dst, dst_ids, timeout=60)
     t2 = time.perf_counter()
@@ -97,22 +103,24 @@ def bench_shape(shape: KVShape, tokens: int, rounds: int, client: redis.Redis, s
         t = time.perf_counter()
         dst.import_blocks(list(range(n_blocks, 2 * n_blocks)), src.export_blocks(ids))
         copy_times.append(time.perf_counter() - t)
+    # best-of is the machine's capability; the median shows what sharing two cores with other work costs
     rows = []
     for way, ts in times.items():
-        send = statistics.median(s for s, _ in ts[1:])
-        recv = statistics.median(r for _, r in ts[1:])
-        total = send + recv
+        totals = [a + b for a, b in ts[1:]]
+        send, recv = min(a for a, _ in ts[1:]), min(b for _, b in ts[1:])
+        best = min(totals)
         rows.append([shape.name, way, f"{shape.bytes_per_token}", f"{nbytes / 2**20:.1f}", f"{send * 1e3:.1f}",
-                     f"{recv * 1e3:.1f}", f"{total * 1e3:.1f}", f"{nbytes / total / 1e9:.2f}",
-                     f"{total / tokens * 1e6:.2f}"])
-    copy = statistics.median(copy_times[1:])
+                     f"{recv * 1e3:.1f}", f"{best * 1e3:.1f}", f"{statistics.median(totals) * 1e3:.1f}",
+                     f"{nbytes / best / 1e9:.2f}", f"{best / tokens * 1e6:.2f}"])
+    copy = min(copy_times[1:])
     rows.append([shape.name, "in-process export+import", f"{shape.bytes_per_token}", f"{nbytes / 2**20:.1f}", "", "",
-                 f"{copy * 1e3:.1f}", f"{nbytes / copy / 1e9:.2f}", f"{copy / tokens * 1e6:.2f}"])
+                 f"{copy * 1e3:.1f}", f"{statistics.median(copy_times[1:]) * 1e3:.1f}", f"{nbytes / copy / 1e9:.2f}",
+                 f"{copy / tokens * 1e6:.2f}"])
     return rows
 
 
 def prefill_us_per_token(path: Path, chunk: int = 512, repeats: int = 3) -> float:
-    """Median time of one `chunk`-token prefill step from position 0, per token."""
+    """Best time of one `chunk`-token prefill step from position 0, per token."""
     from workers.runner import ModelRunner
 
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=chunk // BLOCK_SIZE + 1)
@@ -126,13 +134,13 @@ def prefill_us_per_token(path: Path, chunk: int = 512, repeats: int = 3) -> floa
         t = time.perf_counter()
         runner.execute(plan)
         times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) / chunk * 1e6
+    return min(times[1:]) / chunk * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2000, help="prompt length whose KV is moved")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per transport (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per transport (best and median reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the prefill-speed measurement")
     args = ap.parse_args(argv)
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    keep_heap_memory()  # as a worker process does: staging buffers reuse heap pages instead of faulting new ones
     bw = measure_bandwidth()
     print(f"machine: {torch.get_num_threads()} threads, memory read {bw / 1e9:.1f} GB/s")
     rows = []
@@ -149,9 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         for shape in SHAPES:
             rows += bench_shape(shape, args.tokens, args.rounds, client, Path(shm_dir))
         client.close()
-    header = ["KV shape", "transport", "bytes/token", "MiB moved", "send ms", "receive ms", "total ms", "GB/s",
-              "us/token"]
-    print(f"\n{args.tokens}-token prompt, block size {BLOCK_SIZE}, bf16; send and receive sequential (no overlap)\n")
+    header = ["KV shape", "transport", "bytes/token", "MiB moved", "send ms (best)", "receive ms (best)",
+              "total ms (best)", "total ms (median)", "GB/s (best)", "us/token (best)"]
+    print(f"\n{args.tokens}-token prompt, block size {BLOCK_SIZE}, bf16; sent in pieces of {PIECE_BLOCKS} blocks; send and receive sequential (no overlap)\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:

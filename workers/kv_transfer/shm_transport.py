@@ -36,6 +36,7 @@ MAGIC = b"PSKV0001"
 FIXED = struct.Struct("<8sQIIQ")  # magic, checksum, num_tokens, description length, payload bytes
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 POLL_S = 0.0005
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
 def transfer_path(transfer_id: str, directory: Path = SHM_DIR) -> Path:
@@ -52,6 +53,8 @@ class ShmKVSender(KVSender):
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, HEADER_BYTES + self.total)
+            # no MAP_POPULATE here: allocating and zeroing fresh tmpfs pages is the cost either way (measured
+            # 20 ms faulting vs 35 ms populated for 44 MiB); a pool of reused segments would avoid it
             self.mm = mmap.mmap(fd, HEADER_BYTES + self.total)
         finally:
             os.close(fd)
@@ -116,7 +119,8 @@ class ShmKVReceiver(KVReceiver):
                     with open(path, "r+b") as f:
                         size = os.fstat(f.fileno()).st_size
                         if size >= HEADER_BYTES:  # created but not yet sized: look again
-                            mm = mmap.mmap(f.fileno(), size)
+                            # the pages exist: map them all in one call instead of one fault per page
+                            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | POPULATE)
                 except FileNotFoundError:
                     pass
             if mm is not None and mm[:len(MAGIC)] == MAGIC:
