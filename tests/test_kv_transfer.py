@@ -8,7 +8,6 @@ import threading
 import uuid
 from pathlib import Path
 
-import msgpack
 import pytest
 import redis
 import torch
@@ -284,3 +283,20 @@ def test_prefill_on_one_runner_decode_on_another_matches_one_runner(model_path, 
         assert event.offset == len(outputs)
         outputs += event.token_ids
     assert outputs == expected.outputs
+
+
+def test_stale_shared_memory_transfers_are_removed(tmp_path):
+    import os
+    import time
+
+    from workers.kv_transfer.shm_transport import remove_stale_transfers
+
+    cache = random_cache(torch.bfloat16)
+    ShmKVSender("t-old", cache, [1]).abort()  # abort unlinks what it created (in /dev/shm)
+    assert not transfer_path("t-old").exists()
+    ShmKVSender("t-orphan", cache, [1], directory=tmp_path).send_all(16)  # nobody ever receives it
+    ShmKVSender("t-fresh", cache, [2], directory=tmp_path).send_all(16)
+    old = time.time() - 600
+    os.utime(transfer_path("t-orphan", tmp_path), (old, old))
+    assert remove_stale_transfers(300, tmp_path) == 1
+    assert not transfer_path("t-orphan", tmp_path).exists() and transfer_path("t-fresh", tmp_path).exists()

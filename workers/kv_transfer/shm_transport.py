@@ -45,6 +45,23 @@ def transfer_path(transfer_id: str, directory: Path = SHM_DIR) -> Path:
     return directory / f"phaseserve-kv-{transfer_id}"
 
 
+def remove_stale_transfers(max_age_s: float, directory: Path = SHM_DIR) -> int:
+    """Unlink transfer files untouched for max_age_s: ones whose receiver never came (its worker died, or
+    the scheduler gave the sequence to another). Run now and then by whoever owns the host's workers."""
+    now = time.time()
+    removed = 0
+    for path in directory.glob("phaseserve-kv-*"):
+        try:
+            if now - path.stat().st_mtime > max_age_s:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:  # its receiver took it meanwhile
+            pass
+    if removed:
+        log.info("removed stale kv transfers", count=removed, directory=str(directory))
+    return removed
+
+
 class ShmKVSender(KVSender):
     def __init__(self, transfer_id: str, cache: KVCache, block_ids: list[int], *, directory: Path = SHM_DIR):
         super().__init__(transfer_id, cache, block_ids)
