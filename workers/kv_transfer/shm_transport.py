@@ -67,7 +67,10 @@ class ShmKVSender(KVSender):
         super().__init__(transfer_id, cache, block_ids)
         self.path = transfer_path(transfer_id, directory)
         self.total = len(self.block_ids) * self.layout.piece_bytes_per_block
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise KVTransferError(f"transfer id {transfer_id} is in use ({self.path}); a retry needs a new id") from None
         try:
             os.ftruncate(fd, HEADER_BYTES + self.total)
             # no MAP_POPULATE here: allocating and zeroing fresh tmpfs pages is the cost either way (measured
