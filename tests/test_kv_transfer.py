@@ -300,3 +300,48 @@ def test_stale_shared_memory_transfers_are_removed(tmp_path):
     os.utime(transfer_path("t-orphan", tmp_path), (old, old))
     assert remove_stale_transfers(300, tmp_path) == 1
     assert not transfer_path("t-orphan", tmp_path).exists() and transfer_path("t-fresh", tmp_path).exists()
+
+
+KILLED_SENDER = """
+import sys, time, redis, torch
+from pathlib import Path
+from workers.kv_cache import KVCache
+from workers.kv_transfer.redis_transport import RedisKVSender
+from workers.kv_transfer.shm_transport import ShmKVSender
+transport, url, directory, tid = sys.argv[1:5]
+cache = KVCache(3, 2, 16, num_blocks=40, dtype=torch.bfloat16)
+if transport == "redis":
+    sender = RedisKVSender(redis.Redis.from_url(url), tid, cache, list(range(8)), chunk_bytes=4096)
+else:
+    sender = ShmKVSender(tid, cache, list(range(8)), directory=Path(directory))
+sender.send_blocks(0, 5)
+print("sent", flush=True)
+time.sleep(60)  # killed here, before the rest and before finish
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_killed_sender_process_leaves_nothing_applied(transport, redis_server, client, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    tid = "t-killed-" + uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, transport, redis_server, str(tmp_path), tid],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    dst = random_cache(torch.bfloat16, seed=1)
+    before = snapshot(dst)
+    receiver = endpoints(transport, client, tmp_path)[1]
+    with pytest.raises(KVTransferTimeout, match="started but never finished|5 of 8 blocks"):
+        receiver.receive(tid, dst, list(range(30, 38)), timeout=0.5)
+    assert_untouched(dst, before)
