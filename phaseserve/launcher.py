@@ -1,7 +1,8 @@
 """`phaseserve up`: the whole stack as one process tree.
 
 Starts Redis (an embedded private server unless --redis-url is given), then
-the scheduler, one worker and the gateway as child processes, waits until the
+the scheduler, one worker (or --workers N, each on its share of the cores) and
+the gateway as child processes, waits until the
 gateway's /health answers 200, and says where it serves. Ctrl-C or SIGTERM
 stops every child (terminate, wait, kill); if any child dies, the rest are
 stopped and `up` exits non-zero. Children get PDEATHSIG so that even a
@@ -82,19 +83,35 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def core_placement(values: dict) -> dict[str, list[int]] | None:
-    """Which CPUs each service runs on, or None (anywhere). With bind_cores and a worker that uses fewer
-    threads than there are cores, the worker gets cores of its own and the rest share the others: on a
-    2-core machine the bundled model's worker otherwise loses ~10% of its steps to the gateway,
-    scheduler and Redis waking up on its core (workload A, docs/architecture.md)."""
+def worker_names(num_workers: int) -> list[str]:
+    """The worker processes' names in `up` (and their keys in core_placement)."""
+    return ["worker"] if num_workers == 1 else [f"worker-{i}" for i in range(num_workers)]
+
+
+def core_placement(values: dict) -> dict[str, list[int] | None] | None:
+    """Which CPUs each process runs on (keys: worker_names(), "relay", "gateway", "scheduler", "redis"),
+    or None (all anywhere). With bind_cores, each of the `workers` workers gets cores of its own (its share,
+    cut to the threads it uses); the other services share what is left, or run anywhere (None) when
+    nothing is. A single worker that would use every core is not pinned at all. On a 2-core machine the
+    bundled model's worker otherwise loses ~10% of its steps to the gateway, scheduler and Redis waking up
+    on its core (workload A, docs/architecture.md)."""
     if not values.get("bind_cores") or not hasattr(os, "sched_setaffinity"):
         return None
     cores = usable_cores()
-    n = worker_threads(values.get("num_threads") or 0, values["model"], len(cores))
-    if n >= len(cores):
+    num_workers = values.get("workers", 1)
+    share = len(cores) // num_workers
+    if share < 1:  # more workers than cores: the kernel places them
         return None
-    rest = cores[n:]
-    return {"worker": cores[:n], "relay": rest, "gateway": rest, "scheduler": rest, "redis": rest}
+    n = min(share, worker_threads(values.get("num_threads") or 0, values["model"], share))
+    rest = cores[n * num_workers:]
+    if num_workers == 1 and not rest:
+        return None
+    placement: dict[str, list[int] | None] = {
+        name: cores[i * n:(i + 1) * n] for i, name in enumerate(worker_names(num_workers))}
+    others = rest or None
+    # a relay is mostly asleep: with no spare core it may run on any, not only on its worker's
+    placement.update(relay=rest or cores, gateway=others, scheduler=others, redis=others)
+    return placement
 
 
 @dataclass
@@ -107,22 +124,31 @@ class Stack:
     output: object = None  # where the children write their logs (a file); None: the launcher's own stderr
 
     def start(self) -> None:
+        num_workers = self.values.get("workers", 1)
+        if num_workers < 1:
+            raise LaunchError(f"--workers must be at least 1, got {num_workers}")
         placement = core_placement(self.values)
-        if placement:  # the pinned worker would count only its own cores when choosing threads
-            self.values["num_threads"] = len(placement["worker"])
+        names = worker_names(num_workers)
+        if placement:  # a pinned worker would count only its own cores when choosing threads
+            self.values["num_threads"] = len(placement[names[0]])
             # its Redis relay runs beside the other services, off the model's cores
             self.values["relay_cpus"] = ",".join(map(str, placement["relay"]))
+        elif num_workers > 1 and not self.values.get("num_threads"):
+            # unpinned workers each choosing threads for the whole machine would oversubscribe it
+            self.values["num_threads"] = max(1, len(usable_cores()) // num_workers)
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url
             log.info("embedded redis started", url=self.redis.url)
         for service in SERVICES:
-            cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
-            log.debug("starting", service=service, cmd=cmd)
-            cpus = placement.get(service) if placement else None
-            self.procs[service] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
-                                                   stderr=self.output, preexec_fn=child_setup(cpus),
-                                                   env=child_env(service, self.values))
+            for name in names if service == "worker" else [service]:
+                cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
+                cpus = placement[name] if placement else None
+                log.debug("starting", service=name, cmd=cmd, cpus=cpus)
+                # worker ids stay distinct without flags: each defaults to hostname-pid
+                self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
+                                                    stderr=self.output, preexec_fn=child_setup(cpus),
+                                                    env=child_env(service, self.values))
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():
@@ -147,15 +173,14 @@ class Stack:
             stop.wait(0.25)
 
     def stop(self, timeout: float = 15.0) -> None:
-        for name in reversed(SERVICES):  # ask all at once, then wait: their shutdowns overlap
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
+        order = list(reversed(self.procs))  # started in SERVICES order: the gateway first, the scheduler last
+        for name in order:  # ask all at once, then wait: their shutdowns overlap
+            proc = self.procs[name]
+            if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + timeout
-        for name in reversed(SERVICES):
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
+        for name in order:
+            proc = self.procs[name]
             try:  # no second SIGTERM: a service in its graceful shutdown would take it as "die now"
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -181,6 +206,9 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure("up", args.log_level, args.log_json)
+    if args.workers < 1:
+        print(f"phaseserve up: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 1
     if port_taken(args.host, args.port):
         print(f"phaseserve up: port {args.port} on {args.host} is already in use; stop what holds it or "
               "choose another with --port", file=sys.stderr)

@@ -135,6 +135,9 @@ SETTINGS: list[Setting] = [
     Setting("bind_cores", "PHASESERVE_BIND_CORES", True, parse_bool,
             "`up` only: when the worker uses fewer threads than there are cores, run it on cores of its own "
             "and the gateway, scheduler and Redis on the rest, so they never preempt a model step", ("up",)),
+    Setting("workers", "PHASESERVE_WORKERS", 1, int,
+            "`up` only: how many mixed workers to start, each with its share of the cores and its own KV "
+            "cache (--kv-cache-memory each)", ("up",)),
     Setting("relay_cpus", "PHASESERVE_RELAY_CPUS", None, str,
             "CPUs of the worker's Redis relay process, e.g. 1 or 2-3 (`up --bind-cores` gives it the other "
             "services' cores); default: wherever the worker may run", ("worker",)),

@@ -74,3 +74,86 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
             proc.kill()
             proc.wait()
         reader.join(5)
+
+
+def test_core_placement_splits_the_cores_among_workers(monkeypatch, tmp_path):
+    from phaseserve import launcher
+
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)  # a small model: auto threads = cores - 1
+    values = {"bind_cores": True, "num_threads": 0, "model": str(tmp_path), "workers": 2}
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1, 2, 3, 4, 5])
+    # two workers of two threads (their 3-core share minus one), the rest share the two cores left
+    assert launcher.core_placement(values) == {"worker-0": [0, 1], "worker-1": [2, 3], "relay": [4, 5],
+                                               "gateway": [4, 5], "scheduler": [4, 5], "redis": [4, 5]}
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1])
+    # one core each and none left: the workers are pinned apart, the others (and relays) run anywhere
+    assert launcher.core_placement(values) == {"worker-0": [0], "worker-1": [1], "relay": [0, 1],
+                                               "gateway": None, "scheduler": None, "redis": None}
+    assert launcher.core_placement({**values, "workers": 3}) is None  # more workers than cores
+
+
+def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
+    import concurrent.futures
+
+    import redis
+
+    from e2e_stack import running_stack, wait_for
+    from phaseserve.wire import Keys, TokenBatch
+
+    with running_stack(e2e_model, tmp_path, workers=2) as stack:
+        procs = stack.stack.procs
+        assert {"worker-0", "worker-1"} <= set(procs) and "worker" not in procs
+        keys = Keys(stack.key_prefix)
+        client = redis.Redis.from_url(stack.redis_url)
+        # both workers announced themselves, under distinct ids, and are alive
+        ids = wait_for(lambda: [m.decode() for m in client.smembers(keys.workers)
+                                if client.exists(keys.worker_heartbeat(m.decode()))]
+                       if client.scard(keys.workers) >= 2 else None, 60)
+        assert ids and len(set(ids)) == 2, ids
+        placement = core_placement({"bind_cores": True, "num_threads": 0, "model": str(e2e_model), "workers": 2})
+        if placement:
+            for name in ("worker-0", "worker-1"):
+                assert sorted(psutil.Process(procs[name].pid).cpu_affinity()) == placement[name]
+
+        # who served: every worker publishes its tokens to the gateways as TokenBatches naming it
+        # (results and plans are deleted once acknowledged, so listen rather than look back)
+        senders: set[str] = set()
+
+        listening = threading.Event()
+        listening.set()
+
+        def listen() -> None:
+            pubsub = client.pubsub()
+            pubsub.psubscribe(keys.gateway_channel("*"))
+            while listening.is_set():
+                message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+                if message and message["type"] == "pmessage":
+                    batch = TokenBatch.from_wire(message["data"])
+                    if any(e.token_ids for e in batch.events):
+                        senders.add(batch.worker_id)
+            pubsub.close()
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        time.sleep(0.2)  # subscribed before the first request
+
+        def served_by() -> set[str]:
+            return set(senders)
+
+        def ask(i: int) -> str | None:
+            with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120) as c:
+                reply = c.completions.create(model=stack.model, prompt=f"Number {i}:", max_tokens=8,
+                                             extra_body={"ignore_eos": True})
+            return reply.choices[0].finish_reason
+
+        deadline = time.monotonic() + 60
+        rounds = 0
+        while served_by() != set(ids) and time.monotonic() < deadline:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent: routed to the least loaded
+                assert list(pool.map(ask, range(4))) == ["length"] * 4
+            rounds += 1
+        listening.clear()
+        listener.join(5)
+        assert served_by() == set(ids), f"after {rounds} rounds of 4 requests only {served_by()} served"
+        assert rounds <= 5, f"{rounds} rounds of 4 concurrent requests before both workers served one"
+        client.close()
