@@ -202,6 +202,8 @@ class SeqStart:
 
     `output_ids` is non-empty when the sequence is recomputed: the worker feeds
     prompt + output through prefill and continues sampling at offset len(output_ids).
+    `num_cached` positions already have their KV in the sequence's blocks (moved there by a KV transfer,
+    workers/kv_transfer): its first chunk starts there instead of at 0.
     """
 
     seq_id: str
@@ -209,17 +211,21 @@ class SeqStart:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "seq_id": self.seq_id, "gateway_id": self.gateway_id, "prompt_ids": list(self.prompt_ids),
             "params": self.params.to_wire(), "output_ids": list(self.output_ids),
         }
+        if self.num_cached:
+            d["num_cached"] = self.num_cached
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SeqStart":
         return cls(d["seq_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
-                   d.get("output_ids", []))
+                   d.get("output_ids", []), d.get("num_cached", 0))
 
 
 @dataclass

@@ -271,7 +271,7 @@ def test_prefill_on_one_runner_decode_on_another_matches_one_runner(model_path, 
     # the decode runner learns the sequence as it learns a recomputed one (SeqStart with its outputs),
     # but its first chunk starts after the prompt: the prompt's KV is already in dst_blocks
     outputs = [first]
-    starts = [SeqStart("s0", "gw", prompt, GREEDY, [first])]
+    starts = [SeqStart("s0", "gw", prompt, GREEDY, [first], num_cached=PROMPT_LEN)]
     table = list(dst_blocks)
     for step in range(NEW_TOKENS - 1):
         pos = PROMPT_LEN + step

@@ -153,6 +153,7 @@ class ModelRunner:
         self.seqs[s.seq_id] = SequenceState(
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            num_computed=s.num_cached,
         )
 
     # ------------------------------------------------------------------ step
