@@ -230,6 +230,11 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def busy_seconds(t) -> float:
+    """A CPU's time spent on anything but idling (psutil.cpu_times entry)."""
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
 def all_cpu() -> dict[int, tuple[str, float]]:
     """Every process's CPU seconds so far: pid -> (name, seconds)."""
     out = {}
@@ -290,20 +295,20 @@ async def run_load(cfg: LoadConfig, redis_proc: psutil.Process, seconds: float, 
                 cpu[name] = sum(cpu_seconds(q) for q in p) if isinstance(p, list) else cpu_seconds(p)
             return time.monotonic(), sum(c.value for _, c in fleets), gw.finished, cpu
 
-        sys_before, every_before = psutil.cpu_times(), all_cpu()
+        sys_before, every_before = psutil.cpu_times(percpu=True), all_cpu()
         t0, steps0, done0, cpu0 = sample()
         await asyncio.sleep(seconds)
         t1, steps1, done1, cpu1 = sample()
-        sys_after, every_after = psutil.cpu_times(), all_cpu()
+        sys_after, every_after = psutil.cpu_times(percpu=True), all_cpu()
         wall = t1 - t0
-        busy = (sum(sys_after) - sys_after.idle - sys_after.iowait) - (sum(sys_before) - sys_before.idle
-                                                                       - sys_before.iowait)
+        per_cpu = [(busy_seconds(a) - busy_seconds(b)) / wall for a, b in zip(sys_after, sys_before)]
         cores = {name: (cpu1[name] - cpu0[name]) / wall for name in cpu0}
         if sched.poll() is not None:
             raise RuntimeError(f"the scheduler exited (code {sched.returncode}); see {log_path}")
         return {"workers": cfg.num_workers, "concurrency": gw.next_id - gw.finished if rate else gw.concurrency, "seconds": wall,
                 "steps_per_s": (steps1 - steps0) / wall, "requests_per_s": (done1 - done0) / wall,
-                "errors": gw.errors, "cores": cores, "machine_cores": busy / wall,
+                "errors": gw.errors, "cores": cores, "machine_cores": sum(per_cpu),
+                "per_cpu": per_cpu, "pinned": pin,
                 "others": others_cpu(every_before, every_after,
                                      {sched.pid, redis_proc.pid, os.getpid(), *(p.pid for p, _ in fleets)}, wall)}
     finally:
@@ -327,14 +332,16 @@ def verdict(r: dict) -> str:
     name, top = max(((n, v) for n, v in c.items()), key=lambda x: x[1])
     if top >= SATURATED:
         return f"{name} CPU ({top:.2f} core)"
-    if r["machine_cores"] >= 0.9 * psutil.cpu_count():
+    if r["pinned"] and r["per_cpu"][0] >= SATURATED:
+        return f"CPU 0, the scheduler's, full ({r['per_cpu'][0]:.2f}; the rest is other jobs)"
+    if r["machine_cores"] >= 0.85 * psutil.cpu_count():  # every process waits for a core now and then
         return f"the machine ({r['machine_cores']:.2f} of {psutil.cpu_count()} cores busy)"
     return "latency (step ping-pong; no process saturated)"
 
 
 def print_table(results: list[dict]) -> None:
     head = (f"{'workers':>7} {'in flight':>9} {'steps/s':>8} {'req/s':>7} {'sched CPU':>9} {'us/step':>7} "
-            f"{'steps/s/core':>12} {'redis':>6} {'fakes':>6} {'gw':>5} {'others':>6} {'machine':>7}  saturates")
+            f"{'steps/s/core':>12} {'redis':>6} {'fakes':>6} {'gw':>5} {'others':>6} {'machine':>7} {'per CPU':>9}  saturates")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -343,10 +350,10 @@ def print_table(results: list[dict]) -> None:
         others = r["machine_cores"] - sum(c.values())
         print(f"{r['workers']:>7} {r['concurrency']:>9} {r['steps_per_s']:>8.0f} {r['requests_per_s']:>7.0f} "
               f"{c['scheduler']:>9.2f} {per_step * 1e6:>7.0f} {1 / per_step:>12.0f} {c['redis']:>6.2f} "
-              f"{c['fake workers']:>6.2f} {c['gateway']:>5.2f} {others:>6.2f} {r['machine_cores']:>7.2f}  {verdict(r)}")
+              f"{c['fake workers']:>6.2f} {c['gateway']:>5.2f} {others:>6.2f} {r['machine_cores']:>7.2f} {'/'.join(f'{b:.2f}' for b in r['per_cpu']):>9}  {verdict(r)}")
     print("CPU in cores over the measured window. us/step: scheduler CPU per plan sent; steps/s/core: what one\n"
           "scheduler core would send at that cost. others: the rest of the machine (other users' jobs); machine:\n"
-          f"every process, of {psutil.cpu_count()} cores.")
+          f"every process, of {psutil.cpu_count()} cores; per CPU: each one's busy fraction.")
 
 
 def parse_counts(text: str) -> list[int]:
