@@ -1,6 +1,6 @@
 """The in-process engine: the scheduler policy and the model runner in one process, no Redis.
 
-The same `scheduler.policy.Scheduler` and `workers.runner.ModelRunner` that the
+The same `scheduler.policy.WorkerPolicy` and `workers.runner.ModelRunner` that the
 services run, wired by a plain loop: schedule -> execute -> update. It is the
 reference the service is tested and benchmarked against.
 """
@@ -16,7 +16,7 @@ import structlog
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
-from scheduler.policy import Scheduler, SchedulerConfig
+from scheduler.policy import SchedulerConfig, WorkerPolicy
 from workers.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -52,7 +52,7 @@ class Engine:
         policy = {k: v for k, v in settings.items() if k in _SCHEDULER_SETTINGS}
         if policy.get("attention_horizon") is None:
             policy["attention_horizon"] = r.attention_horizon  # as the service does with WorkerInfo's
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = WorkerPolicy(SchedulerConfig(
             num_blocks=r.num_blocks, block_size=r.block_size, max_model_len=r.max_model_len, **policy))
         self.tokenizer = None
         tok_path = Path(model_dir) / "tokenizer.json"

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve import logs, settings
+from phaseserve.cpus import usable_cores, worker_threads
 from phaseserve.procs import child_setup
 from phaseserve.redis_server import EmbeddedRedis
-from workers.service import usable_cores, worker_threads
 
 log = structlog.get_logger("phaseserve.up")
 

@@ -1,6 +1,9 @@
-"""The scheduling policy: decode-first steps with chunked prefill over paged KV blocks. No I/O.
+"""One worker's scheduling policy: decode-first steps with chunked prefill over paged KV blocks. No I/O.
 
-Each `schedule()` builds one `StepPlan` for one worker:
+The scheduler service keeps one `WorkerPolicy` per live worker. Each
+`schedule()` builds one `StepPlan` for that worker in named steps
+(`_schedule_decodes`, `_reserve_head_of_queue`, `_schedule_prefill_chunks`,
+`_admit_waiting`), spending one `StepBudget`:
 
 1. Decodes. Every running sequence whose prefill is planned in full and whose
    last token is not yet planned gets one token, in (priority, arrival) order.
@@ -79,7 +82,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -164,7 +167,68 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
 
 
-class Scheduler:
+@dataclass
+class StepBudget:
+    """What is left of one step's `max_num_batched_tokens`, in cost units (module docstring: "Budget units",
+    "Long prompts", "Starvation rule")."""
+
+    left: float  # may go below 0: decodes are charged but never dropped
+    horizon: int  # K; 0: a token costs 1
+    long_threshold: int  # T; 0: no cap on long prefills
+    long_left: float  # what the chunks of long prefills may still take; inf with no cap
+    head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
+
+    @classmethod
+    def for_step(cls, cfg: SchedulerConfig) -> StepBudget:
+        threshold = cfg.long_prefill_threshold if cfg.enable_chunked_prefill else 0
+        return cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
+                   float(threshold) if threshold else math.inf)
+
+    def is_long(self, prefill_len: int) -> bool:
+        return bool(self.long_threshold) and prefill_len > self.long_threshold
+
+    def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
+        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget` and the long cap."""
+        if not self.is_long(prefill_len):
+            return max_chunk_tokens(start, budget, self.horizon)
+        n = max_chunk_tokens(start, min(budget, self.long_left), self.horizon)
+        if n == 0 and self.long_left == self.long_threshold:  # the step's first long chunk: it always moves
+            n = min(1, max_chunk_tokens(start, budget, self.horizon))
+        return n
+
+    def charge_decode(self, pos: int) -> None:
+        self.left -= chunk_cost(pos, 1, self.horizon)
+
+    def charge_prefill(self, prefill_len: int, start: int, n: int) -> float:
+        """Spend a prefill chunk's cost (from the long cap too if it is long); returns the cost."""
+        cost = chunk_cost(start, n, self.horizon)
+        if self.is_long(prefill_len):
+            self.long_left -= cost
+        self.left -= cost
+        return cost
+
+
+@dataclass(eq=False)
+class _StepDraft:
+    """One plan as `schedule()` builds it."""
+
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    starts: list[SeqStart] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)  # planned to sample a token in this step
+    scheduled: set[Sequence] = field(default_factory=set)
+    preempted: bool = False  # no admission in a step that preempted (the victim would come straight back)
+    head: Sequence | None = None  # the first startable waiting sequence
+    head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills)
+
+
+class WorkerPolicy:
+    """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps."""
+
     def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0):
         self.config = config
         self.worker_id = worker_id
@@ -230,114 +294,91 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to send."""
-        cfg = self.config
-        bm = self.block_manager
-        decodes: list[ScheduledChunk] = []
-        prefills: list[ScheduledChunk] = []
-        starts: list[SeqStart] = []
-        sampled: list[Sequence] = []
-        scheduled: set[Sequence] = set()
-        preempted = False
+        step = _StepDraft()
+        budget = StepBudget.for_step(self.config)
+        self._schedule_decodes(step, budget)
+        self._reserve_head_of_queue(step, budget)
+        self._schedule_prefill_chunks(step, budget)
+        self._admit_waiting(step, budget)
+        return self._seal(step)
 
-        # 1) decodes first: one token for every running sequence past its prefill
-        horizon = cfg.attention_horizon
-        left = cfg.max_num_batched_tokens  # budget units (see the module docstring)
+    def _schedule_decodes(self, step: _StepDraft, budget: StepBudget) -> None:
+        """Step 1: one token for every running sequence past its prefill, in rank order, preempting the
+        lowest-ranked running sequences when a decode needs a block and none is free."""
+        bm = self.block_manager
         for seq in list(self._running):
-            if seq.status is not RUNNING or seq.is_prefilling or seq.reaches_limit(cfg.max_model_len):
-                continue
+            if seq.status is not RUNNING or seq.is_prefilling or seq.reaches_limit(self.config.max_model_len):
+                continue  # preempted earlier in this loop, still prefilling, or its last token is planned
             pos = seq.num_computed_tokens
-            while bm.num_new_blocks(seq.block_table, pos + 1) > bm.num_free_blocks:
-                victim = self._running[-1]  # lowest priority, latest arrival; never one already planned
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not RUNNING:
-                continue
+            if not self._preempt_for(seq, pos + 1, step):
+                continue  # it was the lowest-ranked itself
             bm.append(seq.block_table, pos, 1)
-            decodes.append(ScheduledChunk(seq.seq_id, pos, 1, list(seq.block_table)))
+            step.decodes.append(ScheduledChunk(seq.seq_id, pos, 1, list(seq.block_table)))
             seq.num_computed_tokens = pos + 1
             seq.num_inflight_samples += 1
-            sampled.append(seq)
-            scheduled.add(seq)
-            left -= chunk_cost(pos, 1, horizon)  # may go below 0: decodes are never dropped
+            step.sampled.append(seq)
+            step.scheduled.add(seq)
+            budget.charge_decode(pos)
 
-        def plan_prefill(seq: Sequence, n: int) -> None:
-            start = seq.num_computed_tokens
-            bm.append(seq.block_table, start, n)
-            prefills.append(ScheduledChunk(seq.seq_id, start, n, list(seq.block_table)))
-            seq.num_computed_tokens = start + n
-            if seq.num_computed_tokens == seq.prefill_len:  # the worker samples at the end of its known tokens
-                seq.num_inflight_samples += 1
-                sampled.append(seq)
-            scheduled.add(seq)
+    def _preempt_for(self, seq: Sequence, num_tokens: int, step: _StepDraft) -> bool:
+        """Preempt the lowest-priority, latest-arrived running sequences until `seq`'s table can hold
+        `num_tokens` positions. False if `seq` itself had to go."""
+        bm = self.block_manager
+        while bm.num_new_blocks(seq.block_table, num_tokens) > bm.num_free_blocks:
+            victim = self._running[-1]  # never one already planned: those rank above `seq`
+            self._preempt(victim)
+            step.preempted = True
+            if victim is seq:
+                return False
+        return True
 
-        def admissible(seq: Sequence) -> bool:
-            need = bm.blocks_for(self._promised_len(seq, seq.num_prompt_tokens + len(seq.output_ids)))
-            return (not preempted and len(self._running) < cfg.max_num_seqs
-                    and bm.can_allocate(need, reserved=self._promised_blocks()))
-
-        chunking = cfg.enable_chunked_prefill
-        head = next((s for s in self._waiting if self._startable(s)), None)
-        head_admitted = chunking and head is not None and admissible(head)
-        reserve = 0
-        if head_admitted:
+    def _reserve_head_of_queue(self, step: _StepDraft, budget: StepBudget) -> None:
+        """The starvation rule: if the head of the waiting queue can be admitted now, reserve it
+        min(its prefill's cost, max(half of what decodes left, one token's cost))."""
+        step.head = next((s for s in self._waiting if self._startable(s)), None)
+        head = step.head
+        step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
+        if step.head_admitted:
+            horizon = budget.horizon
             whole = chunk_cost(0, head.num_prompt_tokens + len(head.output_ids), horizon)
-            reserve = min(whole, max(math.ceil(left / 2), chunk_cost(0, 1, horizon)))
+            budget.head_reserve = min(whole, max(math.ceil(budget.left / 2), chunk_cost(0, 1, horizon)))
 
-        # what long prefills may still take of this step (see "Long prompts"); inf: no cap
-        threshold = cfg.long_prefill_threshold if chunking else 0
-        long_left = float(threshold) if threshold else math.inf
-
-        def chunk_tokens(prefill_len: int, start: int, budget: float) -> int:
-            """The most tokens of a prefill of `prefill_len` from `start` that fit `budget` and the long cap."""
-            if prefill_len <= threshold or not threshold:
-                return max_chunk_tokens(start, budget, horizon)
-            n = max_chunk_tokens(start, min(budget, long_left), horizon)
-            if n == 0 and long_left == threshold:  # the step's first long chunk: a long prompt always moves
-                n = min(1, max_chunk_tokens(start, budget, horizon))
-            return n
-
-        def spend(prefill_len: int, start: int, n: int) -> float:
-            nonlocal long_left
-            cost = chunk_cost(start, n, horizon)
-            if threshold and prefill_len > threshold:
-                long_left -= cost
-            return cost
-
-        # 2a) the next chunks of partially-prefilled sequences (none exist with chunking off)
-        allow = left - reserve
+    def _schedule_prefill_chunks(self, step: _StepDraft, budget: StepBudget) -> None:
+        """Step 2a: the next chunks of partially-prefilled sequences, in rank order, in what is left of the
+        budget after the head's reserve (none exist with chunking off)."""
+        bm = self.block_manager
+        allow = budget.left - budget.head_reserve
         for seq in list(self._running):
-            if not seq.is_prefilling or seq in scheduled:
+            if not seq.is_prefilling or seq in step.scheduled:
                 continue
             start = seq.num_computed_tokens
-            room = (len(seq.block_table) + bm.num_free_blocks) * cfg.block_size - start
-            n = min(seq.num_prefill_remaining, room, chunk_tokens(seq.prefill_len, start, allow))
-            if n <= 0 and not (decodes or prefills or head_admitted) and room > 0:
+            room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
+            n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.prefill_len, start, allow))
+            if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
-            plan_prefill(seq, n)
-            spent = spend(seq.prefill_len, start, n)
-            allow -= spent
-            left -= spent
+            self._plan_prefill(step, seq, n)
+            allow -= budget.charge_prefill(seq.prefill_len, start, n)
 
-        # 2b) admit waiting sequences, FCFS by rank
+    def _admit_waiting(self, step: _StepDraft, budget: StepBudget) -> None:
+        """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
+        chunking = self.config.enable_chunked_prefill
         for seq in list(self._waiting):
             if not self._startable(seq):
                 continue
             need = seq.num_prompt_tokens + len(seq.output_ids)
             if chunking:
-                n = min(need, chunk_tokens(need, 0, left))
+                n = min(need, budget.chunk_tokens(need, 0, budget.left))
                 if n <= 0:
-                    if seq is not head or not head_admitted:
+                    if seq is not step.head or not step.head_admitted:
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
             else:
-                if chunk_cost(0, need, horizon) > left and prefills:
+                if chunk_cost(0, need, budget.horizon) > budget.left and step.prefills:
                     break  # whole prompts only; the first prefill of a step may exceed the budget
                 n = need
-            if not admissible(seq):
+            if not self._can_admit(seq, step):
                 break
             self._waiting.remove(seq)
             seq.status = RUNNING
@@ -345,20 +386,40 @@ class Scheduler:
             seq.num_computed_tokens = 0
             bisect.insort(self._running, seq, key=_by_rank)
             if not seq.on_worker:
-                starts.append(seq.seq_start())
+                step.starts.append(seq.seq_start())
                 seq.on_worker = True
-            plan_prefill(seq, n)
-            left -= spend(need, 0, n)
+            self._plan_prefill(step, seq, n)
+            budget.charge_prefill(need, 0, n)
 
-        if not decodes and not prefills and not self._releases:
+    def _can_admit(self, seq: Sequence, step: _StepDraft) -> bool:
+        """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
+        first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
+        bm = self.block_manager
+        need = bm.blocks_for(self._promised_len(seq, seq.num_prompt_tokens + len(seq.output_ids)))
+        return (not step.preempted and len(self._running) < self.config.max_num_seqs
+                and bm.can_allocate(need, reserved=self._promised_blocks()))
+
+    def _plan_prefill(self, step: _StepDraft, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        self.block_manager.append(seq.block_table, start, n)
+        step.prefills.append(ScheduledChunk(seq.seq_id, start, n, list(seq.block_table)))
+        seq.num_computed_tokens = start + n
+        if seq.num_computed_tokens == seq.prefill_len:  # the worker samples at the end of its known tokens
+            seq.num_inflight_samples += 1
+            step.sampled.append(seq)
+        step.scheduled.add(seq)
+
+    def _seal(self, step: _StepDraft) -> StepPlan | None:
+        """The plan of a drafted step, with the pending releases; None when there is nothing to send."""
+        if step.is_empty and not self._releases:
             return None
         step_id = self._next_step_id
         self._next_step_id += 1
-        self._inflight[step_id] = sampled  # every plan gets a result, even one with nothing to sample
+        self._inflight[step_id] = step.sampled  # every plan gets a result, even one with nothing to sample
         releases, self._releases = self._releases, []
-        self._num_decode_tokens += len(decodes)
-        self._num_prefill_tokens += sum(c.num_tokens for c in prefills)
-        return StepPlan(step_id, self.worker_id, starts, decodes + prefills, releases)
+        self._num_decode_tokens += len(step.decodes)
+        self._num_prefill_tokens += sum(c.num_tokens for c in step.prefills)
+        return StepPlan(step_id, self.worker_id, step.starts, step.decodes + step.prefills, releases)
 
     # ------------------------------------------------------------------ results
 

@@ -19,7 +19,7 @@ re-planned elsewhere by recompute (prompt + tokens already generated).
 Reliability (issue #11):
 - A plan in flight has a deadline (`step_timeout` from when it is due, plus a margin); a result that
   overtakes an older open step, or a deadline passing, gives the older step up: the policy recomputes its
-  sequences from their confirmed outputs (`Scheduler.drop_step`). A lost plan or result never strands a
+  sequences from their confirmed outputs (`WorkerPolicy.drop_step`). A lost plan or result never strands a
   worker. (A hung model is noticed by the worker's relay, which withdraws its heartbeat.)
 - One active scheduler: it holds a lease (`Keys.scheduler_lease`, SET NX PX, renewed by a check-and-renew
   script in every turn's pipeline). A second scheduler waits as a standby and takes over when the lease
@@ -59,7 +59,7 @@ from phaseserve.wire import (
     ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
     StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
-from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig
+from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 
 log = structlog.get_logger("scheduler.service")
 
@@ -103,7 +103,7 @@ class LeaseLost(Exception):
 @dataclass
 class WorkerSlot:
     info: WorkerInfo
-    policy: Scheduler
+    policy: WorkerPolicy
     # (step id, sent at, seconds it may take once due) of plans sent with no result yet, oldest first
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
@@ -373,7 +373,7 @@ class SchedulerService:
                   maxlen=STREAM_MAXLEN, approximate=True)
         await pipe.execute()
         self._adoptions += 1
-        policy = Scheduler(cfg, info.worker_id, first_step_id=self._adoptions * STEP_IDS_PER_ADOPTION)
+        policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self._adoptions * STEP_IDS_PER_ADOPTION)
         self.workers[info.worker_id] = WorkerSlot(info, policy)
         self._stats_dirty = True
         log.info("worker joined", worker_id=info.worker_id, model=info.model, num_blocks=info.num_blocks,

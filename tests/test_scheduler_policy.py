@@ -32,7 +32,7 @@ from phaseserve.wire import (ERROR_REJECTED, PROTOCOL_VERSION, StepPlan, StepRes
                              TokenEvent, WorkerInfo)
 from scheduler.block_manager import BlockManager
 from phaseserve.kv_admission import KVCapacity
-from scheduler.policy import AdmissionError, Scheduler, SchedulerConfig, chunk_cost, max_chunk_tokens
+from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy, chunk_cost, max_chunk_tokens
 from workers.loader import read_config
 from workers.runner import ATTENTION_EFFICIENCY
 from workers.runner import attention_horizon as runner_attention_horizon
@@ -140,7 +140,7 @@ class FakeWorker:
 class Checker:
     """Invariants every plan must satisfy."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: WorkerPolicy):
         self.sched = sched
         # prefill length of each sequence's current incarnation (those started before this driver too)
         self.prefill_len: dict[str, int] = {q.seq_id: q.prefill_len for q in sched._running}
@@ -186,7 +186,7 @@ def plan_cost(plan: StepPlan, horizon: int) -> float:
     return sum(1 + (p + 1) / horizon for c in plan.chunks for p in range(c.start_pos, c.start_pos + c.num_tokens))
 
 
-def drive(sched: Scheduler, worker: FakeWorker, *, depth: int = 1, arrivals: dict | None = None,
+def drive(sched: WorkerPolicy, worker: FakeWorker, *, depth: int = 1, arrivals: dict | None = None,
           max_iters: int = 5000, on_plan=None, stop_after: int | None = None) -> list[StepPlan]:
     """Run to idle. depth=2: schedule() for step N+1 is called before update() for step N."""
     arrivals = dict(arrivals or {})
@@ -214,7 +214,7 @@ def drive(sched: Scheduler, worker: FakeWorker, *, depth: int = 1, arrivals: dic
     raise AssertionError(f"not idle after {max_iters} iterations: {sched.stats()}")
 
 
-def assert_idle(sched: Scheduler) -> None:
+def assert_idle(sched: WorkerPolicy) -> None:
     assert not sched.has_unfinished()
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.num_free_blocks == sched.config.num_blocks and sched.num_used_blocks == 0
@@ -259,7 +259,7 @@ def test_block_manager_allocate_append_free_watermark():
 def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
     cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           long_prefill_threshold=0)  # the budget alone (cap: tests below)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     shorts = [make_req(f"d{i}", 8, max_tokens=40) for i in range(16)]
     long = make_req("long", 2048, max_tokens=4)
     long_chunks: list = []
@@ -291,7 +291,7 @@ def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
 def test_short_prompt_behind_long_one_starts_on_the_next_plan(depth):
     cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           long_prefill_threshold=0)  # the budget alone (cap: tests below)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     long, short = make_req("long", 2048, max_tokens=2), make_req("short", 10, max_tokens=2)
     first_plan: dict[str, int] = {}
     prefill_done: dict[str, int] = {}
@@ -314,7 +314,7 @@ def test_short_prompt_behind_long_one_starts_on_the_next_plan(depth):
 def test_waiting_sequence_starts_within_k_plus_one_plans():
     cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           long_prefill_threshold=0)  # the budget alone (cap: tests below)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
     first: dict[str, int] = {}
     drive(sched, worker, arrivals={0: reqs}, on_plan=lambda i, p: [first.setdefault(c.seq_id, i) for c in p.chunks])
@@ -330,7 +330,7 @@ def test_waiting_sequence_starts_within_k_plus_one_plans():
 def test_preemption_by_recompute_gives_the_same_tokens(depth):
     cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=128, watermark=0.0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req(f"s{i}", 5 + i, max_tokens=20) for i in range(6)]
     drive(sched, worker, depth=depth, arrivals={0: reqs})
     assert sched.num_preemptions > 0
@@ -346,7 +346,7 @@ def test_victim_is_lowest_priority_then_latest_arrival():
     cfg = SchedulerConfig(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                           max_model_len=64, watermark=0.0)
     for prios, victim in (((0, 0, 0), "c"), ((5, 0, 0), "a")):
-        sched, worker = Scheduler(cfg), FakeWorker(cfg)
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
         reqs = [make_req(n, 3, max_tokens=12, priority=p) for n, p in zip("abc", prios)]
         for r in reqs:
             sched.add_request(r)
@@ -366,7 +366,7 @@ def test_victim_is_lowest_priority_then_latest_arrival():
 def test_no_admission_in_a_step_that_preempted():
     cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
                           max_model_len=64, watermark=0.0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     a, c, d = make_req("a", 4, max_tokens=20), make_req("c", 24, max_tokens=5), make_req("d", 2, max_tokens=2)
     for r in (a, c, d):
         sched.add_request(r)
@@ -386,7 +386,7 @@ def test_no_admission_in_a_step_that_preempted():
 def test_admission_keeps_the_watermark_free(watermark):
     cfg = SchedulerConfig(num_blocks=100, block_size=4, max_num_batched_tokens=512, max_model_len=1024,
                           watermark=watermark)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     big, small = make_req("big", 316, max_tokens=3), make_req("small", 56, max_tokens=3)  # 80 and 15 blocks
     plans = drive(sched, worker, arrivals={0: [big, small]})
     starts = {s.seq_id: i for i, p in enumerate(plans) for s in p.starts}
@@ -406,7 +406,7 @@ def test_partial_prefills_never_deadlock_on_blocks():
         rng = random.Random(seed)
         cfg = SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
                               max_model_len=200, watermark=0.0)
-        sched, worker = Scheduler(cfg), FakeWorker(cfg)
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
         reqs = [make_req(f"r{i}", rng.randint(10, 80), max_tokens=rng.randint(1, 2)) for i in range(8)]
         arrivals: dict[int, list] = {}
         for r in reqs:
@@ -422,7 +422,7 @@ def test_partial_prefills_never_deadlock_on_blocks():
 def test_all_blocks_free_after_cancels():
     cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=100,
                           max_model_len=512)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req(f"c{i}", 60, max_tokens=50) for i in range(6)]
     for r in reqs:
         sched.add_request(r)
@@ -454,7 +454,7 @@ def test_pipelined_plans_decode_before_the_result_and_tolerate_late_finishes():
     assert ref[3] not in ref[:3]
     stopper = make_req("stop", 6, max_tokens=10, stop=(ref[3],))
     capped = make_req("cap", 5, max_tokens=3)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     sched.add_request(stopper)
     sched.add_request(capped)
     p0 = sched.schedule()
@@ -482,7 +482,7 @@ def test_pipelined_plans_decode_before_the_result_and_tolerate_late_finishes():
 
 def test_update_ignores_unknown_duplicate_and_stale_results():
     cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=128)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg, strict=False)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg, strict=False)
     a = make_req("a", 6, max_tokens=6)
     sched.add_request(a)
     p0 = sched.schedule()
@@ -503,7 +503,7 @@ def test_update_ignores_unknown_duplicate_and_stale_results():
 
 def test_cancel_then_readd_same_id_is_a_new_sequence():
     cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=128)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg, strict=False)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg, strict=False)
     a = make_req("a", 6, max_tokens=5)
     sched.add_request(a)
     p0 = sched.schedule()
@@ -527,7 +527,7 @@ def test_cancel_then_readd_same_id_is_a_new_sequence():
 def test_priority_then_arrival_order():
     cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=128,
                           max_model_len=512)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req("a", 100, 2), make_req("b", 100, 2), make_req("urgent", 100, 2, priority=-1)]
     order: list[str] = []
     drive(sched, worker, arrivals={0: reqs},
@@ -539,7 +539,7 @@ def test_priority_then_arrival_order():
 def test_max_num_seqs_bounds_running_sequences():
     cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=3, max_num_batched_tokens=64,
                           max_model_len=256)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req(f"m{i}", 4, max_tokens=5 + i) for i in range(7)]
     peak = []
     plans = drive(sched, worker, arrivals={0: reqs}, on_plan=lambda i, p: peak.append(sched.num_running))
@@ -558,7 +558,7 @@ def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, 
     cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=12, max_num_batched_tokens=128,
                           max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=horizon,
                           long_prefill_threshold=threshold)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     arrivals: dict[int, list] = {}
     reqs = []
     for i in range(40):
@@ -576,7 +576,7 @@ def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, 
 def test_chunked_prefill_off_schedules_whole_prompts():
     cfg = SchedulerConfig(num_blocks=128, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=512, enable_chunked_prefill=False)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     a, b = make_req("a", 40, max_tokens=30), make_req("b", 40, max_tokens=30)
     big = make_req("big", 200, max_tokens=3)
     plans = drive(sched, worker, arrivals={0: [a, b], 4: [big]})
@@ -601,7 +601,7 @@ def test_take_all_moves_unfinished_sequences_to_another_scheduler():
     cfg = SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=3, max_num_batched_tokens=64,
                           max_model_len=256)
     published: dict = {}
-    sched, worker = Scheduler(cfg, "w1"), FakeWorker(cfg, published)
+    sched, worker = WorkerPolicy(cfg, "w1"), FakeWorker(cfg, published)
     reqs = [make_req(f"t{i}", 30, max_tokens=12) for i in range(5)]
     drive(sched, worker, depth=2, arrivals={0: reqs}, stop_after=4)
     taken = sched.take_all()
@@ -614,7 +614,7 @@ def test_take_all_moves_unfinished_sequences_to_another_scheduler():
     assert plan is not None and plan.chunks == [] and set(plan.releases) == {"t0", "t1", "t2"}
     assert sched.schedule() is None
 
-    other, worker2 = Scheduler(cfg, "w2"), FakeWorker(cfg, published)  # same gateway record
+    other, worker2 = WorkerPolicy(cfg, "w2"), FakeWorker(cfg, published)  # same gateway record
     for r, outs in taken:
         other.add_request(r, outs)
     drive(other, worker2)
@@ -634,7 +634,7 @@ def test_bad_config_and_requests_are_rejected_clearly():
     with pytest.raises(ValueError, match="watermark"):
         SchedulerConfig(num_blocks=8, watermark=1.5)
     cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(cfg)
+    sched = WorkerPolicy(cfg)
     sched.add_request(make_req("x", 4))
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add_request(make_req("x", 4))
@@ -654,7 +654,7 @@ def test_bad_config_and_requests_are_rejected_clearly():
 
 def _policy_admits(cfg: SchedulerConfig, prompt_len: int, max_tokens: int) -> bool:
     try:
-        Scheduler(cfg).add_request(make_req("probe", prompt_len, max_tokens))
+        WorkerPolicy(cfg).add_request(make_req("probe", prompt_len, max_tokens))
     except AdmissionError:
         return False
     return True
@@ -677,13 +677,13 @@ def test_largest_admissible_prompt_is_exactly_what_the_policy_admits(num_blocks,
     assert 1 <= limit < max_model_len
     assert _policy_admits(cfg, limit, max_tokens)
     with pytest.raises(AdmissionError):
-        Scheduler(cfg).add_request(make_req("over", limit + 1, max_tokens))
+        WorkerPolicy(cfg).add_request(make_req("over", limit + 1, max_tokens))
     # the largest completion for that prompt, likewise, and a prompt at the limit really runs to its end
     most = cap.max_new_tokens(limit)
     assert most >= min(max_tokens, max_model_len - limit) and _policy_admits(cfg, limit, most)
     if limit + most < max_model_len:  # beyond that max_model_len caps the output, so more changes nothing
         assert not _policy_admits(cfg, limit, most + 1)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     req = make_req("at-limit", limit, max_tokens)
     drive(sched, worker, arrivals={0: [req]})
     assert_reference(worker, [req], max_model_len)
@@ -740,7 +740,7 @@ def test_max_chunk_tokens_is_the_largest_chunk_that_fits():
 def test_long_prompt_chunks_shrink_as_its_prefix_grows(horizon):
     cfg = SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           attention_horizon=horizon, long_prefill_threshold=0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     shorts = [make_req(f"d{i}", 8, max_tokens=60) for i in range(16)]
     long = make_req("long", 2048, max_tokens=4)
     steps: list[tuple] = []  # (long's chunk, plan cost, decodes in the plan)
@@ -776,7 +776,7 @@ def test_random_mixes_stay_within_the_cost_budget(seed, depth):
     cfg = SchedulerConfig(num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=32,
                           max_model_len=256, attention_horizon=horizon, watermark=0.0,
                           long_prefill_threshold=rng.choice([0, 12, 40]))
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs, arrivals = [], {}
     for i in range(32):
         prompt_len = rng.randint(1, 16) if rng.random() < 0.7 else rng.randint(40, 160)
@@ -793,7 +793,7 @@ def test_random_mixes_stay_within_the_cost_budget(seed, depth):
 def test_waiting_sequence_starts_within_k_plus_one_plans_with_costs(horizon):
     cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           attention_horizon=horizon, long_prefill_threshold=0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req("L1", 2048, 2), make_req("L2", 2048, 2), make_req("L3", 2048, 2), make_req("S", 10, 2)]
     first: dict[str, int] = {}
     done: dict[str, int] = {}
@@ -819,7 +819,7 @@ def test_long_prompts_share_the_cap_while_short_prompts_fill_the_budget(depth, h
     T = 128
     cfg = SchedulerConfig(num_blocks=512, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
                           attention_horizon=horizon, long_prefill_threshold=T)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     streams = [make_req(f"d{i}", 8, max_tokens=80) for i in range(16)]
     longs = [make_req("long1", 1500, max_tokens=3), make_req("long2", 700, max_tokens=3)]
     burst = [make_req(f"s{i}", 100, max_tokens=3) for i in range(3)]
@@ -857,7 +857,7 @@ def test_a_long_prompt_moves_every_plan_even_when_one_token_costs_more_than_the_
     # gets one token, so the prompt progresses every plan beside the decodes and finishes
     cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
                           max_model_len=256, attention_horizon=8, long_prefill_threshold=2)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     streams = [make_req(f"d{i}", 2, max_tokens=60) for i in range(2)]  # 2 tokens: not long
     long = make_req("long", 40, max_tokens=2)
     chunks = []
@@ -875,7 +875,7 @@ def test_head_starts_even_when_decodes_use_up_the_budget():
     # use it all up, yet the head of the queue starts on the very next plan (with one token)
     cfg = SchedulerConfig(num_blocks=128, block_size=8, max_num_seqs=4, max_num_batched_tokens=4,
                           max_model_len=256, attention_horizon=8, watermark=0.0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     olds = [make_req(f"o{i}", 1, max_tokens=60) for i in range(3)]  # all three prefilled in one step
     for r in olds:
         sched.add_request(r)
@@ -898,7 +898,7 @@ def test_head_starts_even_when_decodes_use_up_the_budget():
 def test_a_lone_prefill_progresses_when_one_token_costs_more_than_the_budget():
     cfg = SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=4,
                           max_model_len=256, attention_horizon=8, watermark=0.0)
-    sched, worker = Scheduler(cfg), FakeWorker(cfg)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     req = make_req("deep", 100, max_tokens=2)
     plans = drive(sched, worker, arrivals={0: [req]})  # drive fails if a plan is empty while work is left
     chunks = [c for p in plans for c in p.chunks if c.start_pos < 100]

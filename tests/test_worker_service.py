@@ -127,7 +127,7 @@ def test_keep_heap_memory_sets_glibc_malloc_options():
 
 
 def test_auto_threads_leave_a_core_only_for_small_models():
-    from workers.service import LARGE_MODEL_BYTES, auto_threads
+    from phaseserve.cpus import LARGE_MODEL_BYTES, auto_threads
 
     assert auto_threads(3, cores=2, weight_bytes=0) == 3  # an explicit setting wins
     assert auto_threads(0, cores=2, weight_bytes=11 << 20) == 1  # overhead-bound: leave a core
