@@ -1,8 +1,8 @@
 """Every setting of every service in one table: flag, environment variable, default, help.
 
 Each service builds its argparse parser from the settings it uses; a flag wins
-over the environment, the environment over the default. The README's settings
-table is generated from SETTINGS (`python -m phaseserve.settings --markdown`).
+over the environment, the environment over the default. docs/settings.md is this
+table as `phaseserve settings` prints it (a test keeps the two equal).
 """
 
 from __future__ import annotations
