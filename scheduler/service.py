@@ -557,6 +557,19 @@ class SchedulerService:
                 self._stats_dirty = True
         return nearest
 
+    def _void_unsent_plans(self, planned_before: dict[str, int]) -> None:
+        """The plans of a turn whose pipeline failed probably never reached their workers: give each up as
+        soon as it is the worker's oldest (its deadline 0) instead of at the step timeout, so an outage
+        stalls streams for its own length, not for --step-timeout. A plan that did arrive is harmless: its
+        late result is dropped like any given-up step's, its tokens by offset."""
+        for wid, n in planned_before.items():
+            slot = self.workers.get(wid)
+            if slot is None:
+                continue
+            for i in range(n, len(slot.in_flight)):
+                step_id, sent_at, _timeout = slot.in_flight[i]
+                slot.in_flight[i] = (step_id, sent_at, 0.0)
+
     # ------------------------------------------------------------------ the loop
 
     def plan_steps(self, pipe, now: float | None = None) -> int:
@@ -726,6 +739,7 @@ class SchedulerService:
             pipe = self.client.pipeline(transaction=False)
             renewing = self.renew_lease(pipe, now)
             self._flush_ops(pipe)  # request records and publishes decided while handling the last read
+            planned_before = {wid: len(slot.in_flight) for wid, slot in self.workers.items()}
             self.plan_steps(pipe, now)
             for stream, ids in self._acks:
                 pipe.xack(stream, self.keys.scheduler_group, *ids)
@@ -744,6 +758,7 @@ class SchedulerService:
             except CONNECTION_ERRORS:
                 self._pending_ops[:0], self._acks[:0] = ops, acks
                 self._renew_at = 0.0  # renew first thing once Redis is back
+                self._void_unsent_plans(planned_before)
                 raise
             backoff.reset()
             if renewing and replies[0] != 1:

@@ -539,3 +539,45 @@ def test_a_step_s_writes_sent_during_an_outage_arrive_after_it(redis_server):
     assert not any(isinstance(r, Exception) for r in replies)
     assert [e[0] for e in client.xrange("log")] == [b"9-0"]
     client.close()
+
+
+async def test_plans_of_a_turn_lost_to_an_outage_are_replanned_at_once(model_dir, reference, redis_server):
+    """The scheduler's pipeline fails (the connection drops) in a turn that sends plans: they never reach
+    the worker. They are given up as soon as Redis answers again, not at the step timeout (30 s here), so
+    every stream completes in a few seconds, token for token."""
+    import redis as redis_sync
+
+    keys = Keys("voided")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    # one plan in flight: no later result can reveal the lost one, only its deadline or the outage can
+    client, sched, gw, tasks = await start(redis_server, keys, step_timeout=30.0, plans_in_flight=1)
+    real_pipeline, failed = client.pipeline, []
+
+    def pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        async def execute(*a, **kw):
+            sends_plans = any(c[0][0] == "XADD" and str(c[0][1]).startswith(keys.steps("")) for c in pipe.command_stack)
+            if sends_plans and not failed and sched.workers and "r0" in gw.tokens:
+                failed.append(True)
+                await pipe.reset()
+                raise redis_sync.ConnectionError("connection reset (injected)")
+            return await real_execute(*a, **kw)
+
+        pipe.execute = execute
+        return pipe
+
+    client.pipeline = pipeline
+    try:
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, MAX_TOKENS)
+        started = time.monotonic()
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS), 10)
+        assert failed and sched.num_steps_given_up >= 1
+        assert time.monotonic() - started < 10
+        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    finally:
+        client.pipeline = real_pipeline
+        await stop(client, sched, gw, tasks)
+        worker.stop()
