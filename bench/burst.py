@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.servers import ServerProcess
+from bench.sse import sse_messages
 from phaseserve.redis_server import free_port
 
 
@@ -83,17 +84,16 @@ async def one_stream(http: aiohttp.ClientSession, url: str, model: str, i: int, 
             if r.status != 200:
                 return {"status": r.status, "ok": False}
             done = finished = False
-            async for line in r.content:
-                if line.startswith(b"data: [DONE]"):
+            async for _event_id, obj in sse_messages(r):
+                if obj is None:  # [DONE]
                     done = True
-                elif line.startswith(b"data: {"):
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        return {"status": "stream error", "ok": False}
-                    if first is None:
-                        first = time.monotonic() - t0
-                    text_tokens += 1
-                    finished = finished or obj["choices"][0]["finish_reason"] == "length"
+                    continue
+                if "error" in obj:
+                    return {"status": "stream error", "ok": False}
+                if first is None:
+                    first = time.monotonic() - t0
+                text_tokens += 1
+                finished = finished or obj["choices"][0]["finish_reason"] == "length"
             return {"status": 200, "ok": done and finished, "ttft": first, "end": time.monotonic() - t0}
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return {"status": type(e).__name__, "ok": False}

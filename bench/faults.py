@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -36,6 +35,7 @@ import aiohttp
 import redis
 from tqdm import tqdm
 
+from bench.sse import sse_messages
 from phaseserve.model_source import bundled_model_path
 from phaseserve.procs import stop_process
 from phaseserve.redis_server import find_redis_server, free_port
@@ -274,27 +274,20 @@ async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, hea
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}"
                 return
-            buf = b""
-            async for data in resp.content.iter_any():
-                buf += data
-                *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
-                for event in events:
-                    for line in event.split(b"\n"):
-                        if line.startswith(b"id:"):
-                            s.last_event_id = line[3:].strip().decode()
-                            continue
-                        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                            continue
-                        msg = json.loads(line[5:])
-                        if msg.get("error"):
-                            s.error = str(msg["error"])[:200]
-                        for c in msg.get("choices") or ():
-                            now = time.monotonic()
-                            s.longest_stall = max(s.longest_stall, now - s.last_at)
-                            s.last_at = now
-                            s.text += c.get("text") or ""
-                            s.chunks += 1
-                            s.finish_reason = c.get("finish_reason") or s.finish_reason
+            async for event_id, msg in sse_messages(resp):
+                if event_id is not None:
+                    s.last_event_id = event_id
+                if msg is None:  # [DONE]
+                    continue
+                if msg.get("error"):
+                    s.error = str(msg["error"])[:200]
+                for c in msg.get("choices") or ():
+                    now = time.monotonic()
+                    s.longest_stall = max(s.longest_stall, now - s.last_at)
+                    s.last_at = now
+                    s.text += c.get("text") or ""
+                    s.chunks += 1
+                    s.finish_reason = c.get("finish_reason") or s.finish_reason
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         s.error = f"{type(e).__name__}: {e}"
 

@@ -9,7 +9,6 @@ prompt every K seconds while the short streams run. Timing follows vLLM's reques
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ import numpy as np
 import structlog
 
 from bench.metrics import RequestResult
+from bench.sse import sse_messages
 from bench.workloads import RequestSpec, Vocab
 
 log = structlog.get_logger("bench.loadgen")
@@ -100,39 +100,28 @@ class OpenAIStreamClient:
                 if resp.status != 200:
                     out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                     return out
-                buf = b""
-                async for data in resp.content.iter_any():
-                    buf += data
-                    # SSE events end with a blank line; keep a partial event for the next read
-                    *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
-                    for event in events:
-                        for line in event.split(b"\n"):
-                            line = line.strip()
-                            if not line.startswith(b"data:"):
-                                continue  # comments (pings), event names, blank lines
-                            payload = line[5:].strip()
-                            if payload == b"[DONE]":
-                                continue
-                            msg = json.loads(payload)
-                            if "error" in msg and not msg.get("choices"):
-                                raise RuntimeError(f"server error in stream: {msg['error']}")
-                            now = time.perf_counter()
-                            choices = msg.get("choices")
-                            if choices and chunks == 0 and _is_role_preamble(choices[0]):
-                                choices = None  # not a token: see _is_role_preamble
-                            if choices:
-                                if chunks == 0:
-                                    out.ttft = now - st
-                                else:
-                                    out.itl.append(now - last)
-                                last = now
-                                chunks += 1
-                                c = choices[0]
-                                text_parts.append((c.get("delta") or {}).get("content") or c.get("text") or "")
-                            if usage := msg.get("usage"):
-                                out.output_tokens = usage.get("completion_tokens") or 0
-                                if usage.get("prompt_tokens") is not None:
-                                    out.prompt_len = usage["prompt_tokens"]
+                async for _event_id, msg in sse_messages(resp):
+                    if msg is None:  # [DONE]
+                        continue
+                    if "error" in msg and not msg.get("choices"):
+                        raise RuntimeError(f"server error in stream: {msg['error']}")
+                    now = time.perf_counter()
+                    choices = msg.get("choices")
+                    if choices and chunks == 0 and _is_role_preamble(choices[0]):
+                        choices = None  # not a token: see _is_role_preamble
+                    if choices:
+                        if chunks == 0:
+                            out.ttft = now - st
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                        c = choices[0]
+                        text_parts.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+                    if usage := msg.get("usage"):
+                        out.output_tokens = usage.get("completion_tokens") or 0
+                        if usage.get("prompt_tokens") is not None:
+                            out.prompt_len = usage["prompt_tokens"]
             if chunks == 0:
                 out.error = "no chunk with choices was streamed"
                 return out
