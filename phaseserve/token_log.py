@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import msgpack
 import redis.exceptions
+import structlog
 
 from phaseserve.wire import FIELD, FIELD_BYTES, TOKEN_LOG_MAXLEN, TOKEN_LOG_TTL_S, Keys, TokenEvent
+
+log = structlog.get_logger(__name__)
 
 # the TTL is refreshed on the first event, every REFRESH_EVERY tokens and on the last one
 REFRESH_EVERY = 32
@@ -105,14 +108,19 @@ def decode_entry(fields: dict) -> TokenEvent:
     return TokenEvent.from_list(msgpack.unpackb(raw, raw=False))
 
 
-def output_ids(entries: list) -> list[int]:
-    """A sequence's output as its log holds it (XRANGE entries, in order): for a recovering scheduler, the
-    tokens a client may already have, so a sampled sequence continues where the client is. Stops at the
-    first gap (a trimmed or expired log) and at an abort."""
-    out: list[int] = []
+def replay(entries: list) -> tuple[list[int], bool]:
+    """A sequence's log (XRANGE entries, in order) as a recovering scheduler reads it: the tokens contiguous
+    from offset 0 (what its client may already have, so a sampled sequence continues where the client is),
+    and whether the log holds its end (a finish, an error, an abort). An unreadable entry is skipped."""
+    tokens: list[int] = []
+    ended = False
     for _entry_id, fields in entries:
-        ev = decode_entry(fields)
-        if ev.offset > len(out) or ev.finish_reason == "abort":
-            break
-        out.extend(ev.token_ids[len(out) - ev.offset:])
-    return out
+        try:
+            ev = decode_entry(fields)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("unreadable token log entry", error=str(e))
+            continue
+        if ev.offset <= len(tokens):  # after a gap (a trimmed or expired log) nothing is contiguous any more
+            tokens.extend(ev.token_ids[len(tokens) - ev.offset:])
+        ended = ended or ev.finish_reason is not None
+    return tokens, ended

@@ -247,14 +247,12 @@ class SchedulerService:
             if self.is_known(req.request_id):
                 continue
             outputs = recorded = confirmed_outputs(record)
-            logged = await self.logged_outputs(req.request_id)
-            if logged is not None:
-                tokens, finished = logged
-                if finished:  # its client saw the end: nothing left to do
-                    await self.client.delete(key)
-                    continue
-                if len(tokens) > len(outputs) or tokens != outputs[:len(tokens)]:
-                    outputs = tokens  # what its client has (the log's first writer wins, as the client's does)
+            tokens, finished = await self.logged_outputs(req.request_id)
+            if finished:  # its client saw the end: nothing left to do
+                await self.client.delete(key)
+                continue
+            if len(tokens) > len(outputs) or tokens != outputs[:len(tokens)]:
+                outputs = tokens  # what its client has (the log's first writer wins, as the client's does)
             if len(outputs) >= req.params.max_tokens:  # its last token was confirmed: nothing left to do
                 await self.client.delete(key)
                 continue
@@ -266,26 +264,11 @@ class SchedulerService:
             log.info("recovered requests", count=found)
             self.place_parked()
 
-    async def logged_outputs(self, request_id: str) -> tuple[list[int], bool] | None:
-        """A sequence's tokens in the relay's durable token log (the gateway side of #11:
-        `Keys.token_log`, entries of TokenEvent lists, first writer per offset wins), contiguous from
-        offset 0, and whether it finished; None without a log. It can be ahead of the record's confirmed
-        outputs (a result the scheduler had not handled yet), and it is what the client has."""
-        token_log = getattr(self.keys, "token_log", None)
-        if token_log is None:
-            return None
-        tokens: list[int] = []
-        finished = False
-        for _entry_id, fields in await self.client.xrange(token_log(request_id)):
-            try:
-                ev = TokenEvent.from_list(msgpack.unpackb(fields[FIELD_BYTES], raw=False))
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("unreadable token log entry", request_id=request_id, error=str(e))
-                continue
-            if ev.offset <= len(tokens):
-                tokens.extend(ev.token_ids[len(tokens) - ev.offset:])
-            finished = finished or ev.finish_reason is not None
-        return tokens, finished
+    async def logged_outputs(self, request_id: str) -> tuple[list[int], bool]:
+        """A sequence's tokens in the relay's durable token log, contiguous from offset 0, and whether it
+        ended. It can be ahead of the record's confirmed outputs (a result the scheduler had not handled
+        yet), and it is what the client has."""
+        return token_log.replay(await self.client.xrange(self.keys.token_log(request_id)))
 
     async def claim_pending(self, min_idle_ms: int = 0) -> None:
         """Entries read but never acknowledged: at takeover (min idle 0) every earlier consumer's, such as a

@@ -105,9 +105,9 @@ async def test_token_log_refuses_a_second_entry_for_an_offset_and_nothing_after_
     assert [token_log.decode_entry(f).token_ids for _, f in r.xrange(keys.token_log("u"))] == [[9], [10]]
     assert r.xrange(keys.token_log("u"))[-1][0] == b"2-0" and r.xlen(keys.token_log("v")) == 1
     assert 0 < r.ttl(keys.token_log("u")) <= 300
-    # what a recovering scheduler reads back as the confirmed output (up to the abort)
-    assert token_log.output_ids(r.xrange(keys.token_log("s"))) == [1, 2, 3]
-    assert token_log.output_ids(r.xrange(keys.token_log("u"))) == [9, 10]
+    # what a recovering scheduler reads back as the confirmed output (up to the abort), and that both ended
+    assert token_log.replay(r.xrange(keys.token_log("s"))) == ([1, 2, 3], True)
+    assert token_log.replay(r.xrange(keys.token_log("u"))) == ([9, 10], True)
     with pytest.raises(redis.ResponseError):  # any other error is still raised
         token_log.raise_unexpected([redis.ResponseError("WRONGTYPE Operation against a key")])
     r.close()
