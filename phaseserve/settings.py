@@ -116,8 +116,10 @@ SETTINGS: list[Setting] = [
             "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
     Setting("worker_id", "PHASESERVE_WORKER_ID", None, str,
             "worker identity; default: hostname-pid", ("worker",)),
-    Setting("role", "PHASESERVE_ROLE", "mixed", str, "worker phase role", ("worker",),
-            ("mixed", "prefill", "decode")),
+    Setting("role", "PHASESERVE_ROLE", "mixed", str,
+            "worker phase role: mixed (prefill and decode), prefill (hands each sequence to a decode worker "
+            "after its first token), decode (takes them; prefills only when no other worker exists)",
+            ("worker",), ("mixed", "prefill", "decode")),
     Setting("device", "PHASESERVE_DEVICE", "auto", str,
             "where the worker runs the model: auto (cuda if available), cpu, cuda", ("worker", "up")),
     Setting("dtype", "PHASESERVE_DTYPE", "auto", str,
@@ -157,6 +159,9 @@ SETTINGS: list[Setting] = [
             "prompts longer than this many tokens are long: their prefill chunks take at most this many units "
             "of a step's budget together, so streams decoding beside a long prompt stall less while short "
             "prompts still fill the budget; 0 = no cap", ("scheduler", "up")),
+    Setting("kv_transport", "PHASESERVE_KV_TRANSPORT", "auto", str,
+            "how a prefill worker's KV reaches a decode worker: auto (shared memory when both run on one host, "
+            "else Redis), shm, redis", ("scheduler", "up"), ("auto", "shm", "redis")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,

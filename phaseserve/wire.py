@@ -64,6 +64,10 @@ class Keys:
         """Set by the scheduler every worker refresh, expiring after a few: its liveness for health checks."""
         return f"{self.prefix}:scheduler:alive"
 
+    def kv_transfer(self, transfer_id: str) -> str:
+        """Stream: one KV transfer's chunks over Redis (workers/kv_transfer/redis_transport.py), with a TTL."""
+        return f"{self.prefix}:kv:{transfer_id}"
+
     def scheduler_stats(self) -> str:
         """msgpack dict written by the scheduler on change (throttled): num_waiting, num_running,
         kv_blocks_used, kv_blocks_total, num_preemptions, updated_at. Read by the gateway's /metrics."""
@@ -204,6 +208,8 @@ class SeqStart:
     prompt + output through prefill and continues sampling at offset len(output_ids).
     `num_cached` positions already have their KV in the sequence's blocks (moved there by a KV transfer,
     workers/kv_transfer): its first chunk starts there instead of at 0.
+    `send_kv` (a prefill worker's sequence, issue #12): stream the prefill's KV out as its chunks fill blocks,
+    as transfer `send_kv.transfer_id`, for the decode worker the scheduler hands the sequence to.
     """
 
     seq_id: str
@@ -212,6 +218,12 @@ class SeqStart:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
+    send_kv: KVSend | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the worker knows at start: prompt + outputs."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def to_dict(self) -> dict:
         d = {
@@ -220,12 +232,76 @@ class SeqStart:
         }
         if self.num_cached:
             d["num_cached"] = self.num_cached
+        if self.send_kv is not None:
+            d["send_kv"] = self.send_kv.to_list()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SeqStart":
+        send = d.get("send_kv")
         return cls(d["seq_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
-                   d.get("output_ids", []), d.get("num_cached", 0))
+                   d.get("output_ids", []), d.get("num_cached", 0), KVSend.from_list(send) if send else None)
+
+
+# KV transports (workers/kv_transfer): "shm" between workers on one host, "redis" between any two
+KV_TRANSPORTS = ("shm", "redis")
+
+
+@dataclass
+class KVSend:
+    """Where a prefill worker ships one sequence's KV: a single-use transfer id over a transport."""
+
+    transfer_id: str
+    transport: str  # one of KV_TRANSPORTS
+
+    def to_list(self) -> list:
+        return [self.transfer_id, self.transport]
+
+    @classmethod
+    def from_list(cls, x: list) -> "KVSend":
+        return cls(x[0], x[1])
+
+
+@dataclass
+class KVReceive:
+    """A decode worker takes transfer `transfer_id` into `block_ids` before this step's chunks run: the KV of
+    positions [0, num_tokens) of a sequence started in the same plan with `SeqStart.num_cached = num_tokens`.
+    If it fails, the worker forgets that sequence (its chunks are skipped, no token is sampled) and the
+    scheduler recomputes it; it never decodes over blocks whose transfer did not arrive whole."""
+
+    seq_id: str
+    transfer_id: str
+    transport: str
+    block_ids: list[int]
+    num_tokens: int
+    timeout_s: float = 2.0
+
+    def to_list(self) -> list:
+        return [self.seq_id, self.transfer_id, self.transport, self.block_ids, self.num_tokens, self.timeout_s]
+
+    @classmethod
+    def from_list(cls, x: list) -> "KVReceive":
+        return cls(*x[:6])
+
+
+@dataclass
+class KVHandoffResult:
+    """How a KVReceive went, in the decode worker's StepResult (for the scheduler's handoff counters)."""
+
+    seq_id: str
+    transfer_id: str
+    ok: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_list(self) -> list:
+        return [self.seq_id, self.transfer_id, self.ok, self.num_blocks, self.num_bytes, self.seconds, self.error]
+
+    @classmethod
+    def from_list(cls, x: list) -> "KVHandoffResult":
+        return cls(*x[:7])
 
 
 @dataclass
@@ -270,26 +346,31 @@ class StepPlan:
     # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
     # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
     timeout_s: float = 0.0
+    receives: list[KVReceive] = field(default_factory=list)  # KV handed in from a prefill worker (issue #12)
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
     def to_wire(self) -> bytes:
-        return _pack(self.KIND, {
+        body = {
             "step_id": self.step_id, "worker_id": self.worker_id,
             "starts": [s.to_dict() for s in self.starts],
             "chunks": [c.to_list() for c in self.chunks],
             "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
             "timeout_s": self.timeout_s,
-        })
+        }
+        if self.receives:
+            body["receives"] = [r.to_list() for r in self.receives]
+        return _pack(self.KIND, body)
 
     @classmethod
     def from_wire(cls, data: bytes) -> "StepPlan":
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
                    [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
-                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)))
+                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)),
+                   [KVReceive.from_list(r) for r in d.get("receives", ())])
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler
@@ -360,18 +441,21 @@ class StepResult:
     num_tokens: int = 0
     step_time_s: float = 0.0
     epoch: int = 0  # the plan's epoch, echoed: a scheduler ignores results of another epoch's plans
+    handoffs: list[KVHandoffResult] = field(default_factory=list)  # how the plan's KVReceives went
 
     def to_wire(self) -> bytes:
-        return _pack(self.KIND, {"step_id": self.step_id, "worker_id": self.worker_id,
-                                 "events": [e.to_list() for e in self.events],
-                                 "num_tokens": self.num_tokens, "step_time_s": self.step_time_s,
-                                 "epoch": self.epoch})
+        body = {"step_id": self.step_id, "worker_id": self.worker_id, "events": [e.to_list() for e in self.events],
+                "num_tokens": self.num_tokens, "step_time_s": self.step_time_s, "epoch": self.epoch}
+        if self.handoffs:
+            body["handoffs"] = [h.to_list() for h in self.handoffs]
+        return _pack(self.KIND, body)
 
     @classmethod
     def from_wire(cls, data: bytes) -> "StepResult":
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]],
-                   d.get("num_tokens", 0), d.get("step_time_s", 0.0), d.get("epoch", 0))
+                   d.get("num_tokens", 0), d.get("step_time_s", 0.0), d.get("epoch", 0),
+                   [KVHandoffResult.from_list(h) for h in d.get("handoffs", ())])
 
 
 @dataclass
@@ -393,11 +477,13 @@ class WorkerInfo:
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
+    # the machine it runs on: workers on one host hand KV over through shared memory, others through Redis
+    host: str = ""
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon")})
+            "attention_horizon", "host")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.kv_admission import DEFAULT_WATERMARK, KVCapacity, promised_len
-from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
+from phaseserve.wire import KVReceive, KVSend, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence, SequenceStatus
 
@@ -215,6 +215,7 @@ class _StepDraft:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     starts: list[SeqStart] = field(default_factory=list)
+    receives: list[KVReceive] = field(default_factory=list)
     sampled: list[Sequence] = field(default_factory=list)  # planned to sample a token in this step
     scheduled: set[Sequence] = field(default_factory=set)
     preempted: bool = False  # no admission in a step that preempted (the victim would come straight back)
@@ -226,12 +227,35 @@ class _StepDraft:
         return not (self.decodes or self.prefills)
 
 
-class WorkerPolicy:
-    """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps."""
+@dataclass
+class Handoff:
+    """A sequence leaving a prefill worker for a decode worker: its KV (positions [0, num_cached)) is in
+    transfer `kv_send`; the decode worker continues at output offset len(output_ids)."""
 
-    def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0):
+    request: SubmitRequest
+    output_ids: list[int]
+    num_cached: int
+    kv_send: KVSend
+
+
+class WorkerPolicy:
+    """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
+
+    Phase workers (issue #12): while `kv_transport` is set (the service sets it on a prefill worker when a
+    decode worker exists), every sequence started here streams its prefill's KV into a transfer, and once
+    its prefill is planned whole it is not decoded here: after its first token is confirmed it is
+    `ready_handoffs`, and the service moves it (`hand_off` here, `accept_handoff` on the decode worker's
+    policy) or keeps it (`keep`). A decode worker's handed-in sequence is started with its KVReceive in
+    its first plan, beside its first decode.
+    """
+
+    def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0,
+                 transfer_prefix: str = "t"):
         self.config = config
         self.worker_id = worker_id
+        self.kv_transport: str | None = None  # set by the service: stream prefills out for decode workers
+        self._transfer_ids = (f"{transfer_prefix}-{i}" for i in itertools.count())
+        self._ready_handoffs: list[Sequence] = []  # first token confirmed, waiting for the service
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
         # the admission rule, shared with the gateway's up-front check (phaseserve/kv_admission.py)
         self.capacity = KVCapacity(config.num_blocks, config.block_size, config.max_model_len, config.watermark)
@@ -250,6 +274,8 @@ class WorkerPolicy:
         self._num_decode_tokens = 0
         self._num_ignored_results = 0  # results of unknown or already applied steps
         self._num_ignored_events = 0  # token events at an unexpected offset
+        self._num_handed_off = 0  # sequences moved to a decode worker
+        self._num_handed_in = 0  # sequences taken from a prefill worker
 
     # ------------------------------------------------------------------ requests
 
@@ -307,11 +333,17 @@ class WorkerPolicy:
         lowest-ranked running sequences when a decode needs a block and none is free."""
         bm = self.block_manager
         for seq in list(self._running):
-            if seq.status is not RUNNING or seq.is_prefilling or seq.reaches_limit(self.config.max_model_len):
-                continue  # preempted earlier in this loop, still prefilling, or its last token is planned
+            if (seq.status is not RUNNING or seq.is_prefilling or seq.awaiting_handoff
+                    or seq.reaches_limit(self.config.max_model_len)):
+                continue  # preempted earlier in this loop, prefilling, leaving for a decode worker, or done
             pos = seq.num_computed_tokens
             if not self._preempt_for(seq, pos + 1, step):
                 continue  # it was the lowest-ranked itself
+            if seq.kv_receive is not None:  # handed in: the worker takes its KV, then decodes it, in this plan
+                step.starts.append(seq.seq_start(num_cached=pos))
+                step.receives.append(seq.kv_receive)
+                seq.kv_receive = None
+                seq.on_worker = True
             bm.append(seq.block_table, pos, 1)
             step.decodes.append(ScheduledChunk(seq.seq_id, pos, 1, list(seq.block_table)))
             seq.num_computed_tokens = pos + 1
@@ -386,6 +418,8 @@ class WorkerPolicy:
             seq.num_computed_tokens = 0
             bisect.insort(self._running, seq, key=_by_rank)
             if not seq.on_worker:
+                if self.kv_transport is not None:  # a new transfer for each (re)start: ids are single-use
+                    seq.kv_send = KVSend(next(self._transfer_ids), self.kv_transport)
                 step.starts.append(seq.seq_start())
                 seq.on_worker = True
             self._plan_prefill(step, seq, n)
@@ -407,6 +441,7 @@ class WorkerPolicy:
         if seq.num_computed_tokens == seq.prefill_len:  # the worker samples at the end of its known tokens
             seq.num_inflight_samples += 1
             step.sampled.append(seq)
+            seq.awaiting_handoff = seq.kv_send is not None
         step.scheduled.add(seq)
 
     def _seal(self, step: _StepDraft) -> StepPlan | None:
@@ -419,7 +454,8 @@ class WorkerPolicy:
         releases, self._releases = self._releases, []
         self._num_decode_tokens += len(step.decodes)
         self._num_prefill_tokens += sum(c.num_tokens for c in step.prefills)
-        return StepPlan(step_id, self.worker_id, step.starts, step.decodes + step.prefills, releases)
+        return StepPlan(step_id, self.worker_id, step.starts, step.decodes + step.prefills, releases,
+                        receives=step.receives)
 
     # ------------------------------------------------------------------ results
 
@@ -461,6 +497,8 @@ class WorkerPolicy:
                 self._retire(seq)
                 self._num_finished += 1
                 finished.append(seq.seq_id)
+            elif seq.awaiting_handoff:
+                self._ready_handoffs.append(seq)
         self._settle(sampled, accepted)
         return finished
 
@@ -478,6 +516,60 @@ class WorkerPolicy:
         """A live sequence's confirmed outputs (the list itself: read, do not change), or None."""
         seq = self._seqs.get(seq_id)
         return None if seq is None else seq.output_ids
+
+    # ------------------------------------------------------------------ handoffs (phase workers)
+
+    def ready_handoffs(self) -> list[str]:
+        """Sequences whose prefill is done and first token confirmed, waiting to be handed to a decode
+        worker (`hand_off`) or kept here (`keep`); each is reported once."""
+        ready, self._ready_handoffs = self._ready_handoffs, []
+        return [s.seq_id for s in ready if self._seqs.get(s.seq_id) is s and s.awaiting_handoff]
+
+    def handoff_of(self, seq_id: str) -> Handoff:
+        """What a sequence waiting for its handoff would take to a decode worker."""
+        seq = self._seqs[seq_id]
+        assert seq.awaiting_handoff and seq.kv_send is not None, seq_id
+        return Handoff(seq.request, list(seq.output_ids), seq.prefill_len, seq.kv_send)
+
+    def hand_off(self, seq_id: str) -> Handoff:
+        """Let a sequence go to a decode worker: its blocks are freed and the worker told to forget it (its
+        KV is already whole in the transfer: the worker finishes the transfer when the prefill ends, before
+        it reports the first token)."""
+        handoff = self.handoff_of(seq_id)
+        self._retire(self._seqs[seq_id])
+        self._num_handed_off += 1
+        return handoff
+
+    def keep(self, seq_id: str) -> None:
+        """No decode worker can take it: it decodes here (the worker drops its transfer at the first decode)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            seq.awaiting_handoff = False
+            seq.kv_send = None
+
+    def can_accept_handoff(self, handoff: Handoff) -> bool:
+        """Room for a handed-in sequence now: a max_num_seqs slot, blocks for its cached positions and its
+        first decode above the watermark and the blocks promised to prefills."""
+        bm, req = self.block_manager, handoff.request
+        return (self.capacity.rejection(len(req.prompt_ids), req.params.max_tokens, len(handoff.output_ids)) is None
+                and len(self._running) < self.config.max_num_seqs
+                and bm.can_allocate(bm.blocks_for(handoff.num_cached + 1), reserved=self._promised_blocks()))
+
+    def accept_handoff(self, handoff: Handoff, timeout_s: float = 2.0) -> None:
+        """Take a sequence from a prefill worker: blocks for its cached positions now, its KV received into
+        them with its first decode (`_schedule_decodes`). If the receive fails the worker reports no token
+        and the sequence is recomputed here (`_settle`), never decoded over a half-received cache."""
+        req = handoff.request
+        if req.request_id in self._seqs:
+            raise ValueError(f"request {req.request_id!r} is already scheduled")
+        seq = Sequence(req, next(self._arrivals), list(handoff.output_ids), status=RUNNING)
+        seq.prefill_len = seq.num_computed_tokens = handoff.num_cached
+        self.block_manager.append(seq.block_table, 0, handoff.num_cached)
+        seq.kv_receive = KVReceive(req.request_id, handoff.kv_send.transfer_id, handoff.kv_send.transport,
+                                   list(seq.block_table), handoff.num_cached, timeout_s)
+        self._seqs[req.request_id] = seq
+        bisect.insort(self._running, seq, key=_by_rank)
+        self._num_handed_in += 1
 
     def _settle(self, sampled: list[Sequence], accepted: set[Sequence]) -> None:
         """Close a step's expected samples; a live sequence whose sample never came is recomputed."""
@@ -498,6 +590,7 @@ class WorkerPolicy:
         seq.status = WAITING
         seq.num_computed_tokens = 0
         seq.prefill_len = 0
+        seq.kv_send, seq.kv_receive, seq.awaiting_handoff = None, None, False  # a recompute starts afresh
         if seq.on_worker:
             self._releases.append(seq.seq_id)
             seq.on_worker = False
@@ -588,4 +681,6 @@ class WorkerPolicy:
             "num_ignored_events": self._num_ignored_events,
             "num_prefill_tokens": self._num_prefill_tokens,
             "num_decode_tokens": self._num_decode_tokens,
+            "num_handed_off": self._num_handed_off,
+            "num_handed_in": self._num_handed_in,
         }

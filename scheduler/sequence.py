@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from phaseserve.wire import SeqStart, SubmitRequest
+from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +32,12 @@ class Sequence:
     num_inflight_samples: int = 0  # planned chunks that sample a token, whose step result has not arrived
     on_worker: bool = False  # the worker was sent a SeqStart and no release since
     num_preemptions: int = 0
+    # phase workers (issue #12). On a prefill worker: the transfer its prefill streams its KV into, and
+    # whether that prefill is complete, so it waits to be handed to a decode worker instead of decoding.
+    # On a decode worker: the transfer to take into its blocks with its first plan (then None).
+    kv_send: KVSend | None = None
+    awaiting_handoff: bool = False
+    kv_receive: KVReceive | None = None
 
     @property
     def seq_id(self) -> str:
@@ -69,6 +75,7 @@ class Sequence:
         n = self.num_planned_outputs
         return n >= self.request.params.max_tokens or self.num_prompt_tokens + n >= max_model_len
 
-    def seq_start(self) -> SeqStart:
+    def seq_start(self, num_cached: int = 0) -> SeqStart:
         r = self.request
-        return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids))
+        return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids),
+                        num_cached, self.kv_send)

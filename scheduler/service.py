@@ -109,6 +109,10 @@ class WorkerSlot:
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
 
+    @property
+    def role(self) -> str:
+        return self.info.role
+
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
         if not self.in_flight:
@@ -124,6 +128,27 @@ class PolicyLimits:
     enable_chunked_prefill: bool = True
     attention_horizon: int | None = None  # None: each worker's own (WorkerInfo); 0: cost model off
     long_prefill_threshold: int = 256  # see SchedulerConfig; 0: no cap
+    # how prefill workers hand KV to decode workers: "auto" (shared memory between workers on one host,
+    # else Redis), "shm" or "redis"
+    kv_transport: str = "auto"
+
+
+@dataclass
+class HandoffCounters:
+    """Prefill -> decode handoffs since this scheduler took the lease (the gateway's /metrics shows them)."""
+
+    sequences: int = 0  # handed to a decode worker
+    kept: int = 0  # first token done on a prefill worker, but no decode worker had room: decoded there
+    received: int = 0  # transfers a decode worker applied
+    failed: int = 0  # transfers a decode worker could not apply (the sequence was recomputed there)
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # receive time, summed
+
+    def as_stats(self) -> dict:
+        return {"handoff_sequences": self.sequences, "handoff_kept": self.kept, "handoff_received": self.received,
+                "handoff_failed": self.failed, "handoff_blocks": self.blocks, "handoff_bytes": self.bytes,
+                "handoff_seconds": round(self.seconds, 6)}
 
 
 class SchedulerService:
@@ -167,6 +192,7 @@ class SchedulerService:
         self.num_dead_letters = 0
         self.num_duplicates = 0
         self.num_steps_given_up = 0
+        self.handoffs = HandoffCounters()
         self.orphans = OrphanTracker(self.resume_grace)  # sequences whose gateway and client are gone
 
     # ------------------------------------------------------------------ lease and takeover
@@ -322,6 +348,7 @@ class SchedulerService:
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
+        self.set_kv_transports()
         if self.parked and self.workers:
             self.place_parked()
         await self.cancel_orphans(now)
@@ -356,7 +383,8 @@ class SchedulerService:
                   maxlen=STREAM_MAXLEN, approximate=True)
         await pipe.execute()
         self._adoptions += 1
-        policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self._adoptions * STEP_IDS_PER_ADOPTION)
+        policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self._adoptions * STEP_IDS_PER_ADOPTION,
+                              transfer_prefix=f"{self.epoch}-{self._adoptions}")
         self.workers[info.worker_id] = WorkerSlot(info, policy)
         self._stats_dirty = True
         log.info("worker joined", worker_id=info.worker_id, model=info.model, num_blocks=info.num_blocks,
@@ -375,15 +403,65 @@ class SchedulerService:
         if self.workers:
             self.place_parked()
 
+    def set_kv_transports(self) -> None:
+        """A prefill worker streams its prefills out while a decode worker exists (else it decodes them
+        itself, as a mixed one): over shared memory when every decode worker shares its host, else Redis."""
+        decode_hosts = {s.info.host for s in self.workers.values() if s.role == "decode"}
+        for slot in self.workers.values():
+            if slot.role != "prefill" or not decode_hosts:
+                transport = None
+            elif self.limits.kv_transport != "auto":
+                transport = self.limits.kv_transport
+            else:
+                transport = "shm" if decode_hosts == {slot.info.host} and slot.info.host else "redis"
+            slot.policy.kv_transport = transport
+
+    def hand_off_ready(self, src: WorkerSlot) -> None:
+        """Move the sequences whose prefill finished on `src` to the decode worker with the most free blocks
+        that can take them; with none, they decode on `src`."""
+        for rid in src.policy.ready_handoffs():
+            ready = src.policy.handoff_of(rid)
+            takers = [s for s in self.workers.values() if s.role == "decode" and s.policy.can_accept_handoff(ready)]
+            if not takers:
+                src.policy.keep(rid)
+                self.handoffs.kept += 1
+                log.info("no decode worker has room; decoding on the prefill worker", request_id=rid,
+                         worker_id=src.info.worker_id)
+                continue
+            dst = max(takers, key=lambda s: (s.policy.num_free_blocks - s.policy.num_running, s.info.worker_id))
+            handoff = src.policy.hand_off(rid)
+            dst.policy.accept_handoff(handoff)
+            self.owner[rid] = dst.info.worker_id
+            self._pending_ops.append(("hset", self.keys.request_record(rid), "worker", dst.info.worker_id))
+            self.handoffs.sequences += 1
+            log.info("handed to a decode worker", request_id=rid, source=src.info.worker_id,
+                     worker_id=dst.info.worker_id, num_cached=handoff.num_cached,
+                     transfer_id=handoff.kv_send.transfer_id, transport=handoff.kv_send.transport)
+
+    def count_handoff_results(self, result: StepResult) -> None:
+        for h in result.handoffs:
+            if h.ok:
+                self.handoffs.received += 1
+                self.handoffs.blocks += h.num_blocks
+                self.handoffs.bytes += h.num_bytes
+                self.handoffs.seconds += h.seconds
+            else:
+                self.handoffs.failed += 1
+                log.warning("KV handoff failed; recomputing the sequence", request_id=h.seq_id,
+                            worker_id=result.worker_id, transfer_id=h.transfer_id, error=h.error)
+
     def pick_worker(self, req: SubmitRequest, output_ids: list[int] | None = None) -> WorkerSlot | None:
         """Least loaded (fewest unfinished sequences, then most free blocks) of the workers that can hold it.
-        If none can, the largest, whose policy then rejects it with the nearest miss in its message."""
+        If none can, the largest, whose policy then rejects it with the nearest miss in its message.
+        New sequences start on prefill and mixed workers; decode workers take them only when there are
+        no others (then they prefill too)."""
         if not self.workers:
             return None
-        fits = [s for s in self.workers.values() if s.policy.capacity.rejection(
+        candidates = [s for s in self.workers.values() if s.role != "decode"] or list(self.workers.values())
+        fits = [s for s in candidates if s.policy.capacity.rejection(
             len(req.prompt_ids), req.params.max_tokens, len(output_ids or ())) is None]
         if not fits:
-            return max(self.workers.values(), key=lambda s: (s.info.max_model_len, s.info.num_blocks))
+            return max(candidates, key=lambda s: (s.info.max_model_len, s.info.num_blocks))
         return min(fits, key=lambda s: (s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                                         s.info.worker_id))
 
@@ -494,6 +572,9 @@ class SchedulerService:
             if outputs is not None:
                 before[ev.seq_id] = len(outputs)
         finished = set(policy.update(result))
+        if result.handoffs:
+            self.count_handoff_results(result)
+        self.hand_off_ready(slot)
         for rid in before:
             if rid in finished:
                 continue
@@ -583,6 +664,7 @@ class SchedulerService:
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
             "num_workers": len(policies),
+            **self.handoffs.as_stats(),
         }
 
     def maybe_write_stats(self, pipe, now: float) -> float | None:
@@ -776,7 +858,7 @@ def confirmed_outputs(record: dict) -> list[int]:
 async def serve(args) -> None:
     client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
-                          args.attention_horizon, args.long_prefill_threshold)
+                          args.attention_horizon, args.long_prefill_threshold, args.kv_transport)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
                                resume_grace=args.resume_grace)

@@ -182,10 +182,12 @@ async def stats(client: aioredis.Redis, keys: Keys) -> dict:
     return msgpack.unpackb(data) if data else {}
 
 
-async def start(url: str, keys: Keys, *, gateway: bool = True, allow_gaps: bool = False, **service_kw):
+async def start(url: str, keys: Keys, *, gateway: bool = True, allow_gaps: bool = False,
+                limits: PolicyLimits | None = None, **service_kw):
     client = connect_async(url)  # as the service's own: commands retried through a Redis restart
     kw = dict(heartbeat_interval=0.1) | service_kw
-    sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40), **kw)
+    limits = limits or PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40)
+    sched = SchedulerService(client, keys, limits, **kw)
     gw = Gateway(connect_async(url), keys, allow_gaps=allow_gaps)
     ready = asyncio.Event()
     tasks = [asyncio.create_task(sched.run()), asyncio.create_task(gw.listen(ready))]

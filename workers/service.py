@@ -30,6 +30,7 @@ import structlog
 from phaseserve.cpus import worker_threads
 from phaseserve.procs import parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
+from workers.handoff import KVHandoffs
 from workers.relay import RelayConfig, config_message
 
 log = structlog.get_logger("workers.service")
@@ -52,8 +53,9 @@ class WorkerService:
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
-            started_at=time.time(), attention_horizon=runner.attention_horizon,
+            started_at=time.time(), attention_horizon=runner.attention_horizon, host=socket.gethostname(),
         )
+        self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
                                         heartbeat_ttl, block_ms, log_level, log_json, relay_cpus, step_timeout)
         self.epoch = 0  # the newest scheduler epoch seen in a plan
@@ -137,7 +139,11 @@ class WorkerService:
             self.gateway_of[seq.seq_id] = seq.gateway_id
         t0 = time.perf_counter()
         try:
+            received = self.handoffs.before_step(plan)
             result = self.runner.execute(plan)
+            # before the result goes out: a finished prefill's transfer is whole when its first token is seen
+            self.handoffs.after_step(plan)
+            result.handoffs = received
         except Exception as e:  # a failed step fails its sequences, not the worker
             log.exception("step failed", step_id=plan.step_id)
             seq_ids = list(dict.fromkeys(c.seq_id for c in plan.chunks))

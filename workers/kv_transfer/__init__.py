@@ -183,6 +183,12 @@ class KVSender(ABC):
         self.digest = Digest()
         self.num_bytes = 0
 
+    def update_block_ids(self, known: list[int]) -> None:
+        """The source blocks known so far, a prefix of the list (a chunked prefill learns its later blocks
+        chunk by chunk; a sender may be opened with placeholders for them)."""
+        n = min(len(known), len(self.block_ids))
+        self.block_ids[:n] = known[:n]
+
     @abstractmethod
     def send_blocks(self, start: int, end: int) -> None:
         """Ship source blocks block_ids[start:end] (every layer); ranges must tile the list in order."""

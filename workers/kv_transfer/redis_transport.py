@@ -20,6 +20,7 @@ import redis
 import structlog
 import torch
 
+from phaseserve.wire import Keys
 from workers.kv_cache import KVCache
 from workers.kv_transfer import (
     CHUNK_BYTES, DEFAULT_TIMEOUT_S, KVLayout, KVLayoutMismatch, KVReceiver, KVSender, KVTransferCorrupt,
@@ -35,7 +36,7 @@ PIPELINE_CHUNKS = 16
 
 
 def transfer_key(prefix: str, transfer_id: str) -> str:
-    return f"{prefix}:kv:{transfer_id}"
+    return Keys(prefix).kv_transfer(transfer_id)
 
 
 class RedisKVSender(KVSender):
