@@ -56,6 +56,14 @@ class GatewayMetrics:
         self.kv_usage = Gauge("phaseserve_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total", registry=r)
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
                                  "(cumulative, as reported by the scheduler)", registry=r)
+        # prefill -> decode handoffs (phase workers), cumulative as the scheduler reports them
+        self.handoffs = {key: Gauge(f"phaseserve_kv_{key}", help_text, registry=r) for key, help_text in (
+            ("handoff_sequences", "Sequences handed from a prefill worker to a decode worker (scheduler)"),
+            ("handoff_blocks", "KV blocks decode workers received from prefill workers (scheduler)"),
+            ("handoff_bytes", "KV bytes decode workers received from prefill workers (scheduler)"),
+            ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
+            ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
+        )}
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
@@ -73,6 +81,8 @@ class GatewayMetrics:
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
         self.preemptions.set(stats.get("num_preemptions", 0))
+        for key, gauge in self.handoffs.items():
+            gauge.set(stats.get(key, 0))
         self.stats_age.set(stats.get("updated_at", 0))
 
     def render(self) -> bytes:
