@@ -30,19 +30,34 @@ from bench.servers import phaseserve_server
 from bench.side_by_side import bench_args
 from phaseserve.redis_server import free_port
 
-LAYOUTS = {
-    "colocated": ["--workers", "1"],
-    "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"],
+LAYOUTS = {  # `phaseserve up` flags, number of workers
+    "colocated": (["--workers", "1"], 1),
+    "disaggregated": (["--prefill-workers", "1", "--decode-workers", "1"], 2),
 }
 WORKLOAD = {"--workload": "interference", "--num-prompts": "96", "--concurrency": "8", "--output-len": "128",
             "--long-len": "1536", "--long-every": "4"}
 
 
-def handoff_counters(base_url: str) -> dict[str, float]:
-    """phaseserve_kv_handoff_* gauges from the gateway's /metrics."""
+def gauges(base_url: str) -> dict[str, float]:
+    """The unlabelled gauges of the gateway's /metrics, by name."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^phaseserve_kv_(handoff_\w+) (\S+)$", text, re.M)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(phaseserve_\w+) (\S+)$", text, re.M)}
+
+
+def handoff_counters(base_url: str) -> dict[str, float]:
+    """phaseserve_kv_handoff_* from the gateway's /metrics."""
+    prefix = "phaseserve_kv_"
+    return {k[len(prefix):]: v for k, v in gauges(base_url).items() if k.startswith(prefix + "handoff_")}
+
+
+def wait_for_workers(base_url: str, count: int, timeout: float) -> None:
+    """/health answers once one worker is up; a layout is only itself once all of its workers are."""
+    deadline = time.monotonic() + timeout
+    while gauges(base_url).get("phaseserve_workers_alive", 0) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} workers alive after {timeout:.0f}s")
+        time.sleep(0.5)
 
 
 def summarize(label: str, result: dict, counters: dict[str, float], block_size: int) -> dict:
@@ -109,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         label = layout + (" (no long)" if baseline else "")
         port = free_port()
         proc = phaseserve_server(model_dir, port, "bench-model", out / f"disagg-{tag}-{layout}.log",
-                                 extra=LAYOUTS[layout] + args.phaseserve_arg)
+                                 extra=LAYOUTS[layout][0] + args.phaseserve_arg)
         proc.start(args.startup_timeout)
         try:
+            wait_for_workers(proc.url, LAYOUTS[layout][1], args.startup_timeout)
             run_extra = extra + (["--long-every", "0"] if baseline else [])
             result = bench_cli.run_benchmark(bench_args(run_extra, str(model_dir), label, proc.url, "openai",
                                                         "bench-model"))
