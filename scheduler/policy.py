@@ -650,6 +650,12 @@ class WorkerPolicy:
         return len(self._running)
 
     @property
+    def queued_prefill_tokens(self) -> int:
+        """Prefill tokens not yet planned: the waiting sequences' whole prefills, the rest of partial ones."""
+        return (sum(s.num_prompt_tokens + len(s.output_ids) for s in self._waiting)
+                + sum(s.num_prefill_remaining for s in self._running if s.is_prefilling))
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 

@@ -451,7 +451,8 @@ class SchedulerService:
                             worker_id=result.worker_id, transfer_id=h.transfer_id, error=h.error)
 
     def pick_worker(self, req: SubmitRequest, output_ids: list[int] | None = None) -> WorkerSlot | None:
-        """Least loaded (fewest unfinished sequences, then most free blocks) of the workers that can hold it.
+        """Least loaded (least queued prefill on a prefill worker; fewest unfinished sequences, then most free
+        blocks) of the workers that can hold it.
         If none can, the largest, whose policy then rejects it with the nearest miss in its message.
         New sequences start on prefill and mixed workers; decode workers take them only when there are
         no others (then they prefill too)."""
@@ -462,7 +463,9 @@ class SchedulerService:
             len(req.prompt_ids), req.params.max_tokens, len(output_ids or ())) is None]
         if not fits:
             return max(candidates, key=lambda s: (s.info.max_model_len, s.info.num_blocks))
-        return min(fits, key=lambda s: (s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
+        # a prefill worker's load is the prefill work queued on it; a mixed worker's, its sequences
+        return min(fits, key=lambda s: (s.policy.queued_prefill_tokens if s.role == "prefill" else 0,
+                                        s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                                         s.info.worker_id))
 
     def place_parked(self) -> None:
