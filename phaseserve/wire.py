@@ -270,6 +270,9 @@ class StepPlan:
     # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
     # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
     timeout_s: float = 0.0
+    # the answer to a draining worker (WorkerInfo.draining): the scheduler holds no sequence on it any
+    # more and sends it nothing after this plan, so once the plans before it are run the worker may exit
+    drained: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -281,7 +284,7 @@ class StepPlan:
             "starts": [s.to_dict() for s in self.starts],
             "chunks": [c.to_list() for c in self.chunks],
             "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
-            "timeout_s": self.timeout_s,
+            "timeout_s": self.timeout_s, "drained": self.drained,
         })
 
     @classmethod
@@ -289,7 +292,7 @@ class StepPlan:
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
                    [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
-                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)))
+                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)), bool(d.get("drained", False)))
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler
@@ -393,11 +396,15 @@ class WorkerInfo:
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
+    # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
+    # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
+    # `drained` StepPlan (docs/architecture.md, "Draining a worker")
+    draining: bool = False
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon")})
+            "attention_horizon", "draining")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

@@ -33,6 +33,12 @@ Reliability (issue #11):
 - An unseeded sampled request is given a seed at admission (kept in its record), so a recompute samples
   the tokens the client already has (exactly in float32; see docs/architecture.md for bf16).
 - Redis outages: commands retry with backoff, the loop waits and resumes, consumer groups are recreated.
+
+Draining (a worker given SIGTERM announces WorkerInfo.draining; docs/architecture.md, "Draining a worker"):
+nothing new is placed on it, its waiting sequences go to other workers at once (or are parked while no
+other worker lives), its running ones finish there for up to `drain_timeout`; then it gets no more plans,
+and once those in flight have answered the rest is recomputed elsewhere. Holding nothing, it gets a
+`drained` plan: it may exit.
 """
 
 from __future__ import annotations
@@ -108,6 +114,14 @@ class WorkerSlot:
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
+    drain_deadline: float | None = None  # draining: when its running sequences are handed back (monotonic)
+    handing_back: bool = False  # the deadline passed: no more plans; the rest moves once none is in flight
+    drained: bool = False  # told it holds nothing and may exit
+
+    @property
+    def draining(self) -> bool:
+        """The worker is leaving (SIGTERM): no new sequence goes to it."""
+        return self.info.draining
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -129,7 +143,7 @@ class PolicyLimits:
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
-                 lease_ttl: float = 5.0, resume_grace: float = 10.0):
+                 lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -145,6 +159,7 @@ class SchedulerService:
         self.epoch = 0  # ours, from the epoch key when we took the lease
         self.is_leader = False
         self.resume_grace = resume_grace
+        self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -322,6 +337,8 @@ class SchedulerService:
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
+            if info.draining and not self.workers[wid].draining:
+                self.start_drain(self.workers[wid], info, now)
         if self.parked and self.workers:
             self.place_parked()
         await self.cancel_orphans(now)
@@ -367,7 +384,10 @@ class SchedulerService:
         slot = self.workers.pop(wid)
         self.retired_preemptions += slot.policy.num_preemptions
         moved = slot.policy.take_all()
-        log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
+        if slot.drained and not moved:
+            log.info("worker left after draining", worker_id=wid)
+        else:
+            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
         for req, output_ids in moved:
             self.owner.pop(req.request_id, None)
             self.parked.append((req, output_ids))
@@ -377,13 +397,15 @@ class SchedulerService:
 
     def pick_worker(self, req: SubmitRequest, output_ids: list[int] | None = None) -> WorkerSlot | None:
         """Least loaded (fewest unfinished sequences, then most free blocks) of the workers that can hold it.
-        If none can, the largest, whose policy then rejects it with the nearest miss in its message."""
-        if not self.workers:
+        If none can, the largest, whose policy then rejects it with the nearest miss in its message.
+        None (park it) when no worker but draining ones lives."""
+        staying = [s for s in self.workers.values() if not s.draining]
+        if not staying:
             return None
-        fits = [s for s in self.workers.values() if s.policy.capacity.rejection(
+        fits = [s for s in staying if s.policy.capacity.rejection(
             len(req.prompt_ids), req.params.max_tokens, len(output_ids or ())) is None]
         if not fits:
-            return max(self.workers.values(), key=lambda s: (s.info.max_model_len, s.info.num_blocks))
+            return max(staying, key=lambda s: (s.info.max_model_len, s.info.num_blocks))
         return min(fits, key=lambda s: (s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                                         s.info.worker_id))
 
@@ -391,6 +413,55 @@ class SchedulerService:
         parked, self.parked = self.parked, []
         for req, output_ids in parked:
             self.admit(req, output_ids)
+
+    # ------------------------------------------------------------------ draining workers
+
+    def start_drain(self, slot: WorkerSlot, info: WorkerInfo, now: float) -> None:
+        """The worker announced it is leaving: from now on nothing new goes to it (pick_worker), and its
+        waiting sequences go elsewhere at once."""
+        slot.info = info
+        slot.drain_deadline = now + self.drain_timeout
+        log.info("worker draining", worker_id=info.worker_id, running=slot.policy.num_running,
+                 waiting=slot.policy.num_waiting, drain_timeout_s=self.drain_timeout)
+        self.move_waiting(slot)
+        self._stats_dirty = True
+
+    def move_waiting(self, slot: WorkerSlot) -> None:
+        """A draining worker's waiting sequences (no blocks, nothing in flight) go to the other workers, or
+        are parked until one joins."""
+        for req, output_ids in slot.policy.take_waiting():
+            self.owner.pop(req.request_id, None)
+            self.admit(req, output_ids)
+
+    def advance_drains(self, now: float) -> None:
+        """Each turn, for every draining worker: move what waits (a preempted sequence), hand back what still
+        runs once the drain deadline passed and no plan of it is in flight, and tell a worker that holds
+        nothing that it may exit (its `drained` plan goes out with the turn's other writes)."""
+        for slot in self.workers.values():
+            if not slot.draining or slot.drained:
+                continue
+            if slot.policy.num_waiting:
+                self.move_waiting(slot)
+            if slot.policy.has_unfinished() and now >= slot.drain_deadline and not slot.handing_back:
+                slot.handing_back = True  # plan_steps sends it nothing more
+                log.info("drain deadline passed; handing its sequences back", worker_id=slot.info.worker_id,
+                         running=slot.policy.num_running, plans_in_flight=len(slot.in_flight))
+            # the results of plans in flight first: a recompute starts from every token the worker published
+            if slot.handing_back and not slot.in_flight and slot.policy.has_unfinished():
+                moved = slot.policy.take_all()
+                log.warning("recomputing a draining worker's sequences elsewhere", worker_id=slot.info.worker_id,
+                            sequences_moved=len(moved))
+                for req, output_ids in moved:
+                    self.owner.pop(req.request_id, None)
+                    self.admit(req, output_ids)
+            if not slot.policy.has_unfinished():
+                wid = slot.info.worker_id
+                # step -1 matches no open step; after the plans in flight, in stream order
+                self._pending_ops.append(("plan", self.keys.steps(wid),
+                                          StepPlan(-1, wid, epoch=self.epoch, drained=True).to_wire()))
+                slot.drained = True
+                log.info("worker drained; it may exit", worker_id=wid)
+                self._stats_dirty = True
 
     # ------------------------------------------------------------------ requests
 
@@ -560,6 +631,8 @@ class SchedulerService:
         now = time.monotonic() if now is None else now
         sent = 0
         for wid, slot in self.workers.items():
+            if slot.handing_back:  # a draining worker past its deadline: its sequences go elsewhere
+                continue
             while len(slot.in_flight) < self.plans_in_flight and (slot.policy.has_unfinished() or slot.needs_plan):
                 plan = slot.policy.schedule()
                 slot.needs_plan = False
@@ -612,6 +685,8 @@ class SchedulerService:
                 pipe.hset(key, mapping={f"{OUTPUT_FIELD_PREFIX}{op[2] + i}": t for i, t in enumerate(op[3])})
             elif kind == "delete":
                 pipe.delete(key)
+            elif kind == "plan":  # a plan outside a policy's steps (a drained worker's last)
+                pipe.xadd(key, {FIELD: op[2]}, maxlen=STREAM_MAXLEN, approximate=True)
             elif kind == "publish":
                 pipe.publish(key, op[2])
             elif kind == "error":  # the durable copy first, as the relay does for tokens
@@ -718,6 +793,7 @@ class SchedulerService:
             if now >= self._next_claim:
                 await self.claim_pending(min_idle_ms=2 * self.lease_ttl_ms)
             next_deadline = self.give_up_overdue_steps(now)
+            self.advance_drains(now)
             ops, acks = list(self._pending_ops), list(self._acks)  # restored if Redis is unreachable
             pipe = self.client.pipeline(transaction=False)
             renewing = self.renew_lease(pipe, now)
@@ -779,7 +855,7 @@ async def serve(args) -> None:
                           args.attention_horizon, args.long_prefill_threshold)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
-                               resume_grace=args.resume_grace)
+                               resume_grace=args.resume_grace, drain_timeout=args.drain_timeout)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -805,5 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve scheduler: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise SystemExit(f"phaseserve scheduler: --drain-timeout must be >= 0 (0 = hand back at once), "
+                         f"got {args.drain_timeout}")
     event_loop.run(serve(args))
     return 0
