@@ -108,6 +108,7 @@ class Gateway:
         self.tokens: dict[str, list[int]] = {}  # contiguous from offset 0
         self.by_offset: dict[str, dict[int, int]] = {}  # every token seen, first one per offset
         self.finish: dict[str, str] = {}
+        self.finished_by: dict[str, str] = {}  # seq id -> the worker whose batch carried its finish
         self.errors: dict[str, tuple[str | None, str]] = {}  # seq id -> (error_kind, message)
         self.duplicates = 0
         self.conflicts = 0  # a token at an offset already seen, with another value: two samples spliced
@@ -157,6 +158,7 @@ class Gateway:
                 out.append(seen[len(out)])
             if ev.finish_reason:
                 self.finish[ev.seq_id] = ev.finish_reason
+                self.finished_by.setdefault(ev.seq_id, batch.worker_id)
                 self.last_token_at.pop(ev.seq_id, None)
             if ev.error:
                 self.errors[ev.seq_id] = (ev.error_kind, ev.error)
@@ -182,10 +184,12 @@ async def stats(client: aioredis.Redis, keys: Keys) -> dict:
     return msgpack.unpackb(data) if data else {}
 
 
-async def start(url: str, keys: Keys, *, gateway: bool = True, allow_gaps: bool = False, **service_kw):
+async def start(url: str, keys: Keys, *, gateway: bool = True, allow_gaps: bool = False,
+                limits: PolicyLimits | None = None, **service_kw):
     client = connect_async(url)  # as the service's own: commands retried through a Redis restart
     kw = dict(heartbeat_interval=0.1) | service_kw
-    sched = SchedulerService(client, keys, PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40), **kw)
+    limits = limits or PolicyLimits(max_num_batched_tokens=64, long_prefill_threshold=40)
+    sched = SchedulerService(client, keys, limits, **kw)
     gw = Gateway(connect_async(url), keys, allow_gaps=allow_gaps)
     ready = asyncio.Event()
     tasks = [asyncio.create_task(sched.run()), asyncio.create_task(gw.listen(ready))]
