@@ -398,7 +398,7 @@ class WorkerInfo:
     attention_horizon: int = 0
     # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
-    # `drained` StepPlan (docs/architecture.md, "Draining a worker")
+    # `drained` StepPlan (docs/architecture.md, "Workers joining and leaving")
     draining: bool = False
 
     def to_wire(self) -> bytes:

@@ -34,11 +34,11 @@ Reliability (issue #11):
   the tokens the client already has (exactly in float32; see docs/architecture.md for bf16).
 - Redis outages: commands retry with backoff, the loop waits and resumes, consumer groups are recreated.
 
-Draining (a worker given SIGTERM announces WorkerInfo.draining; docs/architecture.md, "Draining a worker"):
-nothing new is placed on it, its waiting sequences go to other workers at once (or are parked while no
-other worker lives), its running ones finish there for up to `drain_timeout`; then it gets no more plans,
-and once those in flight have answered the rest is recomputed elsewhere. Holding nothing, it gets a
-`drained` plan: it may exit.
+Draining (a worker given SIGTERM announces WorkerInfo.draining; docs/architecture.md, "Workers joining
+and leaving"): nothing new is placed on it, its waiting sequences go to other workers at once (or are
+parked while no other worker lives), its running ones finish there for up to `drain_timeout`; then it
+gets no more plans, and once those in flight have answered the rest is recomputed elsewhere. Holding
+nothing, it gets a `drained` plan: it may exit.
 """
 
 from __future__ import annotations
@@ -122,6 +122,11 @@ class WorkerSlot:
     def draining(self) -> bool:
         """The worker is leaving (SIGTERM): no new sequence goes to it."""
         return self.info.draining
+
+    @property
+    def takes_plans(self) -> bool:
+        """False once a draining worker is past its deadline (what it runs moves elsewhere) or drained."""
+        return not (self.handing_back or self.drained)
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -337,7 +342,7 @@ class SchedulerService:
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
-            if info.draining and not self.workers[wid].draining:
+            if info.draining and self.workers[wid].drain_deadline is None:  # (adopted draining, too)
                 self.start_drain(self.workers[wid], info, now)
         if self.parked and self.workers:
             self.place_parked()
@@ -469,6 +474,7 @@ class SchedulerService:
         slot = self.pick_worker(req, output_ids)
         if slot is None:
             self.parked.append((req, output_ids))
+            self._stats_dirty = True  # counted in num_waiting
             return True
         try:
             slot.policy.add_request(req, output_ids=output_ids or None)
@@ -631,7 +637,7 @@ class SchedulerService:
         now = time.monotonic() if now is None else now
         sent = 0
         for wid, slot in self.workers.items():
-            if slot.handing_back:  # a draining worker past its deadline: its sequences go elsewhere
+            if not slot.takes_plans:  # a draining worker past its deadline, or told to go
                 continue
             while len(slot.in_flight) < self.plans_in_flight and (slot.policy.has_unfinished() or slot.needs_plan):
                 plan = slot.policy.schedule()

@@ -17,6 +17,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import Keys, WorkerInfo
 from scheduler.service import PolicyLimits
 from service_harness import Gateway, WorkerProcess, start, stop
+from service_harness import stats as stats_of
 from workers.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21], [30, 31, 32, 33, 34], [40, 41],
@@ -275,3 +276,33 @@ async def test_a_draining_worker_nobody_answers_leaves_on_its_own(e2e_model, red
         for w in procs.values():
             w.stop()
         await client.aclose()
+
+
+async def test_a_worker_already_draining_when_adopted_gets_nothing_and_is_let_go(redis_server):
+    """A scheduler that takes over finds a worker draining (its heartbeat says so; no model behind it, the
+    plans are read from its stream): nothing is placed on it, a request waits parked, and holding nothing
+    the worker is told at once that it may go (`drained`, after the adoption's reset)."""
+    import redis.asyncio as aioredis
+
+    from phaseserve.wire import FIELD, StepPlan
+
+    keys = Keys("adopted")
+    r = aioredis.Redis.from_url(redis_server)
+    await r.sadd(keys.workers, "w")
+    info = WorkerInfo("w", "mixed", "m", 64, 16, 2048, 1, 1.0, draining=True)
+    await r.set(keys.worker_heartbeat("w"), info.to_wire(), px=60_000)
+    client, sched, gw, tasks = await start(redis_server, keys)
+    try:
+        await gw.submit("r0", PROMPTS[0], 8)
+        await gw.wait(lambda: [req.request_id for req, _ in sched.parked] == ["r0"], 10)
+        await gw.wait(lambda: "w" in sched.workers and sched.workers["w"].drained, 10)
+        plans = [StepPlan.from_wire(f[FIELD.encode()]) for _id, f in await r.xrange(keys.steps("w"))]
+        assert [(p.reset, p.drained) for p in plans] == [(True, False), (False, True)]
+        assert plans[1].epoch == sched.epoch and not sched.owner
+        deadline = time.monotonic() + 5  # the stats key is written a little after a change
+        while (await stats_of(client, keys)).get("num_waiting") != 1:  # parked, counted, not lost
+            assert time.monotonic() < deadline, await stats_of(client, keys)
+            await asyncio.sleep(0.05)
+    finally:
+        await stop(client, sched, gw, tasks)
+        await r.aclose()

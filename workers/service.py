@@ -11,7 +11,7 @@ Plans carry the scheduler's epoch: a plan of an older epoch than one already see
 a scheduler that lost its lease) is dropped. A `reset` plan (the first of a scheduler's adoption of this
 worker) makes the runner forget every sequence it holds.
 
-SIGTERM drains (docs/architecture.md, "Draining a worker"): the heartbeat announces it
+SIGTERM drains (docs/architecture.md, "Workers joining and leaving"): the heartbeat announces it
 (WorkerInfo.draining), the worker keeps running the plans it gets, and exits after the scheduler's
 `drained` plan; or, if none comes, `drain_timeout` + DRAIN_MARGIN_S after the signal, or at once when no
 scheduler holds the lease (its relay looks). SIGINT, or a second SIGTERM, stops it at once.
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                             relay_cpus=relay_cpus, log_level=args.log_level,
                             log_json=args.log_json, step_timeout=args.step_timeout,
                             drain_timeout=args.drain_timeout)
-    signal.signal(signal.SIGTERM, service.request_drain)  # leave gracefully: see "Draining a worker"
+    signal.signal(signal.SIGTERM, service.request_drain)  # leave gracefully (module docstring)
     signal.signal(signal.SIGINT, service.request_stop)
     try:
         service.run()
