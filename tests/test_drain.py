@@ -306,3 +306,14 @@ async def test_a_worker_already_draining_when_adopted_gets_nothing_and_is_let_go
     finally:
         await stop(client, sched, gw, tasks)
         await r.aclose()
+
+
+def test_a_negative_drain_timeout_is_refused_in_one_line(monkeypatch):
+    from phaseserve import logs
+    from scheduler.service import main as scheduler_main
+    from workers.service import main as worker_main
+
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
+    for main in (scheduler_main, worker_main):
+        with pytest.raises(SystemExit, match=r"--drain-timeout must be >= 0 \(0 = hand back at once\), got -1.0"):
+            main(["--redis-url", "redis://127.0.0.1:1", "--drain-timeout", "-1"])
