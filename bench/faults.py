@@ -15,7 +15,8 @@ lost-messages (one plan and one result deleted from their streams before their c
 the relay's blocked read is cut and the next plan deleted while it reconnects; the scheduler is paused
 while a result is deleted), gateway-kill (kill -9 of the gateway the clients stream from: each client
 re-sends its request with the `Last-Event-ID` of the last event it got to a second gateway, as an SSE
-client reconnecting through a load balancer does, and reads the rest of its stream there).
+client reconnecting through a load balancer does, and reads the rest of its stream there), worker-drain
+(SIGTERM to a worker: it drains, its streams finish on it, and it exits; issue #12).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from phaseserve.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "worker-freeze",
-          "lost-messages", "gateway-kill")
+          "lost-messages", "gateway-kill", "worker-drain")
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
 STEP_TIMEOUT_S = 2.0
@@ -231,6 +232,8 @@ class Stack:
                 raise RuntimeError(f"could not delete a plan ({plan}) and a result ({result})")
         elif fault == "gateway-kill":
             self.services["gw"].kill9()
+        elif fault == "worker-drain":
+            self.services["w1"].signal(signal.SIGTERM)
         elif fault != "none":
             raise ValueError(f"unknown fault {fault!r}")
 

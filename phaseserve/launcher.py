@@ -1,12 +1,16 @@
 """`phaseserve up`: the whole stack as one process tree.
 
 Starts Redis (an embedded private server unless --redis-url is given), then
-the scheduler, one worker (or --workers N, each on its share of the cores) and
+the scheduler, one worker (or --workers N mixed ones, plus --prefill-workers P
+and --decode-workers D with those roles, each on its share of the cores) and
 the gateway as child processes, waits until the
 gateway's /health answers 200, and says where it serves. Ctrl-C or SIGTERM
 stops every child (terminate, wait, kill); if any child dies, the rest are
 stopped and `up` exits non-zero. Children get PDEATHSIG so that even a
 SIGKILLed launcher leaves no orphans.
+
+Workers are stopped with SIGINT, which stops a worker at once: SIGTERM would make it drain (wait for the
+scheduler to move its sequences away), pointless when the scheduler and the gateway stop with it.
 """
 
 from __future__ import annotations
@@ -83,22 +87,51 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def worker_names(num_workers: int) -> list[str]:
+ROLE_FLAGS = (("mixed", "workers", "worker"), ("prefill", "prefill_workers", "prefill"),
+              ("decode", "decode_workers", "decode"))  # (role, setting, process name prefix)
+
+
+def worker_roles(values: dict) -> dict[str, str]:
+    """Process name -> role of each worker `up` starts (the names are core_placement's keys too): one mixed
+    worker `worker` by default, else `worker-i` (mixed), `prefill-i`, `decode-i`. Raises LaunchError for
+    counts that make no deployment."""
+    counts = {role: values.get(name) or 0 for role, name, _ in ROLE_FLAGS}
+    if values.get("workers") is None and not (counts["prefill"] or counts["decode"]):
+        counts["mixed"] = 1  # the default; with roles asked for, mixed ones only if asked for too
+    for role, name, _ in ROLE_FLAGS:
+        if not isinstance(counts[role], int) or counts[role] < 0:
+            raise LaunchError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {counts[role]!r}")
+    if not sum(counts.values()):
+        raise LaunchError("no worker to start: give --workers (mixed), or --prefill-workers and --decode-workers, "
+                          "at least 1")
+    if counts["prefill"] and not (counts["decode"] or counts["mixed"]):
+        raise LaunchError(f"--prefill-workers {counts['prefill']} with no worker to decode: add --decode-workers "
+                          "(or --workers)")
+    if counts["decode"] and not (counts["prefill"] or counts["mixed"]):
+        raise LaunchError(f"--decode-workers {counts['decode']} with no worker to prefill: add --prefill-workers "
+                          "(or --workers)")
+    if counts == {"mixed": 1, "prefill": 0, "decode": 0}:
+        return {"worker": "mixed"}
+    return {f"{prefix}-{i}": role for role, _, prefix in ROLE_FLAGS for i in range(counts[role])}
+
+
+def worker_names(values: dict) -> list[str]:
     """The worker processes' names in `up` (and their keys in core_placement)."""
-    return ["worker"] if num_workers == 1 else [f"worker-{i}" for i in range(num_workers)]
+    return list(worker_roles(values))
 
 
 def core_placement(values: dict) -> dict[str, list[int] | None] | None:
     """Which CPUs each process runs on (keys: worker_names(), "relay", "gateway", "scheduler", "redis"),
-    or None (all anywhere). With bind_cores, each of the `workers` workers gets cores of its own (its share,
-    cut to the threads it uses); the other services share what is left, or run anywhere (None) when
+    or None (all anywhere). With bind_cores, each worker (whatever its role) gets cores of its own (an equal
+    share, cut to the threads it uses); the other services share what is left, or run anywhere (None) when
     nothing is. A single worker that would use every core is not pinned at all. On a 2-core machine the
     bundled model's worker otherwise loses ~10% of its steps to the gateway, scheduler and Redis waking up
     on its core (workload A, docs/architecture.md)."""
     if not values.get("bind_cores") or not hasattr(os, "sched_setaffinity"):
         return None
     cores = usable_cores()
-    num_workers = values.get("workers", 1)
+    names = worker_names(values)
+    num_workers = len(names)
     share = len(cores) // num_workers
     if share < 1:  # more workers than cores: the kernel places them
         return None
@@ -107,7 +140,7 @@ def core_placement(values: dict) -> dict[str, list[int] | None] | None:
     if num_workers == 1 and not rest:
         return None
     placement: dict[str, list[int] | None] = {
-        name: cores[i * n:(i + 1) * n] for i, name in enumerate(worker_names(num_workers))}
+        name: cores[i * n:(i + 1) * n] for i, name in enumerate(names)}
     others = rest or None
     # a relay is mostly asleep: with no spare core it may run on any, not only on its worker's
     placement.update(relay=rest or cores, gateway=others, scheduler=others, redis=others)
@@ -122,13 +155,12 @@ class Stack:
     redis: EmbeddedRedis | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     output: object = None  # where the children write their logs (a file); None: the launcher's own stderr
+    roles: dict[str, str] = field(default_factory=dict)  # worker process name -> its role (worker_roles)
 
     def start(self) -> None:
-        num_workers = self.values.get("workers", 1)
-        if num_workers < 1:
-            raise LaunchError(f"--workers must be at least 1, got {num_workers}")
+        roles = self.roles = worker_roles(self.values)
+        names, num_workers = list(roles), len(roles)
         placement = core_placement(self.values)
-        names = worker_names(num_workers)
         if placement:  # a pinned worker would count only its own cores when choosing threads
             self.values["num_threads"] = len(placement[names[0]])
             # its Redis relay runs beside the other services, off the model's cores
@@ -143,6 +175,8 @@ class Stack:
         for service in SERVICES:
             for name in names if service == "worker" else [service]:
                 cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
+                if service == "worker":
+                    cmd += ["--role", roles[name]]
                 cpus = placement[name] if placement else None
                 log.debug("starting", service=name, cmd=cmd, cpus=cpus)
                 # worker ids stay distinct without flags: each defaults to hostname-pid
@@ -177,7 +211,10 @@ class Stack:
         for name in order:  # ask all at once, then wait: their shutdowns overlap
             proc = self.procs[name]
             if proc.poll() is None:
-                proc.terminate()
+                if name in self.roles:  # SIGTERM would drain it, waiting on a scheduler that stops too
+                    proc.send_signal(signal.SIGINT)
+                else:
+                    proc.terminate()
         deadline = time.monotonic() + timeout
         for name in order:
             proc = self.procs[name]
@@ -206,8 +243,14 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure("up", args.log_level, args.log_json)
-    if args.workers < 1:
-        print(f"phaseserve up: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+    try:
+        worker_roles(vars(args))
+    except LaunchError as e:
+        print(f"phaseserve up: {e}", file=sys.stderr)
+        return 1
+    if args.drain_timeout < 0:
+        print(f"phaseserve up: --drain-timeout must be >= 0 (0 = hand back at once), got {args.drain_timeout}",
+              file=sys.stderr)
         return 1
     if port_taken(args.host, args.port):
         print(f"phaseserve up: port {args.port} on {args.host} is already in use; stop what holds it or "

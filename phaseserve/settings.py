@@ -137,9 +137,16 @@ SETTINGS: list[Setting] = [
     Setting("bind_cores", "PHASESERVE_BIND_CORES", True, parse_bool,
             "`up` only: when the worker uses fewer threads than there are cores, run it on cores of its own "
             "and the gateway, scheduler and Redis on the rest, so they never preempt a model step", ("up",)),
-    Setting("workers", "PHASESERVE_WORKERS", 1, int,
+    Setting("workers", "PHASESERVE_WORKERS", None, int,
             "`up` only: how many mixed workers to start, each with its share of the cores and its own KV "
-            "cache (--kv-cache-memory each)", ("up",)),
+            "cache (--kv-cache-memory each); default: 1, or 0 when --prefill-workers or --decode-workers is "
+            "given", ("up",)),
+    Setting("prefill_workers", "PHASESERVE_PREFILL_WORKERS", 0, int,
+            "`up` only: how many prefill-role workers to start (--role prefill), beside the mixed ones; each "
+            "gets the same share of the cores as every other worker", ("up",)),
+    Setting("decode_workers", "PHASESERVE_DECODE_WORKERS", 0, int,
+            "`up` only: how many decode-role workers to start (--role decode), beside the mixed ones",
+            ("up",)),
     Setting("relay_cpus", "PHASESERVE_RELAY_CPUS", None, str,
             "CPUs of the worker's Redis relay process, e.g. 1 or 2-3 (`up --bind-cores` gives it the other "
             "services' cores); default: wherever the worker may run", ("worker",)),
@@ -171,6 +178,12 @@ SETTINGS: list[Setting] = [
             "the scheduler re-plans its sequences, and a worker whose model is stuck that long stops "
             "heartbeating and is treated as dead. The scheduler's value goes with each plan (scaled up for a "
             "step larger than its token budget); a worker's own is for plans that carry none",
+            ("worker", "scheduler", "up")),
+    Setting("drain_timeout", "PHASESERVE_DRAIN_TIMEOUT", 30.0, float,
+            "a worker given SIGTERM drains: the scheduler moves its waiting sequences to other workers at "
+            "once, lets its running ones finish for up to this many seconds, then recomputes the rest "
+            "elsewhere and lets it exit (0: hand everything back at once). A worker no scheduler answers "
+            "exits a few seconds after this; a second SIGTERM, or SIGINT, stops it at once",
             ("worker", "scheduler", "up")),
     Setting("scheduler_lease_ttl", "PHASESERVE_SCHEDULER_LEASE_TTL", 5.0, float,
             "seconds the active scheduler's lease lasts unrenewed; a second scheduler is a standby that takes "

@@ -347,6 +347,9 @@ class StepPlan:
     # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
     timeout_s: float = 0.0
     receives: list[KVReceive] = field(default_factory=list)  # KV handed in from a prefill worker (issue #12)
+    # the answer to a draining worker (WorkerInfo.draining): the scheduler holds no sequence on it any
+    # more and sends it nothing after this plan, so once the plans before it are run the worker may exit
+    drained: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -358,7 +361,7 @@ class StepPlan:
             "starts": [s.to_dict() for s in self.starts],
             "chunks": [c.to_list() for c in self.chunks],
             "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
-            "timeout_s": self.timeout_s,
+            "timeout_s": self.timeout_s, "drained": self.drained,
         }
         if self.receives:
             body["receives"] = [r.to_list() for r in self.receives]
@@ -370,7 +373,7 @@ class StepPlan:
         return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
                    [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
                    bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)),
-                   [KVReceive.from_list(r) for r in d.get("receives", ())])
+                   [KVReceive.from_list(r) for r in d.get("receives", ())], bool(d.get("drained", False)))
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler
@@ -479,11 +482,15 @@ class WorkerInfo:
     attention_horizon: int = 0
     # the machine it runs on: workers on one host hand KV over through shared memory, others through Redis
     host: str = ""
+    # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
+    # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
+    # `drained` StepPlan (docs/architecture.md, "Workers joining and leaving")
+    draining: bool = False
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "host")})
+            "attention_horizon", "host", "draining")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

@@ -316,6 +316,15 @@ class WorkerPolicy:
         self._inflight.clear()
         return [(s.request, list(s.output_ids)) for s in seqs]
 
+    def take_waiting(self) -> list[tuple[SubmitRequest, list[int]]]:
+        """Remove the waiting sequences (no blocks held) that may start elsewhere now, returning each with its
+        confirmed outputs (a draining worker's, for other workers). One with a sample still in flight stays
+        until that result is in: its recompute must carry every token the worker published for it."""
+        seqs = [s for s in self._waiting if s.num_inflight_samples == 0]
+        for seq in seqs:
+            self._retire(seq)
+        return [(s.request, list(s.output_ids)) for s in seqs]
+
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:

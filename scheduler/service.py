@@ -33,6 +33,12 @@ Reliability (issue #11):
 - An unseeded sampled request is given a seed at admission (kept in its record), so a recompute samples
   the tokens the client already has (exactly in float32; see docs/architecture.md for bf16).
 - Redis outages: commands retry with backoff, the loop waits and resumes, consumer groups are recreated.
+
+Draining (a worker given SIGTERM announces WorkerInfo.draining; docs/architecture.md, "Workers joining
+and leaving"): nothing new is placed on it, its waiting sequences go to other workers at once (or are
+parked while no other worker lives), its running ones finish there for up to `drain_timeout`; then it
+gets no more plans, and once those in flight have answered the rest is recomputed elsewhere. Holding
+nothing, it gets a `drained` plan: it may exit.
 """
 
 from __future__ import annotations
@@ -108,6 +114,19 @@ class WorkerSlot:
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
+    drain_deadline: float | None = None  # draining: when its running sequences are handed back (monotonic)
+    handing_back: bool = False  # the deadline passed: no more plans; the rest moves once none is in flight
+    drained: bool = False  # told it holds nothing and may exit
+
+    @property
+    def draining(self) -> bool:
+        """The worker is leaving (SIGTERM): no new sequence goes to it."""
+        return self.info.draining
+
+    @property
+    def takes_plans(self) -> bool:
+        """False once a draining worker is past its deadline (what it runs moves elsewhere) or drained."""
+        return not (self.handing_back or self.drained)
 
     @property
     def role(self) -> str:
@@ -154,7 +173,7 @@ class HandoffCounters:
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
-                 lease_ttl: float = 5.0, resume_grace: float = 10.0):
+                 lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -170,6 +189,7 @@ class SchedulerService:
         self.epoch = 0  # ours, from the epoch key when we took the lease
         self.is_leader = False
         self.resume_grace = resume_grace
+        self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -348,6 +368,8 @@ class SchedulerService:
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
+            if info.draining and self.workers[wid].drain_deadline is None:  # (adopted draining, too)
+                self.start_drain(self.workers[wid], info, now)
         self.set_kv_transports()
         if self.parked and self.workers:
             self.place_parked()
@@ -395,7 +417,10 @@ class SchedulerService:
         slot = self.workers.pop(wid)
         self.retired_preemptions += slot.policy.num_preemptions
         moved = slot.policy.take_all()
-        log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
+        if slot.drained and not moved:
+            log.info("worker left after draining", worker_id=wid)
+        else:
+            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
         for req, output_ids in moved:
             self.owner.pop(req.request_id, None)
             self.parked.append((req, output_ids))
@@ -406,7 +431,7 @@ class SchedulerService:
     def set_kv_transports(self) -> None:
         """A prefill worker streams its prefills out while a decode worker exists (else it decodes them
         itself, as a mixed one): over shared memory when every decode worker shares its host, else Redis."""
-        decode_hosts = {s.info.host for s in self.workers.values() if s.role == "decode"}
+        decode_hosts = {s.info.host for s in self.workers.values() if s.role == "decode" and not s.draining}
         for slot in self.workers.values():
             if slot.role != "prefill" or not decode_hosts:
                 transport = None
@@ -421,7 +446,8 @@ class SchedulerService:
         that can take them; with none, they decode on `src`."""
         for rid in src.policy.ready_handoffs():
             ready = src.policy.handoff_of(rid)
-            takers = [s for s in self.workers.values() if s.role == "decode" and s.policy.can_accept_handoff(ready)]
+            takers = [s for s in self.workers.values()
+                      if s.role == "decode" and not s.draining and s.policy.can_accept_handoff(ready)]
             if not takers:
                 src.policy.keep(rid)
                 self.handoffs.kept += 1
@@ -455,10 +481,11 @@ class SchedulerService:
         blocks) of the workers that can hold it.
         If none can, the largest, whose policy then rejects it with the nearest miss in its message.
         New sequences start on prefill and mixed workers; decode workers take them only when there are
-        no others (then they prefill too)."""
-        if not self.workers:
+        no others (then they prefill too). None (park it) when no worker but draining ones lives."""
+        staying = [s for s in self.workers.values() if not s.draining]
+        if not staying:
             return None
-        candidates = [s for s in self.workers.values() if s.role != "decode"] or list(self.workers.values())
+        candidates = [s for s in staying if s.role != "decode"] or staying
         fits = [s for s in candidates if s.policy.capacity.rejection(
             len(req.prompt_ids), req.params.max_tokens, len(output_ids or ())) is None]
         if not fits:
@@ -473,12 +500,62 @@ class SchedulerService:
         for req, output_ids in parked:
             self.admit(req, output_ids)
 
+    # ------------------------------------------------------------------ draining workers
+
+    def start_drain(self, slot: WorkerSlot, info: WorkerInfo, now: float) -> None:
+        """The worker announced it is leaving: from now on nothing new goes to it (pick_worker), and its
+        waiting sequences go elsewhere at once."""
+        slot.info = info
+        slot.drain_deadline = now + self.drain_timeout
+        log.info("worker draining", worker_id=info.worker_id, running=slot.policy.num_running,
+                 waiting=slot.policy.num_waiting, drain_timeout_s=self.drain_timeout)
+        self.move_waiting(slot)
+        self._stats_dirty = True
+
+    def move_waiting(self, slot: WorkerSlot) -> None:
+        """A draining worker's waiting sequences (no blocks, nothing in flight) go to the other workers, or
+        are parked until one joins."""
+        for req, output_ids in slot.policy.take_waiting():
+            self.owner.pop(req.request_id, None)
+            self.admit(req, output_ids)
+
+    def advance_drains(self, now: float) -> None:
+        """Each turn, for every draining worker: move what waits (a preempted sequence), hand back what still
+        runs once the drain deadline passed and no plan of it is in flight, and tell a worker that holds
+        nothing that it may exit (its `drained` plan goes out with the turn's other writes)."""
+        for slot in self.workers.values():
+            if not slot.draining or slot.drained:
+                continue
+            if slot.policy.num_waiting:
+                self.move_waiting(slot)
+            if slot.policy.has_unfinished() and now >= slot.drain_deadline and not slot.handing_back:
+                slot.handing_back = True  # plan_steps sends it nothing more
+                log.info("drain deadline passed; handing its sequences back", worker_id=slot.info.worker_id,
+                         running=slot.policy.num_running, plans_in_flight=len(slot.in_flight))
+            # the results of plans in flight first: a recompute starts from every token the worker published
+            if slot.handing_back and not slot.in_flight and slot.policy.has_unfinished():
+                moved = slot.policy.take_all()
+                log.warning("recomputing a draining worker's sequences elsewhere", worker_id=slot.info.worker_id,
+                            sequences_moved=len(moved))
+                for req, output_ids in moved:
+                    self.owner.pop(req.request_id, None)
+                    self.admit(req, output_ids)
+            if not slot.policy.has_unfinished():
+                wid = slot.info.worker_id
+                # step -1 matches no open step; after the plans in flight, in stream order
+                self._pending_ops.append(("plan", self.keys.steps(wid),
+                                          StepPlan(-1, wid, epoch=self.epoch, drained=True).to_wire()))
+                slot.drained = True
+                log.info("worker drained; it may exit", worker_id=wid)
+                self._stats_dirty = True
+
     # ------------------------------------------------------------------ requests
 
     def admit(self, req: SubmitRequest, output_ids: list[int] | None = None) -> bool:
         slot = self.pick_worker(req, output_ids)
         if slot is None:
             self.parked.append((req, output_ids))
+            self._stats_dirty = True  # counted in num_waiting
             return True
         try:
             slot.policy.add_request(req, output_ids=output_ids or None)
@@ -644,6 +721,8 @@ class SchedulerService:
         now = time.monotonic() if now is None else now
         sent = 0
         for wid, slot in self.workers.items():
+            if not slot.takes_plans:  # a draining worker past its deadline, or told to go
+                continue
             while len(slot.in_flight) < self.plans_in_flight and (slot.policy.has_unfinished() or slot.needs_plan):
                 plan = slot.policy.schedule()
                 slot.needs_plan = False
@@ -697,6 +776,8 @@ class SchedulerService:
                 pipe.hset(key, mapping={f"{OUTPUT_FIELD_PREFIX}{op[2] + i}": t for i, t in enumerate(op[3])})
             elif kind == "delete":
                 pipe.delete(key)
+            elif kind == "plan":  # a plan outside a policy's steps (a drained worker's last)
+                pipe.xadd(key, {FIELD: op[2]}, maxlen=STREAM_MAXLEN, approximate=True)
             elif kind == "publish":
                 pipe.publish(key, op[2])
             elif kind == "error":  # the durable copy first, as the relay does for tokens
@@ -803,6 +884,7 @@ class SchedulerService:
             if now >= self._next_claim:
                 await self.claim_pending(min_idle_ms=2 * self.lease_ttl_ms)
             next_deadline = self.give_up_overdue_steps(now)
+            self.advance_drains(now)
             ops, acks = list(self._pending_ops), list(self._acks)  # restored if Redis is unreachable
             pipe = self.client.pipeline(transaction=False)
             renewing = self.renew_lease(pipe, now)
@@ -864,7 +946,7 @@ async def serve(args) -> None:
                           args.attention_horizon, args.long_prefill_threshold, args.kv_transport)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
-                               resume_grace=args.resume_grace)
+                               resume_grace=args.resume_grace, drain_timeout=args.drain_timeout)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -890,5 +972,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve scheduler: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise SystemExit(f"phaseserve scheduler: --drain-timeout must be >= 0 (0 = hand back at once), "
+                         f"got {args.drain_timeout}")
     event_loop.run(serve(args))
     return 0

@@ -108,6 +108,7 @@ class Gateway:
         self.tokens: dict[str, list[int]] = {}  # contiguous from offset 0
         self.by_offset: dict[str, dict[int, int]] = {}  # every token seen, first one per offset
         self.finish: dict[str, str] = {}
+        self.finished_by: dict[str, str] = {}  # seq id -> the worker whose batch carried its finish
         self.errors: dict[str, tuple[str | None, str]] = {}  # seq id -> (error_kind, message)
         self.duplicates = 0
         self.conflicts = 0  # a token at an offset already seen, with another value: two samples spliced
@@ -157,6 +158,7 @@ class Gateway:
                 out.append(seen[len(out)])
             if ev.finish_reason:
                 self.finish[ev.seq_id] = ev.finish_reason
+                self.finished_by.setdefault(ev.seq_id, batch.worker_id)
                 self.last_token_at.pop(ev.seq_id, None)
             if ev.error:
                 self.errors[ev.seq_id] = (ev.error_kind, ev.error)

@@ -64,7 +64,37 @@ def test_environment_wiring(compose):
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"
 
 
-@pytest.mark.parametrize("service", ["gateway", "scheduler", "worker", "worker-gpu"])
+def test_disaggregated_profile_runs_prefill_and_decode_workers(compose):
+    """`docker compose --profile disaggregated up --scale worker=0`: prefill and decode workers, each
+    scalable, each draining on SIGTERM within its stop grace period."""
+    services = compose["services"]
+    for name, role in (("worker-prefill", "prefill"), ("worker-decode", "decode")):
+        svc = services[name]
+        assert svc["profiles"] == ["disaggregated"], name
+        args = svc["command"][2:]
+        ns = settings.parse("worker", args)  # the role as the worker reads it
+        assert ns.role == role and svc["command"][:2] == ["phaseserve", "worker"], name
+        assert "container_name" not in svc and "ports" not in svc, f"{name} must be scalable"
+        assert svc["environment"] == services["worker"]["environment"], name  # the same worker otherwise
+        assert svc["healthcheck"] == services["worker"]["healthcheck"], name
+    assert "profiles" not in services["worker"]  # the mixed worker stays the default layout
+
+
+@pytest.mark.parametrize("service", ["worker", "worker-prefill", "worker-decode", "worker-gpu"])
+def test_workers_have_time_to_drain_before_docker_kills_them(compose, service):
+    """Docker sends SIGTERM, then SIGKILL after stop_grace_period (10 s by default): a draining worker needs
+    its drain timeout and the margin it waits beyond it."""
+    from workers.service import DRAIN_MARGIN_S
+
+    svc = compose["services"][service]
+    env = service_env(svc)
+    drain = float(env.get("PHASESERVE_DRAIN_TIMEOUT", settings.BY_NAME["drain_timeout"].default))
+    grace = re.fullmatch(r"(\d+)s", svc["stop_grace_period"])
+    assert grace and int(grace.group(1)) >= drain + DRAIN_MARGIN_S, svc.get("stop_grace_period")
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler", "worker", "worker-gpu", "worker-prefill",
+                                     "worker-decode"])
 def test_commands_exist_in_cli(compose, service):
     command = compose["services"][service]["command"]
     sub, args = command[1], command[2:]

@@ -157,3 +157,93 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
         assert served_by() == set(ids), f"after {rounds} rounds of 4 requests only {served_by()} served"
         assert rounds <= 5, f"{rounds} rounds of 4 concurrent requests before both workers served one"
         client.close()
+
+
+def test_up_plans_prefill_and_decode_workers_with_their_roles_and_core_shares(monkeypatch, tmp_path):
+    from phaseserve import launcher
+
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)
+    base = {"bind_cores": True, "num_threads": 2, "model": str(tmp_path), "workers": None,
+            "prefill_workers": 0, "decode_workers": 0}
+    roles = launcher.worker_roles
+    assert roles(base) == {"worker": "mixed"}  # the default: one mixed worker
+    assert roles({**base, "workers": 2}) == {"worker-0": "mixed", "worker-1": "mixed"}
+    # roles asked for: no mixed worker unless asked for too
+    assert roles({**base, "prefill_workers": 1, "decode_workers": 2}) == {
+        "prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    assert roles({**base, "workers": 1, "prefill_workers": 1, "decode_workers": 1}) == {
+        "worker-0": "mixed", "prefill-0": "prefill", "decode-0": "decode"}
+    assert roles({**base, "workers": 1, "prefill_workers": 1}) == {"worker-0": "mixed", "prefill-0": "prefill"}
+
+    # each worker, whatever its role, an equal share of the cores (cut to its threads); the rest to the others
+    monkeypatch.setattr(launcher, "usable_cores", lambda: list(range(8)))
+    assert launcher.core_placement({**base, "prefill_workers": 1, "decode_workers": 2}) == {
+        "prefill-0": [0, 1], "decode-0": [2, 3], "decode-1": [4, 5], "relay": [6, 7], "gateway": [6, 7],
+        "scheduler": [6, 7], "redis": [6, 7]}
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1])
+    assert launcher.core_placement({**base, "num_threads": 0, "prefill_workers": 1, "decode_workers": 1}) == {
+        "prefill-0": [0], "decode-0": [1], "relay": [0, 1], "gateway": None, "scheduler": None, "redis": None}
+
+
+def test_up_refuses_worker_counts_that_make_no_deployment_in_one_line(monkeypatch, capsys):
+    from phaseserve import launcher, logs
+
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
+    cases = {
+        ("--prefill-workers", "1"): "--prefill-workers 1 with no worker to decode: add --decode-workers",
+        ("--decode-workers", "2"): "--decode-workers 2 with no worker to prefill: add --prefill-workers",
+        ("--workers", "0"): "no worker to start",
+        ("--workers", "-1"): "--workers must be a whole number >= 0, got -1",
+        ("--prefill-workers", "-2", "--workers", "1"): "--prefill-workers must be a whole number >= 0, got -2",
+        ("--drain-timeout", "-1"): "--drain-timeout must be >= 0",
+    }
+    for argv, message in cases.items():
+        assert launcher.main(list(argv)) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("phaseserve up: ") and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_up_starts_prefill_and_decode_workers_with_their_roles(e2e_model, tmp_path):
+    """`up --prefill-workers 1 --decode-workers 1`: two workers announce those roles, each on its own cores
+    (when there are enough), the stack serves, and it stops quickly (workers get SIGINT, no drain)."""
+    import redis
+
+    from e2e_stack import running_stack, wait_for
+    from phaseserve.wire import Keys, WorkerInfo
+
+    with running_stack(e2e_model, tmp_path, prefill_workers=1, decode_workers=1) as stack:
+        procs = stack.stack.procs
+        assert {"prefill-0", "decode-0"} <= set(procs) and not any(n.startswith("worker") for n in procs)
+        keys = Keys(stack.key_prefix)
+        client = redis.Redis.from_url(stack.redis_url)
+
+        def heartbeats():
+            beats = [client.get(keys.worker_heartbeat(m.decode())) for m in client.smembers(keys.workers)]
+            infos = [WorkerInfo.from_wire(b) for b in beats if b]
+            return infos if len(infos) == 2 else None
+
+        infos = wait_for(heartbeats, 60)
+        assert infos, "two workers did not announce themselves"
+        assert {i.pid: i.role for i in infos} == {procs["prefill-0"].pid: "prefill", procs["decode-0"].pid: "decode"}
+        for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+            assert ["--role", role] == psutil.Process(procs[name].pid).cmdline()[-2:]
+        placement = core_placement({"bind_cores": True, "num_threads": 0, "model": str(e2e_model),
+                                    "prefill_workers": 1, "decode_workers": 1})
+        if placement:
+            for name in ("prefill-0", "decode-0"):
+                assert sorted(psutil.Process(procs[name].pid).cpu_affinity()) == placement[name]
+
+        with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120) as c:
+            reply = c.completions.create(model=stack.model, prompt="Once", max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+
+        children = [psutil.Process(p.pid) for p in procs.values()]
+        t0 = time.monotonic()
+        stack.stack.stop()
+        stopped_in = time.monotonic() - t0
+        client.close()
+    assert stopped_in < 10, f"stopping took {stopped_in:.1f} s (a worker drained instead of stopping?)"
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+    _gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive

@@ -623,6 +623,32 @@ def test_take_all_moves_unfinished_sequences_to_another_scheduler():
     assert_idle(other)
 
 
+def test_take_waiting_moves_a_draining_worker_s_sequences_that_hold_no_blocks():
+    """A draining worker: its waiting sequences go to another worker at once (nothing computed is lost, no
+    block changes hands), its running ones finish where they are."""
+    cfg = SchedulerConfig(num_blocks=40, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
+                          max_model_len=256)
+    published: dict = {}
+    sched, worker = WorkerPolicy(cfg, "w1"), FakeWorker(cfg, published)
+    reqs = [make_req(f"d{i}", 20, max_tokens=12) for i in range(4)]
+    drive(sched, worker, depth=2, arrivals={0: reqs}, stop_after=3)
+    assert sched.num_running == 2 and sched.num_waiting == 2
+    used = sched.num_used_blocks
+    taken = sched.take_waiting()
+    assert [r.request_id for r, _ in taken] == ["d2", "d3"] and all(outs == [] for _, outs in taken)
+    assert sched.num_waiting == 0 and sched.num_running == 2 and sched.num_used_blocks == used
+    assert sched.take_waiting() == []
+    drive(sched, worker)  # the running ones finish on the draining worker
+    assert_idle(sched)
+    other, worker2 = WorkerPolicy(cfg, "w2"), FakeWorker(cfg, published)
+    for r, outs in taken:
+        other.add_request(r, outs)
+    drive(other, worker2)
+    assert_reference(worker, reqs[:2], cfg.max_model_len)
+    assert_reference(worker2, reqs[2:], cfg.max_model_len)
+    assert_idle(other)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

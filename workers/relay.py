@@ -4,14 +4,17 @@ The model process (workers/service.py) starts it with `python -m workers.relay P
 talks to it over two pipes (multiprocessing connections, msgpack messages):
 
 - `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one message per step,
-  [entry id of the plan, StepResult bytes (None: ack only), [[gateway id, TokenBatch bytes], ...]]. The relay sends each
+  [entry id of the plan, StepResult bytes (None: ack only), [[gateway id, TokenBatch bytes], ...]], or a
+  notice (a map): DRAINING (SIGTERM: the heartbeat announces it at once, WorkerInfo.draining). The relay sends each
   step's writes in ONE pipeline (each event XADDed to its sequence's token log, phaseserve/token_log.py,
   then a PUBLISH per gateway, XADD to `results`, XACK + XDEL of the plan), in
   step order; steps that arrive during a round trip go out together in the next one. When the model
   process closes `writes`, the relay sends what is left, removes the heartbeat and exits.
 - `plans`, relay -> model. A reader thread blocks on `steps:<worker>` (consumer group) and forwards each
   entry as [entry id, plan bytes], so with two plans in flight the next one is usually already in the
-  pipe. A Redis failure is forwarded as [None, message] (the worker stops), then the relay exits.
+  pipe. A Redis failure is forwarded as [None, message] (the worker stops), then the relay exits. While
+  the worker drains, a notice (a map) NO_SCHEDULER says no scheduler holds the lease: nobody will answer
+  the drain, so the worker need not wait for it (a whole stack stopping: `docker compose down`).
 
 A heartbeat thread keeps `worker:<id>` alive (with a TTL) while the model makes progress: a model step
 may take up to `step_timeout` seconds from when its plan is due (handed over, or the previous step
@@ -52,6 +55,9 @@ from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 log = structlog.get_logger("workers.relay")
 
 READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
+# notices between the model process and the relay (maps, where step messages and plans are lists)
+DRAINING = "draining"  # model -> relay: announce WorkerInfo.draining now
+NO_SCHEDULER = "no_scheduler"  # relay -> model: draining, and no scheduler holds the lease
 
 
 @dataclass
@@ -141,12 +147,15 @@ class Heartbeat(threading.Thread):
     """Refreshes the heartbeat key every `interval` seconds while the model makes progress (`liveness`)."""
 
     def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float,
-                 liveness: ModelLiveness | None = None):
+                 liveness: ModelLiveness | None = None, on_no_scheduler=None):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.keys, self.info = client, keys, info
         self.interval, self.ttl_ms = interval, max(1, int(ttl * 1000))
         self.liveness = liveness or ModelLiveness(float("inf"))
+        # called (once) when a beat of a draining worker finds no scheduler holding the lease
+        self.on_no_scheduler = on_no_scheduler
         self.stopped = threading.Event()
+        self.woken = threading.Event()  # beat now, not at the next interval (the worker started draining)
         self.silent = False  # the heartbeat was withdrawn for a hung model
         self.incarnation = 0  # lives this worker has had after hangs (ModelLiveness.incarnation announced)
 
@@ -154,7 +163,18 @@ class Heartbeat(threading.Thread):
         pipe = self.client.pipeline(transaction=False)
         pipe.sadd(self.keys.workers, self.info.worker_id)
         pipe.set(self.keys.worker_heartbeat(self.info.worker_id), self.info.to_wire(), px=self.ttl_ms)
-        pipe.execute()
+        draining = self.info.draining
+        if draining:  # is anyone there to answer the drain?
+            pipe.exists(self.keys.scheduler_lease())
+        replies = pipe.execute()
+        if draining and not replies[-1] and self.on_no_scheduler is not None:
+            self.on_no_scheduler()
+            self.on_no_scheduler = None
+
+    def start_draining(self) -> None:
+        """Announce WorkerInfo.draining with the next beat, which comes now."""
+        self.info.draining = True
+        self.woken.set()
 
     def withdraw(self) -> None:
         """The model is hung: the scheduler must see this worker gone at its next look, not after the TTL."""
@@ -178,7 +198,11 @@ class Heartbeat(threading.Thread):
         self.beat()
 
     def run(self) -> None:
-        while not self.stopped.wait(self.interval):
+        while True:
+            self.woken.wait(self.interval)
+            self.woken.clear()
+            if self.stopped.is_set():
+                return
             try:
                 self.tick()
             except redis.RedisError as e:  # keep trying: Redis may come back before the TTL runs out
@@ -186,6 +210,7 @@ class Heartbeat(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+        self.woken.set()
         self.join(timeout=self.interval + 1)
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self.keys.worker_heartbeat(self.info.worker_id))
@@ -204,7 +229,7 @@ class Relay:
         self.client = connect(config.redis_url, name=f"{config.key_prefix}:relay:{self.worker_id}")
         self.liveness = ModelLiveness(config.step_timeout)
         self.heartbeat = Heartbeat(self.client, self.keys, self.info, config.heartbeat_interval,
-                                   config.heartbeat_ttl, self.liveness)
+                                   config.heartbeat_ttl, self.liveness, self._no_scheduler)
         self.stopping = threading.Event()
         self.send_lock = threading.Lock()  # the reader and a failing writer both send on `plans`
 
@@ -252,6 +277,14 @@ class Relay:
                 log.error("reading plans failed", error=str(e))
                 self._fail(f"reading plans failed: {e}")  # a no-op if the model process itself is gone
 
+    def _no_scheduler(self) -> None:
+        log.info("draining, and no scheduler holds the lease: nobody will answer; telling the worker")
+        try:
+            with self.send_lock:
+                self.plans.send_bytes(msgpack.packb({NO_SCHEDULER: True}))
+        except (OSError, ValueError):  # the model process is gone already
+            pass
+
     def _fail(self, message: str) -> None:
         try:
             self._send_plan(None, message)
@@ -273,7 +306,13 @@ class Relay:
                 continue
             pipe = self.client.pipeline(transaction=False)
             for raw in batch:
-                entry_id, result, batches, *flags = msgpack.unpackb(raw)
+                message = msgpack.unpackb(raw)
+                if isinstance(message, dict):  # a notice, not a step
+                    if message.get(DRAINING):
+                        log.info("worker draining; announcing it")
+                        self.heartbeat.start_draining()
+                    continue
+                entry_id, result, batches, *flags = message
                 keep, hung = self.liveness.step_written(time.monotonic(), bool(flags and flags[0]))
                 if hung:
                     log.error("model step overran the deadline; this life's writes are void until the "

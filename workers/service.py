@@ -10,6 +10,11 @@ loop only moves bytes through two pipes: it never waits on a Redis round trip.
 Plans carry the scheduler's epoch: a plan of an older epoch than one already seen (left in the stream by
 a scheduler that lost its lease) is dropped. A `reset` plan (the first of a scheduler's adoption of this
 worker) makes the runner forget every sequence it holds.
+
+SIGTERM drains (docs/architecture.md, "Workers joining and leaving"): the heartbeat announces it
+(WorkerInfo.draining), the worker keeps running the plans it gets, and exits after the scheduler's
+`drained` plan; or, if none comes, `drain_timeout` + DRAIN_MARGIN_S after the signal, or at once when no
+scheduler holds the lease (its relay looks). SIGINT, or a second SIGTERM, stops it at once.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ from phaseserve.cpus import worker_threads
 from phaseserve.procs import parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
 from workers.handoff import KVHandoffs
-from workers.relay import RelayConfig, config_message
+from workers.relay import DRAINING, NO_SCHEDULER, RelayConfig, config_message
 
 log = structlog.get_logger("workers.service")
+
+# a draining worker no scheduler answers waits this much longer than the drain timeout before leaving: the
+# scheduler notices the drain a heartbeat late and sends its answer behind the plans already in flight
+DRAIN_MARGIN_S = 5.0
 
 
 class RelayError(RuntimeError):
@@ -44,11 +53,15 @@ class WorkerService:
     def __init__(self, runner, redis_url: str, keys: Keys, worker_id: str, *, role: str = "mixed",
                  heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500,
                  relay_cpus: list[int] | None = None, log_level: str = "info", log_json: bool = False,
-                 step_timeout: float = 30.0):
+                 step_timeout: float = 30.0, drain_timeout: float = 30.0):
         self.runner = runner
         self.keys = keys
         self.worker_id = worker_id
         self.stopping = False
+        self.draining = False  # SIGTERM came: leave once the scheduler has moved our sequences away
+        self.drain_announced = False  # the relay was told (its heartbeat carries WorkerInfo.draining)
+        self.drain_wait_s = drain_timeout + max(DRAIN_MARGIN_S, 3 * heartbeat_interval)
+        self.drain_deadline = float("inf")  # time.monotonic() past which we leave unanswered
         self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
@@ -98,9 +111,15 @@ class WorkerService:
         try:
             if not self.plans.poll(timeout):
                 return None
-            entry_id, data = msgpack.unpackb(self.plans.recv_bytes())
+            message = msgpack.unpackb(self.plans.recv_bytes())
         except (EOFError, OSError):
             raise RelayError(f"the relay process exited (code {self.relay.poll()})") from None
+        if isinstance(message, dict):  # a notice from the relay
+            if message.get(NO_SCHEDULER) and self.draining:
+                log.info("draining with no scheduler to answer; stopping", worker_id=self.worker_id)
+                self.stopping = True
+            return None
+        entry_id, data = message
         if entry_id is None:
             raise RelayError(data)
         return entry_id, data
@@ -112,6 +131,8 @@ class WorkerService:
         started = time.perf_counter()
         try:
             while not self.stopping:
+                if self.draining and self._drain_over():
+                    break
                 item = self.next_plan(0.1)
                 if item is not None:
                     self.run_step(*item)
@@ -133,6 +154,14 @@ class WorkerService:
             self._send(msgpack.packb([entry_id, None, []]))
             return
         self.epoch = plan.epoch
+        if plan.drained:  # the scheduler holds nothing on us and sends nothing more: leave
+            self._send(msgpack.packb([entry_id, None, []]))
+            if self.draining:
+                log.info("drained; stopping", worker_id=self.worker_id, steps=self.steps_run)
+                self.stopping = True
+            else:
+                log.warning("a drained plan, but this worker is not draining; ignoring it")
+            return
         if plan.reset:  # a new adoption: the sequences held so far belong to nobody (the runner forgets them)
             self.gateway_of.clear()
         for seq in plan.starts:
@@ -186,6 +215,29 @@ class WorkerService:
     def request_stop(self, *_args) -> None:
         self.stopping = True
 
+    def request_drain(self, *_args) -> None:
+        """SIGTERM: drain, then leave (the run loop tells the relay); a second one stops at once.
+        A signal handler: it only sets flags."""
+        if self.draining:
+            self.stopping = True
+            return
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_wait_s
+
+    def _drain_over(self) -> bool:
+        """Announce the drain once; True when it has waited for the scheduler's answer long enough."""
+        if not self.drain_announced:
+            self.drain_announced = True
+            log.info("draining: the scheduler moves this worker's sequences away, then lets it go",
+                     worker_id=self.worker_id, wait_s=round(self.drain_wait_s, 1))
+            self._send(msgpack.packb({DRAINING: True}))
+        if time.monotonic() < self.drain_deadline:
+            return False
+        log.warning("no scheduler answered the drain in time; stopping (its sequences are recomputed "
+                    "elsewhere once the heartbeat is gone)", worker_id=self.worker_id,
+                    waited_s=round(self.drain_wait_s, 1))
+        return True
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -213,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve worker: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise SystemExit(f"phaseserve worker: --drain-timeout must be >= 0 (0 = hand back at once), "
+                         f"got {args.drain_timeout}")
     try:
         relay_cpus = parse_cpus(args.relay_cpus)
     except ValueError as e:
@@ -245,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     service = WorkerService(runner, args.redis_url, Keys(args.key_prefix), worker_id, role=args.role,
                             heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
                             relay_cpus=relay_cpus, log_level=args.log_level,
-                            log_json=args.log_json, step_timeout=args.step_timeout)
-    signal.signal(signal.SIGTERM, service.request_stop)
+                            log_json=args.log_json, step_timeout=args.step_timeout,
+                            drain_timeout=args.drain_timeout)
+    signal.signal(signal.SIGTERM, service.request_drain)  # leave gracefully (module docstring)
     signal.signal(signal.SIGINT, service.request_stop)
     try:
         service.run()
