@@ -7,7 +7,8 @@ core fewer. A step on every core also pays for the rest of the service (gateway,
 their CPU per step lands on the model's cores and stalls its threads at every barrier); with a core kept
 free it runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins
 unless its step is longer than the all-cores step plus that service time. The answer is cached in
-`<cache dir>/threads.json` (keyed by CPU, core count and model files), so the launcher's core split and
+`<cache dir>/threads.json` (keyed by CPU, core count and model files; for ten minutes only when other
+processes were busy during the timing), so the launcher's core split and
 the worker it starts read the same one and the model is timed only on the first start. This module
 imports no torch itself: the launcher must not pay for it.
 """
@@ -44,6 +45,8 @@ PYTHON_WORK_REFERENCE_S = 0.00137
 PROBE_TIMEOUT_S = 600.0
 # Other processes' load during the timing above which it is used for this start only, not cached.
 BUSY_MACHINE_CORES = 0.3
+# ... and how long such an answer is kept: long enough for the launcher's worker to read it.
+BUSY_RESULT_TTL_S = 600.0
 
 
 @dataclass
@@ -100,7 +103,7 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         return ThreadChoice(auto_threads(0, cores, weight_bytes), "no config.json to load the model from: by size")
     key = cache_key(model_dir, files, cores)
     cached = read_cache().get(key)
-    if cached:
+    if cached and cached.get("expires_at", float("inf")) > time.time():
         return ThreadChoice(cached["threads"], f"{cached['reason']} (measured {cached['measured_at']})")
     counts = [cores - 1, cores]
     log.info("timing the model on different thread counts (once for this model and machine)",
@@ -111,13 +114,14 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         log.warning("could not time the model; choosing threads by its size", error=str(e))
         return ThreadChoice(auto_threads(0, cores, weight_bytes), f"timing failed ({e}): by size")
     choice = choose_threads(step_s, cores, service_cpu_per_step())
+    entry = {"threads": choice.threads, "reason": choice.reason,
+             "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     if others > BUSY_MACHINE_CORES:
-        # other processes' work is in these times: right for now, but not what this machine does when
-        # quiet, so the next start times it again
-        choice.reason += f"; other processes used {others:.1f} cores meanwhile (not cached)"
-    else:
-        write_cache(key, {"threads": choice.threads, "reason": choice.reason,
-                          "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        # other processes' work is in these times: right for now (the launcher and the worker it starts
+        # read the same answer), but not what this machine does when quiet, so a later start times it again
+        choice.reason += f"; other processes used {others:.1f} cores meanwhile"
+        entry.update(reason=choice.reason, expires_at=time.time() + BUSY_RESULT_TTL_S)
+    write_cache(key, entry)
     return choice
 
 

@@ -5,6 +5,7 @@ worker applying and logging it."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -63,6 +64,10 @@ def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     again = cpus.thread_choice(0, str(model), cores=2)
     assert again.threads == 3 - first.threads and "measured 20" in again.reason
     assert cpus.worker_threads(0, str(model), cores=2) == again.threads  # the launcher's call
+    # an answer timed while other processes were busy is kept only for a while: past it, timed again
+    entry.update(threads=99, expires_at=time.time() - 1)
+    (tmp_path / "cache" / "threads.json").write_text(json.dumps(cache))
+    assert cpus.thread_choice(0, str(model), cores=2).threads in (1, 2)
 
 
 def test_the_worker_sets_and_logs_the_choice(tmp_path, monkeypatch):
