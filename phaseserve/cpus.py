@@ -122,6 +122,7 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         choice.reason += f"; other processes used {others:.1f} cores meanwhile"
         entry.update(reason=choice.reason, expires_at=time.time() + BUSY_RESULT_TTL_S)
     write_cache(key, entry)
+    log.info("worker threads measured", threads=choice.threads, reason=choice.reason)
     return choice
 
 
