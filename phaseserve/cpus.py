@@ -103,8 +103,9 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         return ThreadChoice(auto_threads(0, cores, weight_bytes), "no config.json to load the model from: by size")
     key = cache_key(model_dir, files, cores)
     cached = read_cache().get(key)
-    if cached and cached.get("expires_at", float("inf")) > time.time():
-        return ThreadChoice(cached["threads"], f"{cached['reason']} (measured {cached['measured_at']})")
+    if isinstance(cached, dict) and isinstance(cached.get("threads"), int) and 1 <= cached["threads"] <= cores \
+            and cached.get("expires_at", float("inf")) > time.time():
+        return ThreadChoice(cached["threads"], f"{cached.get('reason')} (measured {cached.get('measured_at')})")
     counts = [cores - 1, cores]
     log.info("timing the model on different thread counts (once for this model and machine)",
              model=model_dir, threads=counts)
