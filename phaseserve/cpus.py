@@ -1,23 +1,78 @@
 """How many CPUs a worker's model gets: the thread-count rule shared by the worker (workers/service.py) and
-the launcher that splits the cores between services (phaseserve/launcher.py). No torch, no service imports."""
+the launcher that splits the cores between services (phaseserve/launcher.py).
+
+The choice is measured, once per model and machine: a child process (`python -m phaseserve.cpus MODEL`)
+loads the model and times a decode step at a representative batch with every usable core and with one
+core fewer. A step on every core also pays for the rest of the service (gateway, scheduler, relay, Redis:
+their CPU per step lands on the model's cores and stalls its threads at every barrier); with a core kept
+free it runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins
+unless its step is longer than the all-cores step plus that service time. The answer is cached in
+`<cache dir>/threads.json` (keyed by CPU, core count and model files; for ten minutes only when other
+processes were busy during the timing), so the launcher's core split and
+the worker it starts read the same one and the model is timed only on the first start. This module
+imports no torch itself: the launcher must not pay for it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# Above this much weight a step is bound by compute and memory bandwidth, and every core pays;
-# below it a step is a few milliseconds of small ops, and a core left to the gateway, scheduler and
-# Redis pays more (workload A, one run each: bundled 11 MB model 2283 tok/s on 1 thread vs 1881 on 2;
-# 400 MB model 299 tok/s on 2 threads vs 200 on 1 -- README, "Benchmarks").
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# The fallback when the model cannot be timed: above this much weight a step is bound by compute and
+# memory bandwidth, below it a core left to the service pays more (README, "Benchmarks").
 LARGE_MODEL_BYTES = 100 << 20
+
+# The batch the step is timed at: workload A's concurrency, and what a busy worker runs.
+PROBE_BATCH = 16
+# CPU seconds the gateway, scheduler, relay and Redis spend per decoded token, on this machine (bundled model,
+# workload A, per-process CPU of `phaseserve up`: 0.86 s for 4,096 tokens; docs/benchmarks.md, "Worker
+# threads") ...
+SERVICE_CPU_PER_TOKEN_S = 0.21e-3
+# ... when PYTHON_WORK (msgpack and dict work like theirs) took this long here; scaled by its time on the
+# machine at hand, since that code runs as fast as the CPU runs Python, not as fast as it multiplies.
+PYTHON_WORK_REFERENCE_S = 0.00137
+PROBE_TIMEOUT_S = 600.0
+# Other processes' load during the timing above which it is used for this start only, not cached.
+BUSY_MACHINE_CORES = 0.3
+# ... and how long such an answer is kept: long enough for the launcher's worker to read it.
+BUSY_RESULT_TTL_S = 600.0
+
+
+@dataclass
+class ThreadChoice:
+    threads: int
+    reason: str
 
 
 def auto_threads(num_threads: int, cores: int, weight_bytes: int) -> int:
-    """The worker's torch thread count: the setting if > 0, else chosen by model size."""
+    """The fallback rule by model size: the setting if > 0, else every core for a large model, one fewer for a small."""
     if num_threads > 0:
         return num_threads
     return cores if weight_bytes >= LARGE_MODEL_BYTES else max(1, cores - 1)
+
+
+def choose_threads(step_s: dict[int, float], cores: int, service_s: float) -> ThreadChoice:
+    """From measured decode step seconds per thread count: `cores` threads cost their step plus the
+    service's CPU per step (it runs on the model's cores); fewer threads leave it a core, and a step then
+    takes the longer of the model's step and the service's work."""
+    def cost(n: int) -> float:
+        return step_s[n] + service_s if n >= cores else max(step_s[n], service_s)
+
+    best = min(step_s, key=lambda n: (cost(n), n))
+    measured = ", ".join(f"{n} thread{'s' * (n > 1)} {step_s[n] * 1e3:.1f} ms" for n in sorted(step_s))
+    return ThreadChoice(best, f"decode step at batch {PROBE_BATCH}: {measured}; the rest of the service "
+                              f"~{service_s * 1e3:.1f} ms CPU a step")
 
 
 def usable_cores() -> list[int]:
@@ -25,8 +80,200 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def model_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    return sorted([*root.glob("*.safetensors"), *root.glob("*.gguf")])
+
+
 def worker_threads(num_threads: int, model_dir: str, cores: int | None = None) -> int:
-    """What auto_threads gives for this model folder's weights on `cores` CPUs (default: ours)."""
-    weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    weight_bytes += sum(f.stat().st_size for f in Path(model_dir).glob("*.gguf"))
-    return auto_threads(num_threads, len(usable_cores()) if cores is None else cores, weight_bytes)
+    """The worker's torch thread count for this model folder on `cores` CPUs (default: ours)."""
+    return thread_choice(num_threads, model_dir, cores).threads
+
+
+def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) -> ThreadChoice:
+    """The thread count and why: the setting if > 0; else measured (or cached) when there is a choice."""
+    cores = len(usable_cores()) if cores is None else cores
+    if num_threads > 0:
+        return ThreadChoice(num_threads, "set (--num-threads, or the launcher's share of the cores)")
+    if cores <= 1:
+        return ThreadChoice(1, "one usable CPU")
+    files = model_files(model_dir)
+    weight_bytes = sum(f.stat().st_size for f in files)
+    if not (Path(model_dir) / "config.json").is_file():
+        return ThreadChoice(auto_threads(0, cores, weight_bytes), "no config.json to load the model from: by size")
+    key = cache_key(model_dir, files, cores)
+    cached = read_cache().get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("threads"), int) and 1 <= cached["threads"] <= cores \
+            and cached.get("expires_at", float("inf")) > time.time():
+        return ThreadChoice(cached["threads"], f"{cached.get('reason')} (measured {cached.get('measured_at')})")
+    counts = [cores - 1, cores]
+    log.info("timing the model on different thread counts (once for this model and machine)",
+             model=model_dir, threads=counts)
+    try:
+        step_s, others = probe(model_dir, counts)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log.warning("could not time the model; choosing threads by its size", error=str(e))
+        return ThreadChoice(auto_threads(0, cores, weight_bytes), f"timing failed ({e}): by size")
+    choice = choose_threads(step_s, cores, service_cpu_per_step())
+    entry = {"threads": choice.threads, "reason": choice.reason,
+             "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    if others > BUSY_MACHINE_CORES:
+        # other processes' work is in these times: right for now (the launcher and the worker it starts
+        # read the same answer), but not what this machine does when quiet, so a later start times it again
+        choice.reason += f"; other processes used {others:.1f} cores meanwhile"
+        entry.update(reason=choice.reason, expires_at=time.time() + BUSY_RESULT_TTL_S)
+    write_cache(key, entry)
+    log.info("worker threads measured", threads=choice.threads, reason=choice.reason)
+    return choice
+
+
+def probe(model_dir: str, counts: list[int]) -> tuple[dict[int, float], float]:
+    """Decode step seconds per thread count, timed in a child process (its own torch, its own threads), and
+    how many cores other processes kept busy meanwhile (0 where /proc/stat is missing)."""
+    busy0, wall0 = machine_busy_s(), time.monotonic()
+    child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        proc = subprocess.run([sys.executable, "-m", "phaseserve.cpus", model_dir, out.name,
+                               ",".join(map(str, counts))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT_S, text=True)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            raise ValueError(f"exit code {proc.returncode}: {lines[-1] if lines else 'no output'}")
+        step_s = {int(n): float(t) for n, t in json.loads(Path(out.name).read_text()).items()}
+    child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = (child1.ru_utime + child1.ru_stime) - (child0.ru_utime + child0.ru_stime)
+    others = max(0.0, machine_busy_s() - busy0 - ours) / max(1e-9, time.monotonic() - wall0)
+    return step_s, others
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every process has spent so far (/proc/stat's first line, less idle and iowait)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_per_step(batch: int = PROBE_BATCH) -> float:
+    """The rest of the service's CPU per step at `batch` decodes, scaled by how fast this machine runs Python."""
+    return SERVICE_CPU_PER_TOKEN_S * batch * python_work_s() / PYTHON_WORK_REFERENCE_S
+
+
+def python_work_s(rounds: int = 5) -> float:
+    """Seconds for a fixed piece of the service's kind of work: 200 TokenBatch-like messages packed and
+    unpacked (msgpack), and a dict per event (the fastest of `rounds`)."""
+    import msgpack
+
+    events = [[f"seq-{i:04d}", 100 + i, [17], None, None] for i in range(PROBE_BATCH)]
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for step in range(200):
+            body = msgpack.unpackb(msgpack.packb({"step_id": step, "worker_id": "w", "events": events}))
+            by_seq = {ev[0]: (ev[1], len(ev[2])) for ev in body["events"]}
+            msgpack.packb([[k, v] for k, v in by_seq.items()])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cache_path() -> Path:
+    from phaseserve.model_source import cache_dir
+
+    return cache_dir() / "threads.json"
+
+
+def cache_key(model_dir: str, files: list[Path], cores: int) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown")
+    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+    return f"{cpu}|{cores} cores|{Path(model_dir).resolve()}|{stamp}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def read_cache() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache(key: str, entry: dict) -> None:
+    """Atomically (a launcher and a worker may race): read, add, write a temp file, rename."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = read_cache()
+        data[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache: measure again next time
+        log.warning("could not save the thread choice", path=str(path), error=str(e))
+
+
+def measure_step_times(model_dir: str, thread_counts: list[int], *, batch: int = PROBE_BATCH, context: int = 64,
+                       rounds: int = 4, steps: int = 3) -> dict[int, float]:
+    """Seconds per decode step of this model at `batch` sequences of `context` tokens, per thread count: the
+    fastest step over `rounds` rounds of `steps` (thread counts alternate, so a neighbour's burst hits them
+    alike; the fastest, since another process's work is what the service term adds). Loads the model with
+    the worker's defaults; a second or two for a small model."""
+    import torch
+
+    from phaseserve.params import SamplingParams
+    from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+    from workers.runner import ModelRunner
+
+    total_steps = rounds * len(thread_counts) * (steps + 1)
+    block_size = 16
+    per_seq = -(-(context + total_steps + 1) // block_size)
+    runner = ModelRunner(model_dir, num_blocks=batch * per_seq, block_size=block_size)
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [f"probe-{i}" for i in range(batch)]
+    tables = {s: list(range(i * per_seq, (i + 1) * per_seq)) for i, s in enumerate(seqs)}
+    step_id = 0
+
+    def run(**kw) -> None:
+        nonlocal step_id
+        step_id += 1
+        runner.execute(StepPlan(step_id, "probe", **kw))
+
+    prompts = [torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist() for _ in seqs]
+    run(starts=[SeqStart(s, "probe", p, params) for s, p in zip(seqs, prompts)],
+        chunks=[ScheduledChunk(s, 0, context, tables[s]) for s in seqs])
+
+    def decode() -> float:
+        t = time.perf_counter()
+        run(chunks=[ScheduledChunk(s, len(runner.seqs[s].token_ids) - 1, 1, tables[s]) for s in seqs])
+        return time.perf_counter() - t
+
+    times: dict[int, float] = {}
+    for _ in range(rounds):
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            decode()  # warm-up: OpenMP starts its threads
+            times[n] = min(times.get(n, float("inf")), *(decode() for _ in range(steps)))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m phaseserve.cpus MODEL_DIR OUT.json 1,2`: step seconds per thread count into OUT.json."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print("usage: python -m phaseserve.cpus MODEL_DIR OUT.json THREADS[,THREADS...]", file=sys.stderr)
+        return 2
+    model_dir, out, counts = args
+    times = measure_step_times(model_dir, [int(n) for n in counts.split(",")])
+    Path(out).write_text(json.dumps(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -126,7 +126,7 @@ def test_keep_heap_memory_sets_glibc_malloc_options():
     assert keep_heap_memory() is True  # glibc (Linux): every mallopt accepted
 
 
-def test_auto_threads_leave_a_core_only_for_small_models():
+def test_the_fallback_by_size_leaves_a_core_only_for_small_models():
     from phaseserve.cpus import LARGE_MODEL_BYTES, auto_threads
 
     assert auto_threads(3, cores=2, weight_bytes=0) == 3  # an explicit setting wins

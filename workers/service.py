@@ -32,7 +32,7 @@ from multiprocessing import Pipe
 import msgpack
 import structlog
 
-from phaseserve.cpus import worker_threads
+from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.procs import parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
 from workers.handoff import KVHandoffs
@@ -244,11 +244,14 @@ def default_worker_id() -> str:
 
 
 def set_threads(num_threads: int, model_dir: str) -> int:
+    """torch's thread count for this worker: the setting, else measured for this model and machine
+    (phaseserve/cpus.py; within the CPUs the launcher left us). One log line says which and why."""
     import torch
 
-    n = worker_threads(num_threads, model_dir)
-    torch.set_num_threads(n)
-    return n
+    choice = thread_choice(num_threads, model_dir)
+    torch.set_num_threads(choice.threads)
+    log.info("worker threads", threads=choice.threads, usable_cpus=len(usable_cores()), reason=choice.reason)
+    return choice.threads
 
 
 def _interrupt(*_args) -> None:
