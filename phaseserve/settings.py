@@ -133,7 +133,7 @@ SETTINGS: list[Setting] = [
     Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,
             "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),
     Setting("num_threads", "PHASESERVE_NUM_THREADS", 0, int,
-            "torch CPU threads for the worker; 0 = auto: all cores for models of 100 MB or more, else all but one (left to the other services)", ("worker", "up")),
+            "torch CPU threads for the worker; 0 = auto: measured once per model and machine (a decode step on every core against one fewer, plus the other services' share of a step), cached in the cache dir", ("worker", "up")),
     Setting("bind_cores", "PHASESERVE_BIND_CORES", True, parse_bool,
             "`up` only: when the worker uses fewer threads than there are cores, run it on cores of its own "
             "and the gateway, scheduler and Redis on the rest, so they never preempt a model step", ("up",)),
