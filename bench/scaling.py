@@ -6,10 +6,11 @@
 Each server is started once (max-model-len: the largest context) and stopped before the next starts:
 - concurrency sweep: the random workload (--input-len, --output-len) at each --concurrency level with
   max(2 x level, 16) requests: output tok/s, TPOT p50 / p99;
-- context sweep: --context-batch (16) requests at once, prompt = context - --context-output-len tokens,
-  so a sequence's context ends at the level: TPOT p50 and the decode step while every request decodes
-  (the per-token gap of the stretch after the last first token and before the first finish: no prefill
-  in it, the whole batch in every step);
+- context sweep: --context-batch (16) requests at once, each asking for out = max(--context-output-len,
+  context / 16) tokens after a prompt of context - out, so a sequence's context ends at the level: TPOT
+  p50 and the decode step while every request decodes (the per-token gap of the stretch after the last
+  first token and before the first finish: no prefill in it, the whole batch in every step; out grows
+  with the context so that this stretch outlasts the batch's chunked prefill);
 - the engine (phaseserve only, in this process, after the servers stopped): the model runner's decode
   step at that batch and context, bench/bench_model.py's measurement.
 vLLM runs at --vllm-threads (one mode per start; several, comma-separated, cost one start each and the
@@ -56,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_ints, default=CONTEXTS,
                    help="context levels (those past the model's positions are dropped, and said so)")
     p.add_argument("--context-batch", type=int, default=16, help="context sweep: requests at once (the batch)")
-    p.add_argument("--context-output-len", type=int, default=64,
-                   help="context sweep: output tokens (prompt = context - this)")
+    p.add_argument("--context-output-len", type=int, default=32,
+                   help="context sweep: output tokens at least (out = max(this, context / 16), prompt = context - out)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the in-process engine's step time against context")
     p.add_argument("--engine-repeats", type=int, default=5, help="engine: timed decode steps per context (median)")
@@ -98,6 +99,12 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------- measurements
+
+
+def context_output_len(context: int, at_least: int) -> int:
+    """Output tokens of a context level: enough decode steps that every request still decodes once the
+    batch's prompts are all in (16 prompts of 4096 tokens take ~120 steps at a 512-token step budget)."""
+    return max(at_least, context // 16)
 
 
 def steady_decode_step(requests: list[dict]) -> tuple[float | None, int]:
@@ -169,12 +176,12 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
             log.info("concurrency level done", server=label, **{k: _round(v) for k, v in row.items()})
             progress.update()
         for context in contexts:
-            prompt = context - args.context_output_len
-            bargs = bench_args(["--num-prompts", str(args.context_batch), "--input-len", str(prompt),
-                                "--output-len", str(args.context_output_len), "--concurrency",
+            output_len = context_output_len(context, args.context_output_len)
+            bargs = bench_args(["--num-prompts", str(args.context_batch), "--input-len", str(context - output_len),
+                                "--output-len", str(output_len), "--concurrency",
                                 str(args.context_batch), "--seed", str(10_000 + context)],
                                str(model_dir), label, proc.url, "openai", name)
-            row = context_row(bench_cli.run_benchmark(bargs), context)
+            row = context_row(bench_cli.run_benchmark(bargs), context) | {"output_len": output_len}
             rows["context"].append(row)
             log.info("context level done", server=label, **{k: _round(v) for k, v in row.items()})
             progress.update()
