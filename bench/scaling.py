@@ -7,10 +7,11 @@ Each server is started once (max-model-len: the largest context) and stopped bef
 - concurrency sweep: the random workload (--input-len, --output-len) at each --concurrency level with
   max(2 x level, 16) requests: output tok/s, TPOT p50 / p99;
 - context sweep: --context-batch (16) requests at once, each asking for out = max(--context-output-len,
-  context / 16) tokens after a prompt of context - out, so a sequence's context ends at the level: TPOT
-  p50 and the decode step while every request decodes (the per-token gap of the stretch after the last
-  first token and before the first finish: no prefill in it, the whole batch in every step; out grows
-  with the context so that this stretch outlasts the batch's chunked prefill);
+  context / 4) tokens after a prompt of context - out, so a sequence's context runs from 3/4 of the level
+  to the level: TPOT p50 (prefill chunks of the others mixed in) and the decode step while every request
+  decodes (the per-token gap of the stretch after the last first token and before the first finish: no
+  prefill in it, the whole batch in every step; out grows with the context so that this stretch
+  outlasts the batch's chunked prefill);
 - the engine (phaseserve only, in this process, after the servers stopped): the model runner's decode
   step at that batch and context, bench/bench_model.py's measurement.
 vLLM runs at --vllm-threads (one mode per start; several, comma-separated, cost one start each and the
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context levels (those past the model's positions are dropped, and said so)")
     p.add_argument("--context-batch", type=int, default=16, help="context sweep: requests at once (the batch)")
     p.add_argument("--context-output-len", type=int, default=32,
-                   help="context sweep: output tokens at least (out = max(this, context / 16), prompt = context - out)")
+                   help="context sweep: output tokens at least (out = max(this, context / 4), prompt = context - out)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the in-process engine's step time against context")
     p.add_argument("--engine-repeats", type=int, default=5, help="engine: timed decode steps per context (median)")
@@ -103,8 +104,9 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def context_output_len(context: int, at_least: int) -> int:
     """Output tokens of a context level: enough decode steps that every request still decodes once the
-    batch's prompts are all in (16 prompts of 4096 tokens take ~120 steps at a 512-token step budget)."""
-    return max(at_least, context // 16)
+    batch's prompts are all in (phaseserve's step budget weighs prefill tokens by their context, so 16
+    prompts of 1,920 tokens took ~400 steps to prefill on the bundled model)."""
+    return max(at_least, context // 4)
 
 
 def steady_decode_step(requests: list[dict]) -> tuple[float | None, int]:

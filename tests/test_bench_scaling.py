@@ -96,3 +96,14 @@ def test_quick_scaling_run_against_phaseserve_up(tmp_path, capsys):
     assert sum(line.startswith("| 1 | phaseserve |") or line.startswith("| 4 | phaseserve |")
                for line in text.splitlines()) == 2
     assert any(line.startswith("| 128 | ") for line in text.splitlines())
+
+
+def test_vllm_never_sees_this_checkouts_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    from bench.servers import vllm_server
+
+    monkeypatch.setenv("PYTHONPATH", "/some/checkout")
+    proc = vllm_server(tmp_path, 1, "m", tmp_path / "v.log", vllm_bin=sys.executable, threads="all", model_len=64)
+    assert "PYTHONPATH" not in proc.env  # its `kernels` import would find phaseserve's package
+    assert proc.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
