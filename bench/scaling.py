@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -159,7 +160,7 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
     log_path = out / f"{tag}-{label}.log"
     if server == "vllm":
         proc = vllm_server(safetensors_folder(model_dir), port, name, log_path, vllm_bin=args.vllm_bin, threads=threads,
-                           kv_cache_gib=args.kv_gib, model_len=model_len)
+                           kv_cache_gib=math.ceil(args.kv_gib), model_len=model_len)  # vLLM takes whole GiB
     else:
         extra = [f"--kv-cache-memory={int(args.kv_gib * 1024)}MiB", *args.phaseserve_arg]
         proc = phaseserve_server(model_dir, port, name, log_path, model_len=model_len, extra=extra)
@@ -194,13 +195,17 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
 
 def engine_context_sweep(args, model_dir: Path, contexts: list[int], progress) -> list[dict]:
     """The model runner's decode step at --context-batch sequences of each context, in this process."""
-    from bench.bench_model import RunnerBench
+    import torch
 
+    from bench.bench_model import RunnerBench
+    from phaseserve.cpus import worker_threads
+
+    torch.set_num_threads(worker_threads(0, str(model_dir)))  # the threads `phaseserve up`'s worker takes
     bench = RunnerBench(model_dir, "auto", kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
     rows = []
     for context in contexts:
         step = bench.decode_step_time(args.context_batch, args.engine_repeats, context)
-        rows.append({"context": context, "step_ms": step * 1e3})
+        rows.append({"context": context, "step_ms": step * 1e3, "threads": torch.get_num_threads()})
         log.info("engine context done", context=context, step_ms=round(step * 1e3, 2))
         progress.update()
     return rows
@@ -325,8 +330,11 @@ def plot_scaling(report: dict, out_path: Path) -> Path:
         axes[2].plot([row["context"] for row in report["engine"]], [row["step_ms"] for row in report["engine"]],
                      "s--", color="C0", alpha=0.6, label="phaseserve engine")
     titles = ("output tokens / s", "TPOT p50 (ms)", f"decode step at batch {report['settings']['context_batch']} (ms)")
-    for ax, title, xlabel in zip(axes, titles, ("concurrency", "concurrency", "context (tokens)")):
+    levels = (report["concurrency_levels"], report["concurrency_levels"], report["context_levels"])
+    for ax, title, xlabel, ticks in zip(axes, titles, ("concurrency", "concurrency", "context (tokens)"), levels):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
@@ -378,15 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     starts = [(s, None) for s in servers if s == "phaseserve"] + \
              [("vllm", mode) for s in servers if s == "vllm" for mode in args.vllm_threads]
     total = len(starts) * (len(args.concurrency) + len(contexts)) + (len(contexts) if args.engine else 0)
-    runs = []
+    runs, broken = [], []
     with tqdm(total=total, desc="scaling levels", file=sys.stderr) as progress:
-        try:
-            for server, threads in starts:
+        for server, threads in starts:
+            try:
                 runs.append(sweep_server(args, server, model_dir, contexts, out, tag, progress, threads))
+            except (FileNotFoundError, RuntimeError, ValueError) as e:  # the other servers' figures still count
+                print(f"scaling: {server}: {e}", file=sys.stderr)
+                broken.append(server if threads is None else f"vllm-{threads}")
+        try:
             engine = engine_context_sweep(args, model_dir, contexts, progress) if args.engine else None
-        except (FileNotFoundError, RuntimeError, ValueError) as e:
-            print(f"scaling: {e}", file=sys.stderr)
-            return 1
+        except (RuntimeError, ValueError) as e:
+            print(f"scaling: engine: {e}", file=sys.stderr)
+            engine, broken = None, broken + ["engine"]
+    if broken:
+        notes.append(f"did not run: {', '.join(broken)} (see the server logs in {out})")
     vllm = best_vllm(runs)
     ours = next((r for r in runs if r["server"] == "phaseserve"), None)
     if any(r["step_ms"] is None for r in (ours or {}).get("context", []) + (vllm or {}).get("context", [])):
@@ -411,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     png = plot_scaling(report, Path(args.png) if args.png else out / f"scaling-{tag}.png")
     print(f"wrote {json_path}\nwrote {png}")
     failed = sum(row["failed"] for r in runs for row in r["concurrency"] + r["context"])
-    return 0 if failed == 0 else 1
+    return 0 if failed == 0 and not broken else 1
 
 
 if __name__ == "__main__":
