@@ -110,18 +110,23 @@ def context_output_len(context: int, at_least: int) -> int:
     return max(at_least, context // 4)
 
 
-def steady_decode_step(requests: list[dict]) -> tuple[float | None, int]:
-    """(seconds per token while every request decodes, gaps used): per request, its streamed gaps that lie
-    after the last request's first token and before the first request's end, divided by the tokens a
-    chunk carries; the median over requests. None when no such stretch exists (output too short)."""
+def steady_decode_step(requests: list[dict]) -> tuple[float | None, int, int]:
+    """(seconds per token while every request decodes, gaps used, requests streamed in merged chunks).
+
+    Per request, its streamed gaps that lie after the last request's first token and before the first
+    request's end; the median over requests. Only requests that streamed one token per chunk count: a
+    server whose front end falls behind merges tokens into a chunk (vLLM does under CPU contention) and
+    the gaps then say nothing per token. None when no request qualifies or no such stretch exists."""
     ok = [r for r in requests if r["success"] and r["itl"]]
     if not ok:
-        return None, 0
+        return None, 0, 0
     all_started = max(r["start_time"] + r["ttft"] for r in ok)
     first_end = min(r["start_time"] + r["latency"] for r in ok)
-    per_request, used = [], 0
+    per_request, used, merged = [], 0, 0
     for r in ok:
-        tokens_per_chunk = r["output_tokens"] / (len(r["itl"]) + 1)
+        if r["output_tokens"] != len(r["itl"]) + 1:
+            merged += 1
+            continue
         t = r["start_time"] + r["ttft"]
         gaps = []
         for gap in r["itl"]:
@@ -129,24 +134,27 @@ def steady_decode_step(requests: list[dict]) -> tuple[float | None, int]:
                 gaps.append(gap)
             t += gap
         if gaps:
-            per_request.append(sum(gaps) / (len(gaps) * tokens_per_chunk))
+            per_request.append(sum(gaps) / len(gaps))
             used += len(gaps)
-    return (statistics.median(per_request) if per_request else None), used
+    if merged > len(ok) // 2:
+        return None, used, merged
+    return (statistics.median(per_request) if per_request else None), used, merged
 
 
 def concurrency_row(result: dict, level: int) -> dict:
     m = result["metrics"]
-    return {"concurrency": level, "requests": m["completed"] + m["failed"], "failed": m["failed"],
+    merged = sum(r["success"] and r["output_tokens"] != len(r["itl"]) + 1 for r in result["requests"])
+    return {"concurrency": level, "requests": m["completed"] + m["failed"], "failed": m["failed"], "merged_chunks": merged,
             "output_tok_s": m["output_throughput"], "tpot_p50_ms": m["p50_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
             "ttft_p50_ms": m["p50_ttft_ms"], "load_avg": round(os.getloadavg()[0], 2)}
 
 
 def context_row(result: dict, context: int) -> dict:
     m = result["metrics"]
-    step, gaps = steady_decode_step(result["requests"])
+    step, gaps, merged = steady_decode_step(result["requests"])
     return {"context": context, "requests": m["completed"] + m["failed"], "failed": m["failed"],
             "tpot_p50_ms": m["p50_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
-            "step_ms": step * 1e3 if step is not None else None, "step_gaps": gaps,
+            "step_ms": step * 1e3 if step is not None else None, "step_gaps": gaps, "merged_chunks": merged,
             "ttft_p50_ms": m["p50_ttft_ms"], "load_avg": round(os.getloadavg()[0], 2)}
 
 
@@ -168,13 +176,16 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
     proc.start(args.startup_timeout)
     rows = {"label": label, "server": server, "vllm_threads": threads, "startup_s": round(time.monotonic() - t0, 1),
             "concurrency": [], "context": []}
+    raw = {}  # every request's timings, to recompute any figure later
     try:
         for level in args.concurrency:
             n = max(2 * level, args.min_requests)
             bargs = bench_args(["--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len",
                                 str(args.output_len), "--concurrency", str(level), "--seed", str(level)],
                                str(model_dir), label, proc.url, "openai", name)
-            row = concurrency_row(bench_cli.run_benchmark(bargs), level)
+            result = bench_cli.run_benchmark(bargs)
+            raw[f"concurrency-{level}"] = result["requests"]
+            row = concurrency_row(result, level)
             rows["concurrency"].append(row)
             log.info("concurrency level done", server=label, **{k: _round(v) for k, v in row.items()})
             progress.update()
@@ -184,12 +195,15 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
                                 "--output-len", str(output_len), "--concurrency",
                                 str(args.context_batch), "--seed", str(10_000 + context)],
                                str(model_dir), label, proc.url, "openai", name)
-            row = context_row(bench_cli.run_benchmark(bargs), context) | {"output_len": output_len}
+            result = bench_cli.run_benchmark(bargs)
+            raw[f"context-{context}"] = result["requests"]
+            row = context_row(result, context) | {"output_len": output_len}
             rows["context"].append(row)
             log.info("context level done", server=label, **{k: _round(v) for k, v in row.items()})
             progress.update()
     finally:
         proc.stop()
+        (out / f"{tag}-{label}.requests.json").write_text(json.dumps(raw))
     return rows
 
 
@@ -391,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         for server, threads in starts:
             try:
                 runs.append(sweep_server(args, server, model_dir, contexts, out, tag, progress, threads))
+                (out / f"scaling-{tag}.partial.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1))
             except (FileNotFoundError, RuntimeError, ValueError) as e:  # the other servers' figures still count
                 print(f"scaling: {server}: {e}", file=sys.stderr)
                 broken.append(server if threads is None else f"vllm-{threads}")
@@ -404,8 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     vllm = best_vllm(runs)
     ours = next((r for r in runs if r["server"] == "phaseserve"), None)
     if any(r["step_ms"] is None for r in (ours or {}).get("context", []) + (vllm or {}).get("context", [])):
-        notes.append("a level had no stretch with every request decoding (raise --context-output-len); its "
-                     "decode step is '-'")
+        notes.append("decode step '-': no stretch with every request decoding (raise --context-output-len), or most "
+                     "requests streamed several tokens per chunk")
+    for r in runs:
+        merged = sum(row["merged_chunks"] for row in r["concurrency"] + r["context"])
+        if merged:
+            notes.append(f"{r['label']}: {merged} requests streamed several tokens in one chunk (its front end fell "
+                         "behind): their TPOT counts the merged tokens as if each came at once")
+    if machine["load_avg"][0] > (machine["cpus"] or 1):
+        notes.append(f"load average {machine['load_avg'][0]:.1f} on {machine['cpus']} cores at start: other jobs "
+                     "shared the CPU, compare ratios only")
     report = {
         "model": str(model_dir), "model_name": Path(args.model).name, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),

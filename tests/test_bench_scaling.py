@@ -18,22 +18,23 @@ def test_steady_step_uses_only_gaps_with_every_request_decoding():
     # inside it count; a's early 0.3 gap (prefill of b mixed in) and b's late 0.9 gap (a gone) do not
     a = stream(0.0, 0.1, [0.3, 0.1, 0.1, 0.1, 0.1, 0.1])  # tokens at 0.1 0.4 0.5 0.6 0.7 0.8 0.9 (ends 0.9)
     b = stream(0.0, 0.5, [0.1, 0.1, 0.1, 0.9])  # tokens at 0.5 0.6 0.7 0.8 1.7
-    step, used = steady_decode_step([a, b])
-    assert step == pytest.approx(0.1) and used == 4 + 3
-    # two tokens per streamed chunk: half the gap per token
+    step, used, merged = steady_decode_step([a, b])
+    assert step == pytest.approx(0.1) and used == 4 + 3 and merged == 0
+    # a request whose chunks carry several tokens says nothing per token: left out, and most such: no figure
     c = stream(0.0, 0.1, [0.2, 0.2, 0.2], tokens=8)
-    assert steady_decode_step([c])[0] == pytest.approx(0.1)
+    assert steady_decode_step([a, b, c])[0] == pytest.approx(0.1) and steady_decode_step([a, b, c])[2] == 1
+    assert steady_decode_step([c, c, a])[0] is None
     # no stretch where both decode: the first ends before the second starts
     late = stream(5.0, 0.1, [0.1, 0.1])
-    assert steady_decode_step([a, late]) == (None, 0)
-    assert steady_decode_step([]) == (None, 0)
+    assert steady_decode_step([a, late]) == (None, 0, 0)
+    assert steady_decode_step([]) == (None, 0, 0)
 
 
 def test_tables_give_ratios_against_the_best_vllm_mode_and_the_growth_verdict():
     def run(label, server, tok_s, steps):
         return {"label": label, "server": server,
                 "concurrency": [{"concurrency": 4, "output_tok_s": tok_s, "tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0,
-                                 "load_avg": 1.0, "failed": 0}],
+                                 "load_avg": 1.0, "failed": 0, "merged_chunks": 0}],
                 "context": [{"context": c, "tpot_p50_ms": s, "step_ms": s} for c, s in zip((128, 4096), steps)]}
 
     runs = [run("phaseserve", "phaseserve", 300.0, (10.0, 15.0)), run("vllm-auto", "vllm", 100.0, (20.0, 50.0)),
@@ -88,6 +89,7 @@ def test_quick_scaling_run_against_phaseserve_up(tmp_path, capsys):
     for row, context in zip(run["context"], (64, 128)):
         assert row["context"] == context and row["failed"] == 0 and row["requests"] == 4
         assert row["step_ms"] is not None and 0 < row["step_ms"] < 10_000 and row["step_gaps"] > 0
+        assert row["merged_chunks"] == 0  # phaseserve streams one token per chunk
     assert [r["context"] for r in report["engine"]] == [64, 128]
     assert all(0 < r["step_ms"] < 10_000 for r in report["engine"])
     assert set(report["growth"]) == {"phaseserve", "phaseserve engine"}
