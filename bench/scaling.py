@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="bench/results", help="JSON, PNG and server logs go here")
     p.add_argument("--png", help="write the plot here (default: OUT_DIR/scaling-MODEL-TIME.png)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--recompute", metavar="JSON", help="no run: reprint and replot a saved scaling-*.json, its decode "
+                   "steps recomputed from the requests saved beside it")
     return p
 
 
@@ -367,11 +369,46 @@ def plot_scaling(report: dict, out_path: Path) -> Path:
     return out_path
 
 
+def growths(runs: list[dict], vllm: dict | None, engine: list[dict] | None) -> dict:
+    ours = next((r for r in runs if r["server"] == "phaseserve"), None)
+    return ({k: growth(r["context"]) for k, r in (("phaseserve", ours), ("vllm", vllm)) if r}
+            | ({"phaseserve engine": growth(engine)} if engine else {}))
+
+
+def recompute(json_path: Path) -> dict:
+    """A saved report with its decode steps recomputed from the requests saved beside it (this code's rule)."""
+    report = json.loads(json_path.read_text())
+    tag = json_path.stem.removeprefix("scaling-")
+    for run in report["runs"]:
+        raw_path = json_path.with_name(f"{tag}-{run['label']}.requests.json")
+        if not raw_path.is_file():
+            raise FileNotFoundError(f"no {raw_path}: the requests of {run['label']} are needed to recompute")
+        raw = json.loads(raw_path.read_text())
+        for i, row in enumerate(run["context"]):
+            step, gaps, merged = steady_decode_step(raw[f"context-{row['context']}"])
+            run["context"][i] = row | {"step_ms": step * 1e3 if step is not None else None, "step_gaps": gaps,
+                                       "merged_chunks": merged}
+    report["vllm"] = best_vllm(report["runs"])
+    report["growth"] = growths(report["runs"], report["vllm"], report.get("engine"))
+    return report
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.recompute:
+        try:
+            report = recompute(Path(args.recompute))
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            print(f"scaling: {e}", file=sys.stderr)
+            return 2
+        print(format_tables(report))
+        png = plot_scaling(report, Path(args.png) if args.png else Path(args.recompute).with_suffix(".png"))
+        Path(args.recompute).with_suffix(".recomputed.json").write_text(json.dumps(report, indent=1))
+        print(f"wrote {png}")
+        return 0
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -441,8 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "context_output_len", "kv_gib")}
                     | {"vllm_threads": list(args.vllm_threads)},
         "runs": runs, "vllm": vllm, "engine": engine,
-        "growth": {k: growth(r["context"]) for k, r in (("phaseserve", ours), ("vllm", vllm)) if r}
-                  | ({"phaseserve engine": growth(engine)} if engine else {}),
+        "growth": growths(runs, vllm, engine),
         "notes": notes,
     }
     text = format_tables(report)

@@ -80,7 +80,7 @@ def test_quick_scaling_run_against_phaseserve_up(tmp_path, capsys):
     text = capsys.readouterr().out
     logs = "".join(p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
     assert code == 0, text + logs
-    report = json.loads(next(tmp_path.glob("scaling-*.json")).read_text())
+    report = json.loads(next(tmp_path.glob("scaling-*[0-9].json")).read_text())
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert report["concurrency_levels"] == [1, 4] and report["context_levels"] == [64, 128]
     assert report["machine"]["memory_read_gb_s"] > 0.5 and report["machine"]["bf16_gemm_gflop_s"] > 1
@@ -100,6 +100,11 @@ def test_quick_scaling_run_against_phaseserve_up(tmp_path, capsys):
     assert sum(line.startswith("| 1 | phaseserve |") or line.startswith("| 4 | phaseserve |")
                for line in text.splitlines()) == 2
     assert any(line.startswith("| 128 | ") for line in text.splitlines())
+    # the saved report replots from its saved requests, with the same decode steps
+    assert main(["--recompute", str(next(tmp_path.glob("scaling-*[0-9].json"))), "--png", str(tmp_path / "re.png")]) == 0
+    again = json.loads(next(tmp_path.glob("scaling-*.recomputed.json")).read_text())
+    assert [r["step_ms"] for r in again["runs"][0]["context"]] == [r["step_ms"] for r in run["context"]]
+    assert (tmp_path / "re.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_vllm_never_sees_this_checkouts_pythonpath(tmp_path, monkeypatch):
