@@ -43,6 +43,8 @@ log = structlog.get_logger("bench.scaling")
 SERVERS = ("phaseserve", "vllm")
 CONCURRENCY = (1, 4, 16, 64)
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+NO_STEP_NOTE = ("decode step '-': no stretch with every request decoding (raise --context-output-len), or most "
+                "requests streamed several tokens per chunk; a level with failed requests had no full batch")
 # a request streamed in chunks of more tokens than this on average is left out of the decode step
 MAX_TOKENS_PER_CHUNK = 1.25
 QUICK = dict(concurrency=(1, 4), contexts=(64, 128), input_len=32, output_len=8, context_output_len=8,
@@ -274,10 +276,19 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def growth(rows: list[dict], key: str = "step_ms") -> float | None:
-    """step at the largest context over step at the smallest."""
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return vals[-1] / vals[0] if len(vals) >= 2 and vals[0] else None
+def valid_steps(rows: list[dict]) -> dict[int, float]:
+    """context -> decode step, for the levels where it was measured with no request failed (a full batch)."""
+    return {r["context"]: r["step_ms"] for r in rows if r.get("step_ms") is not None and not r.get("failed")}
+
+
+def growth(rows: list[dict], contexts: set[int] | None = None) -> dict | None:
+    """The step at the largest context over the step at the smallest, among `contexts` (default: all) where
+    it was measured: {"from", "to", "ratio", "ms"} (ms: how much longer the step got)."""
+    steps = {c: v for c, v in valid_steps(rows).items() if contexts is None or c in contexts}
+    if len(steps) < 2:
+        return None
+    lo, hi = min(steps), max(steps)
+    return {"from": lo, "to": hi, "ratio": steps[hi] / steps[lo], "ms": steps[hi] - steps[lo]}
 
 
 def format_tables(report: dict) -> str:
@@ -312,18 +323,24 @@ def format_tables(report: dict) -> str:
                   "| " + " | ".join("---:" for _ in head) + " |"]
         for i, context in enumerate(report["context_levels"]):
             cells = [str(context)]
-            cells += [f"{_fmt(r['context'][i]['tpot_p50_ms'])} / {_fmt(r['context'][i]['step_ms'])}" for r in report["runs"]]
+            cells += [f"{_fmt(r['context'][i]['tpot_p50_ms'])} / {_fmt(r['context'][i]['step_ms'])}"
+                      + (f" ({r['context'][i]['failed']} of {r['context'][i]['requests']} failed)"
+                         if r["context"][i].get("failed") else "") for r in report["runs"]]
             if report.get("engine"):
                 cells.append(_fmt(report["engine"][i]["step_ms"], "{:.2f}"))
             if ours and vllm:
-                cells.append(_fmt(_ratio(ours["context"][i]["step_ms"], vllm["context"][i]["step_ms"]), "{:.2f}x"))
+                cells.append(_fmt(_ratio(valid_steps(ours["context"]).get(context),
+                                         valid_steps(vllm["context"]).get(context)), "{:.2f}x"))
             lines.append("| " + " | ".join(cells) + " |")
         g = report["growth"]
-        lines += ["", "growth, step at the largest context / at the smallest: " + ", ".join(
-            f"{k} {_fmt(v, '{:.2f}x')}" for k, v in g.items())]
-        if "phaseserve" in g and "vllm" in g and g["phaseserve"] and g["vllm"]:
-            verdict = "slower" if g["phaseserve"] < g["vllm"] else "NOT slower"
-            lines.append(f"phaseserve's decode step grows {verdict} with the context than vLLM's")
+        lines += [""] + [f"growth of the decode step, {k}: " + (
+            f"{v['ratio']:.2f}x from context {v['from']} to {v['to']} ({v['ms']:+.1f} ms)" if v else "-")
+            for k, v in g.items()]
+        if g.get("phaseserve") and g.get("vllm"):
+            ours_g, theirs_g = g["phaseserve"], g["vllm"]
+            lines.append(f"phaseserve's decode step grows {'slower' if ours_g['ratio'] < theirs_g['ratio'] else 'NOT slower'}"
+                         f" than vLLM's in ratio and {'less' if ours_g['ms'] < theirs_g['ms'] else 'MORE'} in "
+                         f"milliseconds (context {ours_g['from']} -> {ours_g['to']})")
     for note in report["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
@@ -370,8 +387,10 @@ def plot_scaling(report: dict, out_path: Path) -> Path:
 
 
 def growths(runs: list[dict], vllm: dict | None, engine: list[dict] | None) -> dict:
+    """Each server's growth over the contexts both servers measured (so the two spans are the same)."""
     ours = next((r for r in runs if r["server"] == "phaseserve"), None)
-    return ({k: growth(r["context"]) for k, r in (("phaseserve", ours), ("vllm", vllm)) if r}
+    both = set(valid_steps(ours["context"])) & set(valid_steps(vllm["context"])) if ours and vllm else None
+    return ({k: growth(r["context"], both) for k, r in (("phaseserve", ours), ("vllm", vllm)) if r}
             | ({"phaseserve engine": growth(engine)} if engine else {}))
 
 
@@ -390,6 +409,9 @@ def recompute(json_path: Path) -> dict:
                                        "merged_chunks": merged}
     report["vllm"] = best_vllm(report["runs"])
     report["growth"] = growths(report["runs"], report["vllm"], report.get("engine"))
+    report["notes"] = [n for n in report["notes"] if not n.startswith(NO_STEP_NOTE[:12])]
+    if any(row["step_ms"] is None for r in report["runs"] for row in r["context"]):
+        report["notes"].append(NO_STEP_NOTE)
     return report
 
 
@@ -460,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm = best_vllm(runs)
     ours = next((r for r in runs if r["server"] == "phaseserve"), None)
     if any(r["step_ms"] is None for r in (ours or {}).get("context", []) + (vllm or {}).get("context", [])):
-        notes.append("decode step '-': no stretch with every request decoding (raise --context-output-len), or most "
-                     "requests streamed several tokens per chunk")
+        notes.append(NO_STEP_NOTE)
     for r in runs:
         merged = sum(row["merged_chunks"] for row in r["concurrency"] + r["context"])
         if merged:

@@ -53,7 +53,13 @@ def test_tables_give_ratios_against_the_best_vllm_mode_and_the_growth_verdict():
     text = format_tables(report)
     assert "| 4 | **phaseserve / vLLM** | **1.50x** |" in text
     assert "| 4096 | 15.0 / 15.0 | 50.0 / 50.0 | 40.0 / 40.0 | 0.38x |" in text
-    assert "phaseserve 1.50x, vllm 2.00x" in text and "grows slower" in text
+    assert "phaseserve: 1.50x from context 128 to 4096 (+5.0 ms)" in text
+    assert "vllm: 2.00x from context 128 to 4096 (+20.0 ms)" in text
+    assert "grows slower than vLLM's in ratio and less in milliseconds" in text
+    # a level with failed requests (not a full batch) or no step leaves the span both servers measured
+    runs[1]["context"][1]["failed"] = runs[2]["context"][1]["failed"] = 3
+    assert growth(best_vllm(runs)["context"]) is None
+    assert growth(runs[0]["context"], {128}) is None  # one context is no span
     assert "20.0 GB/s" in text and "300 GFLOP/s" in text
 
 
