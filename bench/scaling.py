@@ -360,7 +360,7 @@ def plot_scaling(report: dict, out_path: Path) -> Path:
         xs = [row["concurrency"] for row in r["concurrency"]]
         axes[0].plot(xs, [row["output_tok_s"] for row in r["concurrency"]], "o-", color=color, label=r["label"])
         axes[1].plot(xs, [row["tpot_p50_ms"] for row in r["concurrency"]], "o-", color=color, label=r["label"])
-        pts = [(row["context"], row["step_ms"]) for row in r["context"] if row["step_ms"] is not None]
+        pts = sorted(valid_steps(r["context"]).items())  # a level with failed requests had no full batch
         if pts:
             axes[2].plot(*zip(*pts), "o-", color=color, label=f"{r['label']} (served)")
     if report.get("engine"):
