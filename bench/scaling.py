@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the in-process engine's step time against context")
     p.add_argument("--engine-repeats", type=int, default=5, help="engine: timed decode steps per context (median)")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="engine: torch threads (default 0: what `phaseserve up`'s worker would take for this model)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: concurrency 1,4, contexts 64,128, batch 4, a few short requests")
     p.add_argument("--kv-gib", type=float, default=3.0,
@@ -222,8 +224,9 @@ def engine_context_sweep(args, model_dir: Path, contexts: list[int], progress) -
     from bench.bench_model import RunnerBench
     from phaseserve.cpus import worker_threads
 
-    torch.set_num_threads(worker_threads(0, str(model_dir)))  # the threads `phaseserve up`'s worker takes
+    torch.set_num_threads(worker_threads(args.engine_threads, str(model_dir)))  # as `phaseserve up`'s worker
     bench = RunnerBench(model_dir, "auto", kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)))
+    bench.decode_step_time(args.context_batch, 1, contexts[0])  # first use: kernels compiled or loaded, caches warm
     rows = []
     for context in contexts:
         step = bench.decode_step_time(args.context_batch, args.engine_repeats, context)
