@@ -83,8 +83,9 @@ class RunnerBench:
         self.step += 1
         return self.runner.execute(StepPlan(self.step, "bench", **kw))
 
-    def decode_step_time(self, batch: int, repeats: int, context: int | None = None) -> float:
-        """Median time of one decode step of `batch` sequences holding `context` tokens each (default CONTEXT)."""
+    def decode_step_time(self, batch: int, repeats: int, context: int | None = None, timer=None) -> float:
+        """Time of one decode step of `batch` sequences holding `context` tokens each (default CONTEXT):
+        the median of `repeats`, or what `timer(fn, repeats)` makes of them (`best`: the fastest)."""
         r = self.runner
         context = context or CONTEXT
         bs = r.block_size
@@ -104,7 +105,7 @@ class RunnerBench:
             chunks = [ScheduledChunk(s, len(r.seqs[s].token_ids) - 1, 1, tables[s]) for s in seqs]
             self._exec(chunks=chunks)
 
-        t = median(decode, repeats)
+        t = (timer or median)(decode, repeats)
         self._exec(releases=seqs)
         return t
 
