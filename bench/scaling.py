@@ -16,7 +16,7 @@ Each server is started once (max-model-len: the largest context) and stopped bef
   step at that batch and context, bench/bench_model.py's measurement (the fastest of --engine-repeats).
 vLLM runs at --vllm-threads (one mode per start; several, comma-separated, cost one start each and the
 ratios use the best at each level). Prints markdown tables with the machine's memory read and bf16
-GEMM rate beside the ratios; writes JSON and a PNG (default into --out-dir; --png for docs/img/).
+GEMM rate beside the ratios, and each context's K/V read floor (the batch's K/V bytes / memory read); writes JSON and a PNG (default into --out-dir; --png for docs/img/).
 """
 
 from __future__ import annotations
@@ -282,6 +282,22 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int | None:
+    """K and V of one token over every layer, bf16: what a decode step reads per token of context."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    except KeyError:
+        return None
+
+
+def kv_floor_ms(kv_per_token: int, batch: int, context: int, memory_read_gb_s: float) -> float:
+    """The time reading the batch's K/V once takes at the measured memory read (the attention's floor)."""
+    return batch * context * kv_per_token / (memory_read_gb_s * 1e9) * 1e3
+
+
 def valid_steps(rows: list[dict]) -> dict[int, float]:
     """context -> decode step, for the levels where it was measured with no request failed (a full batch)."""
     return {r["context"]: r["step_ms"] for r in rows if r.get("step_ms") is not None and not r.get("failed")}
@@ -325,6 +341,9 @@ def format_tables(report: dict) -> str:
             head.append("phaseserve engine step ms")
         if ours and vllm:
             head.append("step phaseserve / vLLM")
+        kv = report.get("kv_bytes_per_token")
+        if kv:
+            head.append("K/V read floor ms")
         lines += [f"decode at batch {batch}:", "", "| " + " | ".join(head) + " |",
                   "| " + " | ".join("---:" for _ in head) + " |"]
         for i, context in enumerate(report["context_levels"]):
@@ -337,6 +356,8 @@ def format_tables(report: dict) -> str:
             if ours and vllm:
                 cells.append(_fmt(_ratio(valid_steps(ours["context"]).get(context),
                                          valid_steps(vllm["context"]).get(context)), "{:.2f}x"))
+            if kv:
+                cells.append(f"{kv_floor_ms(kv, batch, context, mach['memory_read_gb_s']):.1f}")
             lines.append("| " + " | ".join(cells) + " |")
         g = report["growth"]
         lines += [""] + [f"growth of the decode step, {k}: " + (
@@ -414,6 +435,7 @@ def recompute(json_path: Path) -> dict:
             run["context"][i] = row | {"step_ms": step * 1e3 if step is not None else None, "step_gaps": gaps,
                                        "merged_chunks": merged}
     report["vllm"] = best_vllm(report["runs"])
+    report.setdefault("kv_bytes_per_token", kv_bytes_per_token(Path(report["model"])))
     report["growth"] = growths(report["runs"], report["vllm"], report.get("engine"))
     report["notes"] = [n for n in report["notes"] if not n.startswith(NO_STEP_NOTE[:12])]
     if any(row["step_ms"] is None for r in report["runs"] for row in r["context"]):
@@ -499,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                      "shared the CPU, compare ratios only")
     report = {
         "model": str(model_dir), "model_name": Path(args.model).name, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "kv_bytes_per_token": kv_bytes_per_token(model_dir),
         "command": "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine, "concurrency_levels": list(args.concurrency), "context_levels": contexts,
         "settings": {k: getattr(args, k) for k in ("input_len", "output_len", "min_requests", "context_batch",

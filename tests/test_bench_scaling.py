@@ -38,7 +38,7 @@ def test_tables_give_ratios_against_the_best_vllm_mode_and_the_growth_verdict():
         return {"label": label, "server": server,
                 "concurrency": [{"concurrency": 4, "output_tok_s": tok_s, "tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0,
                                  "load_avg": 1.0, "failed": 0, "merged_chunks": 0}],
-                "context": [{"context": c, "tpot_p50_ms": s, "step_ms": s} for c, s in zip((128, 4096), steps)]}
+                "context": [{"context": c, "tpot_p50_ms": s, "step_ms": s, "requests": 16} for c, s in zip((128, 4096), steps)]}
 
     runs = [run("phaseserve", "phaseserve", 300.0, (10.0, 15.0)), run("vllm-auto", "vllm", 100.0, (20.0, 50.0)),
             run("vllm-all", "vllm", 200.0, (25.0, 40.0))]
@@ -51,6 +51,10 @@ def test_tables_give_ratios_against_the_best_vllm_mode_and_the_growth_verdict():
                           "load_avg": [1.0, 1.0, 1.0]},
               "growth": {"phaseserve": growth(runs[0]["context"]), "vllm": growth(vllm["context"])}}
     text = format_tables(report)
+    assert "20.0 GB/s" in text and "300 GFLOP/s" in text
+    # K/V floor: 16 sequences x 4096 tokens x 32 KiB (small-200m's K/V per token) at 20 GB/s
+    report["kv_bytes_per_token"] = 32 << 10
+    assert "| 4096 | 15.0 / 15.0 | 50.0 / 50.0 | 40.0 / 40.0 | 0.38x | 107.4 |" in format_tables(report)
     assert "| 4 | **phaseserve / vLLM** | **1.50x** |" in text
     assert "| 4096 | 15.0 / 15.0 | 50.0 / 50.0 | 40.0 / 40.0 | 0.38x |" in text
     assert "phaseserve: 1.50x from context 128 to 4096 (+5.0 ms)" in text
@@ -60,7 +64,6 @@ def test_tables_give_ratios_against_the_best_vllm_mode_and_the_growth_verdict():
     runs[1]["context"][1]["failed"] = runs[2]["context"][1]["failed"] = 3
     assert growth(best_vllm(runs)["context"]) is None
     assert growth(runs[0]["context"], {128}) is None  # one context is no span
-    assert "20.0 GB/s" in text and "300 GFLOP/s" in text
 
 
 def test_levels_parse_strictly():
@@ -101,6 +104,7 @@ def test_quick_scaling_run_against_phaseserve_up(tmp_path, capsys):
     assert [r["context"] for r in report["engine"]] == [64, 128]
     assert all(0 < r["step_ms"] < 10_000 for r in report["engine"])
     assert set(report["growth"]) == {"phaseserve", "phaseserve engine"}
+    assert report["kv_bytes_per_token"] == 6 * 2 * 4 * 32 * 2  # bundled: 6 layers, 4 KV heads of 32, bf16
     # the printed markdown: one row per level, the machine's figures above
     assert "memory read" in text and "GFLOP/s" in text
     assert sum(line.startswith("| 1 | phaseserve |") or line.startswith("| 4 | phaseserve |")
