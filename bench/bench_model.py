@@ -74,8 +74,8 @@ def build_random_model(root: Path) -> Path:
 
 
 class RunnerBench:
-    def __init__(self, path: Path, dtype: str):
-        self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=1 << 30)
+    def __init__(self, path: Path, dtype: str, kv_cache_memory_bytes: int = 1 << 30):
+        self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.step = 0
         self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
@@ -83,22 +83,29 @@ class RunnerBench:
         self.step += 1
         return self.runner.execute(StepPlan(self.step, "bench", **kw))
 
-    def decode_step_time(self, batch: int, repeats: int) -> float:
+    def decode_step_time(self, batch: int, repeats: int, context: int | None = None, timer=None) -> float:
+        """Time of one decode step of `batch` sequences holding `context` tokens each (default CONTEXT):
+        the median of `repeats`, or what `timer(fn, repeats)` makes of them (`best`: the fastest)."""
         r = self.runner
+        context = context or CONTEXT
         bs = r.block_size
-        per_seq = -(-(CONTEXT + 64) // bs)
+        per_seq = -(-(context + 64) // bs)
+        if batch * per_seq > r.num_blocks:
+            raise ValueError(f"batch {batch} at context {context} needs {batch * per_seq} KV blocks; the runner "
+                             f"has {r.num_blocks} (raise kv_cache_memory_bytes)")
         g = torch.Generator().manual_seed(batch)
         seqs = [f"d{batch}-{i}" for i in range(batch)]
         tables = {s: list(range(i * per_seq, (i + 1) * per_seq)) for i, s in enumerate(seqs)}
-        starts = [SeqStart(s, "g", torch.randint(0, r.vocab_size, (CONTEXT,), generator=g).tolist(), self.params)
-                  for s in seqs]
-        self._exec(starts=starts, chunks=[ScheduledChunk(s, 0, CONTEXT, tables[s]) for s in seqs])
+        # one prefill per sequence: a batch of long prompts in one forward would only cost memory
+        for s in seqs:
+            prompt = torch.randint(0, r.vocab_size, (context,), generator=g).tolist()
+            self._exec(starts=[SeqStart(s, "g", prompt, self.params)], chunks=[ScheduledChunk(s, 0, context, tables[s])])
 
         def decode():
             chunks = [ScheduledChunk(s, len(r.seqs[s].token_ids) - 1, 1, tables[s]) for s in seqs]
             self._exec(chunks=chunks)
 
-        t = median(decode, repeats)
+        t = (timer or median)(decode, repeats)
         self._exec(releases=seqs)
         return t
 

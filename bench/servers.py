@@ -43,9 +43,10 @@ def vllm_thread_env(mode: str) -> dict[str, str]:
 class ServerProcess:
     """A server command run in its own process group, its output in `log_path`."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None,
+                 unset: tuple[str, ...] = ()):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, Path(log_path)
-        self.env = {**os.environ, **(env or {})}
+        self.env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -116,7 +117,9 @@ def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin:
            "--max-model-len", str(model_len or max_model_len(model_dir)), "--disable-log-stats"]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **vllm_thread_env(threads)}
-    return ServerProcess("vllm", cmd, port, log_path, env)
+    # vLLM runs from its own virtualenv: a PYTHONPATH pointing at this checkout would shadow its imports
+    # (transformers probes for a `kernels` package and finds phaseserve's)
+    return ServerProcess("vllm", cmd, port, log_path, env, unset=("PYTHONPATH",))
 
 
 def phaseserve_server(model_dir: Path, port: int, name: str, log_path: Path, model_len: int | None = None,
