@@ -56,6 +56,9 @@ class GatewayMetrics:
         self.kv_usage = Gauge("phaseserve_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total", registry=r)
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
                                  "(cumulative, as reported by the scheduler)", registry=r)
+        self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
+                                        "ITL target held back while prompts waited (cumulative, scheduler)",
+                                        registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
@@ -73,6 +76,7 @@ class GatewayMetrics:
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
         self.preemptions.set(stats.get("num_preemptions", 0))
+        self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
         self.stats_age.set(stats.get("updated_at", 0))
 
     def render(self) -> bytes:

@@ -60,10 +60,12 @@ from phaseserve.wire import (
     StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
+from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.service")
 
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
+STEP_COST_LOG_EVERY = 2048  # steps between log lines of a worker's learned step costs
 READ_COUNT = 512
 # step ids of one adoption of a worker start at (adoption number) * this: a late result of an earlier
 # adoption (or of a scheduler before us, whose epoch differs anyway) matches no open step
@@ -108,6 +110,9 @@ class WorkerSlot:
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
+    # the worker's step time learned from its results, and (tokens, keys) of each plan in flight for it
+    step_costs: StepCostModel = field(default_factory=StepCostModel)
+    plan_features: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -124,6 +129,7 @@ class PolicyLimits:
     enable_chunked_prefill: bool = True
     attention_horizon: int | None = None  # None: each worker's own (WorkerInfo); 0: cost model off
     long_prefill_threshold: int = 256  # see SchedulerConfig; 0: no cap
+    itl_target: ItlTarget = field(default_factory=ItlTarget)  # see SchedulerConfig; off: no bound
 
 
 class SchedulerService:
@@ -344,6 +350,7 @@ class SchedulerService:
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
+            itl_target=self.limits.itl_target,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),
@@ -487,6 +494,7 @@ class SchedulerService:
             log.warning("step result missing (a later one came first)", worker_id=result.worker_id, step_id=lost)
         slot.in_flight.popleft()
         slot.head_since = time.monotonic()
+        self._learn_step_cost(slot, result)
         policy = slot.policy
         before = {}
         for ev in result.events:
@@ -509,6 +517,24 @@ class SchedulerService:
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
         self._stats_dirty = True
+
+    def _learn_step_cost(self, slot: WorkerSlot, result: StepResult) -> None:
+        """Feed the worker's measured step time, with what its plan held, to its cost model; the policy
+        plans with the refitted costs from its next plan on."""
+        features = slot.plan_features
+        for step_id in [k for k in features if k < result.step_id]:  # given up or lost: no time to learn
+            del features[step_id]
+        tokens_keys = features.pop(result.step_id, None)
+        if tokens_keys is None or any(e.error for e in result.events):
+            return
+        model = slot.step_costs
+        model.observe(*tokens_keys, result.step_time_s)
+        slot.policy.step_costs = costs = model.costs
+        if costs is not None and model.num_samples % STEP_COST_LOG_EVERY == model.min_samples % STEP_COST_LOG_EVERY:
+            log.info("step costs learned", worker_id=slot.info.worker_id, steps=model.num_samples,
+                     overhead_ms=round(costs.overhead_s * 1e3, 3), token_ms=round(costs.token_s * 1e3, 4),
+                     key_us=round(costs.key_s * 1e6, 5), horizon=round(costs.horizon),
+                     itl_target=str(self.limits.itl_target))
 
     @property
     def step_timeout(self) -> float:
@@ -569,6 +595,7 @@ class SchedulerService:
                 plan.timeout_s = self.plan_timeout(plan)
                 pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + self.deadline_margin))
+                slot.plan_features[plan.step_id] = plan_features(plan.chunks)
                 sent += 1
         if sent:
             self._stats_dirty = True
@@ -583,6 +610,7 @@ class SchedulerService:
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
             "num_workers": len(policies),
+            "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
         }
 
     def maybe_write_stats(self, pipe, now: float) -> float | None:
@@ -776,7 +804,7 @@ def confirmed_outputs(record: dict) -> list[int]:
 async def serve(args) -> None:
     client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
-                          args.attention_horizon, args.long_prefill_threshold)
+                          args.attention_horizon, args.long_prefill_threshold, args.itl_target)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
                                resume_grace=args.resume_grace)

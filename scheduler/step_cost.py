@@ -1,0 +1,201 @@
+"""A worker's step time learned from its measured steps, and the operator's ITL target. No I/O.
+
+Model: a step of `tokens` tokens (decodes + prefill chunk tokens) whose queries attend to `keys` keys in
+all (a token at position p attends to p + 1 keys) takes
+
+    t = overhead_s + token_s * tokens + key_s * keys
+
+seconds: the weights read once a step (and the step's fixed costs), the linear layers' work per token,
+attention's per key. It maps onto the policy's budget units (scheduler/policy.py, "Budget units"): one
+unit is `token_s` seconds and the attention horizon K is token_s / key_s, so a chunk's `chunk_cost` times
+`token_s` is its predicted time, and the fixed part is `overhead_s / token_s` units.
+
+`StepCostModel` fits the three coefficients to the last `window` steps by weighted least squares, the
+weights decaying with age (half-life `half_life` steps) so it follows a machine whose speed changes,
+and reweighted twice by Huber's rule so a step slowed by something else (another process, a page fault)
+barely moves it. A weak prior (a few pseudo-steps at `prior`) settles what the data cannot tell apart
+(at a constant batch the fixed cost and the per-token cost are one number); no coefficient goes below 0.
+It refits every `refit_every` steps (one small numpy solve), so the per-step cost is a ring-buffer write.
+
+`ItlTarget` is the operator's bound (`--itl-target`): a ratio of the predicted pure-decode step at the
+current batch (`1.5x`) or milliseconds (`80ms`); `off` turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+# Huber's constant (in robust standard deviations) and the IRLS passes
+HUBER_K = 1.5
+IRLS_PASSES = 2
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The fitted coefficients: seconds a step, per token, per attended key."""
+
+    overhead_s: float
+    token_s: float
+    key_s: float
+
+    def predict(self, tokens: float, keys: float) -> float:
+        return self.overhead_s + self.token_s * tokens + self.key_s * keys
+
+    @property
+    def horizon(self) -> float:
+        """K in budget units (a key costs 1 / K of a token); 0 when attention is free (1 unit a token)."""
+        if self.key_s <= 0 or self.token_s <= 0:
+            return 0.0
+        return self.token_s / self.key_s
+
+    @property
+    def overhead_units(self) -> float:
+        return self.overhead_s / self.token_s
+
+
+# Before any step is measured: a step costs ~5 ms + 0.2 ms a token, and attention equals the linears at a
+# context of 2,048. Only its shape matters once there is data (it weighs as PRIOR_WEIGHT steps).
+DEFAULT_PRIOR = StepCosts(overhead_s=5e-3, token_s=2e-4, key_s=2e-4 / 2048)
+PRIOR_WEIGHT = 2.0
+
+
+def chunk_keys(start: int, n: int) -> int:
+    """Keys attended by the n tokens at positions start..start+n-1 (the one at p attends to p + 1)."""
+    return n * start + n * (n + 1) // 2
+
+
+def plan_features(chunks) -> tuple[int, int]:
+    """(tokens, keys) of a step's chunks (anything with start_pos and num_tokens): one pass over chunks."""
+    tokens = keys = 0
+    for c in chunks:
+        n, s = c.num_tokens, c.start_pos
+        tokens += n
+        keys += n * s + n * (n + 1) // 2
+    return tokens, keys
+
+
+class StepCostModel:
+    """Online robust fit of `StepCosts` to measured (tokens, keys, seconds) of one worker's steps."""
+
+    def __init__(self, prior: StepCosts = DEFAULT_PRIOR, *, window: int = 512, half_life: float = 256.0,
+                 refit_every: int = 8, min_samples: int = 16):
+        if window < 4 or half_life <= 0 or refit_every < 1 or min_samples < 1:
+            raise ValueError("StepCostModel: window >= 4, half_life > 0, refit_every >= 1, min_samples >= 1")
+        self.prior = prior
+        self.window = window
+        self.refit_every = refit_every
+        self.min_samples = min_samples
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._x = np.zeros((window, 3))
+        self._y = np.zeros(window)
+        self._n = 0  # samples seen (the ring holds min(n, window))
+        self._since_fit = 0
+        self._costs: StepCosts | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    @property
+    def costs(self) -> StepCosts | None:
+        """The current fit; None until `min_samples` steps are measured (the policy then uses its token
+        budget alone)."""
+        return self._costs
+
+    def observe(self, tokens: int, keys: int, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)) or tokens <= 0:
+            return  # a failed or empty step says nothing about the cost of work
+        i = self._n % self.window
+        self._x[i] = (1.0, tokens, keys)
+        self._y[i] = seconds
+        self._n += 1
+        self._since_fit += 1
+        if self._n >= self.min_samples and (self._costs is None or self._since_fit >= self.refit_every):
+            self._costs = self.fit()
+            self._since_fit = 0
+
+    def fit(self) -> StepCosts:
+        m = min(self._n, self.window)
+        newest = (self._n - 1) % self.window
+        age = (newest - np.arange(m)) % self.window if m == self.window else (m - 1 - np.arange(m))
+        x, y = self._x[:m], self._y[:m]
+        w = self._decay ** age
+        # the prior as three pseudo-steps, scaled to a typical step's size so they weigh alike
+        p = self.prior
+        scale = np.array([1.0, max(1.0, float(np.median(x[:, 1]))), max(1.0, float(np.median(x[:, 2])))])
+        px = np.diag(scale)
+        py = np.array([p.overhead_s, p.token_s, p.key_s]) * scale
+        pw = np.full(3, PRIOR_WEIGHT)
+        robust = np.ones(m)
+        coef = np.zeros(3)
+        for _ in range(IRLS_PASSES + 1):
+            coef = _nonnegative_lstsq(np.vstack([x, px]), np.concatenate([y, py]),
+                                      np.concatenate([w * robust, pw]))
+            resid = np.abs(y - x @ coef)
+            sigma = 1.4826 * float(np.median(resid)) + 1e-9
+            robust = np.minimum(1.0, HUBER_K * sigma / np.maximum(resid, 1e-12))
+        return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares with every coefficient >= 0: drop the most negative one and refit (an
+    active set over three columns; at most three solves)."""
+    sw = np.sqrt(w)
+    xs, ys = x * sw[:, None], y * sw
+    free = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(xs[:, free], ys, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[free] = sol
+            return coef
+        free.pop(int(np.argmin(sol)))
+    return coef
+
+
+@dataclass(frozen=True)
+class ItlTarget:
+    """The bound on a step's predicted time while streams decode: `ratio` times the predicted pure-decode
+    step at the step's batch, or `ms` milliseconds; neither: off."""
+
+    ratio: float | None = None
+    ms: float | None = None
+
+    @property
+    def is_off(self) -> bool:
+        return self.ratio is None and self.ms is None
+
+    def __str__(self) -> str:
+        if self.ratio is not None:
+            return f"{self.ratio:g}x"
+        if self.ms is not None:
+            return f"{self.ms:g}ms"
+        return "off"
+
+
+_TARGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(x|ms)\s*$", re.IGNORECASE)
+
+
+def parse_itl_target(text: str | ItlTarget) -> ItlTarget:
+    """'1.5x' (ratio > 1), '80ms' (> 0) or 'off'; a clear error otherwise."""
+    if isinstance(text, ItlTarget):
+        return text
+    s = str(text).strip().lower()
+    if s in ("off", "none", "0"):
+        return ItlTarget()
+    m = _TARGET.match(s)
+    if not m:
+        raise ValueError(f"ITL target {text!r}: expected a ratio like 1.5x, milliseconds like 80ms, or off")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "x":
+        if not value > 1.0:
+            raise ValueError(f"ITL target {text!r}: a ratio must be > 1 (1x would leave no time for prefill)")
+        return ItlTarget(ratio=value)
+    if not value > 0:
+        raise ValueError(f"ITL target {text!r}: milliseconds must be > 0")
+    return ItlTarget(ms=value)
