@@ -423,13 +423,14 @@ class WorkerPolicy:
             budget.head_reserve = min(whole, max(math.ceil(budget.left / 2), chunk_cost(0, 1, horizon)))
 
     def _schedule_prefill_chunks(self, step: _StepDraft, budget: StepBudget) -> None:
-        """Step 2a: the next chunks of partially-prefilled sequences, in rank order, in what is left of the
-        budget after the head's reserve (none exist with chunking off)."""
+        """Step 2a: the next chunks of partially-prefilled sequences, short prompts before long ones (each
+        in rank order), in what is left of the budget after the head's reserve (none exist with chunking
+        off)."""
         bm = self.block_manager
         allow = budget.left - budget.head_reserve
-        for seq in list(self._running):
-            if not seq.is_prefilling or seq in step.scheduled:
-                continue
+        # short first: under a tight ITL target a long prompt would otherwise take a short one's room
+        prefilling = [s for s in self._running if s.is_prefilling and s not in step.scheduled]
+        for seq in sorted(prefilling, key=lambda s: budget.is_long(s.prefill_len)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
             n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.prefill_len, start, allow))

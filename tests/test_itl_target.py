@@ -128,3 +128,31 @@ def test_no_target_without_costs_or_decodes():
 def test_chunked_prefill_off_ignores_the_target():
     cfg = config(ItlTarget(ratio=1.5), enable_chunked_prefill=False)
     assert StepBudget.for_step(cfg, COSTS).target_left == float("inf")
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_short_prompts_are_not_stuck_behind_long_ones_under_the_target(depth):
+    """Long prompts wait under the target; a chat prompt arriving behind them still starts at once and
+    finishes its prefill in a few steps (short partial prefills go before long ones)."""
+    cfg = config(ItlTarget(ratio=1.5))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = COSTS
+    streams = [make_req(f"d{i}", 8, max_tokens=200) for i in range(16)]
+    longs = [make_req(f"long{i}", 2000, max_tokens=2) for i in range(3)]
+    chats = [make_req(f"chat{i}", 60, max_tokens=4) for i in range(4)]
+    first: dict[str, int] = {}
+    done: dict[str, int] = {}
+
+    def on_plan(idx, plan):
+        for c in plan.chunks:
+            first.setdefault(c.seq_id, idx)
+            if c.seq_id.startswith("chat") and c.start_pos + c.num_tokens == 60:
+                done[c.seq_id] = idx
+
+    drive(sched, worker, depth=depth, arrivals={0: streams, 4: longs, 10: chats[:2], 30: chats[2:]},
+          on_plan=on_plan)
+    arrived = {"chat0": 10, "chat1": 10, "chat2": 30, "chat3": 30}
+    for rid, at in arrived.items():
+        assert first[rid] - at <= 2 and done[rid] - at <= 8, (rid, first[rid], done[rid])
+    assert max(first[f"long{i}"] for i in range(3)) <= 8  # the long ones started too, and wait their turn
+    assert_reference(worker, streams + longs + chats, cfg.max_model_len)
