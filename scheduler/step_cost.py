@@ -82,7 +82,7 @@ class StepCostModel:
     """Online robust fit of `StepCosts` to measured (tokens, keys, seconds) of one worker's steps."""
 
     def __init__(self, prior: StepCosts = DEFAULT_PRIOR, *, window: int = 512, half_life: float = 256.0,
-                 refit_every: int = 8, min_samples: int = 16):
+                 refit_every: int = 32, min_samples: int = 16):
         if window < 4 or half_life <= 0 or refit_every < 1 or min_samples < 1:
             raise ValueError("StepCostModel: window >= 4, half_life > 0, refit_every >= 1, min_samples >= 1")
         self.prior = prior
@@ -122,36 +122,37 @@ class StepCostModel:
         m = min(self._n, self.window)
         newest = (self._n - 1) % self.window
         age = (newest - np.arange(m)) % self.window if m == self.window else (m - 1 - np.arange(m))
-        x, y = self._x[:m], self._y[:m]
+        # columns scaled to a typical step's size: well-conditioned normal equations, and the prior's
+        # three pseudo-steps weigh alike
+        scale = np.array([1.0, max(1.0, float(np.median(self._x[:m, 1]))),
+                          max(1.0, float(np.median(self._x[:m, 2])))])
+        x, y = self._x[:m] / scale, self._y[:m]
         w = self._decay ** age
-        # the prior as three pseudo-steps, scaled to a typical step's size so they weigh alike
         p = self.prior
-        scale = np.array([1.0, max(1.0, float(np.median(x[:, 1]))), max(1.0, float(np.median(x[:, 2])))])
-        px = np.diag(scale)
-        py = np.array([p.overhead_s, p.token_s, p.key_s]) * scale
-        pw = np.full(3, PRIOR_WEIGHT)
+        prior_coef = np.array([p.overhead_s, p.token_s, p.key_s]) * scale
         robust = np.ones(m)
-        coef = np.zeros(3)
+        coef = prior_coef
         for _ in range(IRLS_PASSES + 1):
-            coef = _nonnegative_lstsq(np.vstack([x, px]), np.concatenate([y, py]),
-                                      np.concatenate([w * robust, pw]))
+            wr = w * robust
+            # the prior as pseudo-steps on the diagonal: one per coefficient, at its prior value
+            gram = (x * wr[:, None]).T @ x + PRIOR_WEIGHT * np.eye(3)
+            rhs = (x * wr[:, None]).T @ y + PRIOR_WEIGHT * prior_coef
+            coef = _nonnegative_solve(gram, rhs)
             resid = np.abs(y - x @ coef)
-            sigma = 1.4826 * float(np.median(resid)) + 1e-9
-            robust = np.minimum(1.0, HUBER_K * sigma / np.maximum(resid, 1e-12))
+            sigma = 1.4826 * float(np.median(resid)) + 1e-12
+            robust = np.minimum(1.0, HUBER_K * sigma / np.maximum(resid, 1e-15))
+        coef = coef / scale
         return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]))
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted least squares with every coefficient >= 0: drop the most negative one and refit (an
-    active set over three columns; at most three solves)."""
-    sw = np.sqrt(w)
-    xs, ys = x * sw[:, None], y * sw
-    free = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
+def _nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """The least-squares solution from its normal equations with every coefficient >= 0: drop the most
+    negative one and solve again (an active set over three coefficients; at most three 3x3 solves)."""
+    free = list(range(len(rhs)))
+    coef = np.zeros(len(rhs))
     while free:
-        sol, *_ = np.linalg.lstsq(xs[:, free], ys, rcond=None)
+        sol = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
         if (sol >= 0).all():
-            coef[:] = 0
             coef[free] = sol
             return coef
         free.pop(int(np.argmin(sol)))
