@@ -53,9 +53,11 @@ T tokens is long: all long prefill chunks of a step together cost at most T
 units (vLLM's `long_prefill_token_threshold`). A long prompt's chunks then
 stay small while streams decode beside it, and shorter prompts can still fill
 the rest of the budget, so a burst of short prompts is prefilled as fast as
-before. The first long chunk of a step gets at least one token when the budget
-allows it, so a long prompt always progresses; the head of the queue keeps its
-rule below. T = 0 turns the cap off.
+before. Partially-prefilled short prompts get their chunks before long ones (so
+under a tight ITL target a chat prompt is not stuck behind long prompts). The
+first long chunk of a step gets at least one token when the budget allows it,
+so a long prompt always progresses; the head of the queue keeps its rule below.
+T = 0 turns the cap off.
 
 Starvation rule (a short prompt behind a long one): when the head of the
 waiting queue could be admitted this step, it is reserved
