@@ -32,6 +32,7 @@ import numpy as np
 # Huber's constant (in robust standard deviations) and the IRLS passes
 HUBER_K = 1.5
 IRLS_PASSES = 2
+RATIO_SMOOTHING = 0.02  # of the prediction-error averages (about the last 50 steps)
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,14 @@ def chunk_keys(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
-def plan_features(chunks) -> tuple[int, int]:
-    """(tokens, keys) of a step's chunks (anything with start_pos and num_tokens): one pass over chunks."""
+def plan_features(chunks) -> tuple[int, int, int]:
+    """(tokens, keys, chunks) of a step's chunks (anything with start_pos and num_tokens): one pass."""
     tokens = keys = 0
     for c in chunks:
         n, s = c.num_tokens, c.start_pos
         tokens += n
         keys += n * s + n * (n + 1) // 2
-    return tokens, keys
+    return tokens, keys, len(chunks)
 
 
 class StepCostModel:
@@ -95,6 +96,9 @@ class StepCostModel:
         self._n = 0  # samples seen (the ring holds min(n, window))
         self._since_fit = 0
         self._costs: StepCosts | None = None
+        # how well the fit predicts (measured / predicted, moving averages): steps that carry prefill,
+        # and decode-only steps (one token a chunk)
+        self.prefill_ratio = self.decode_ratio = 1.0
 
     @property
     def num_samples(self) -> int:
@@ -106,9 +110,15 @@ class StepCostModel:
         budget alone)."""
         return self._costs
 
-    def observe(self, tokens: int, keys: int, seconds: float) -> None:
+    def observe(self, tokens: int, keys: int, seconds: float, chunks: int = 0) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or tokens <= 0:
             return  # a failed or empty step says nothing about the cost of work
+        if self._costs is not None:
+            ratio = seconds / max(self._costs.predict(tokens, keys), 1e-9)
+            if tokens > chunks:
+                self.prefill_ratio += RATIO_SMOOTHING * (ratio - self.prefill_ratio)
+            else:
+                self.decode_ratio += RATIO_SMOOTHING * (ratio - self.decode_ratio)
         i = self._n % self.window
         self._x[i] = (1.0, tokens, keys)
         self._y[i] = seconds

@@ -16,7 +16,7 @@ from scheduler.step_cost import (ItlTarget, StepCostModel, StepCosts, chunk_keys
 TRUE = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 1500)
 
 
-def random_step(rng: random.Random) -> tuple[int, int]:
+def random_step(rng: random.Random) -> tuple[int, int, int]:
     """A step like a serving mix: a batch of decodes at random contexts, sometimes a prefill chunk."""
     chunks = [ScheduledChunk(f"d{i}", rng.randrange(10, 2000), 1, []) for i in range(rng.randrange(1, 33))]
     if rng.random() < 0.4:
@@ -27,7 +27,7 @@ def random_step(rng: random.Random) -> tuple[int, int]:
 def feed(model: StepCostModel, truth: StepCosts, n: int, rng: random.Random, noise: float = 0.05,
          outliers: float = 0.0) -> None:
     for _ in range(n):
-        tokens, keys = random_step(rng)
+        tokens, keys, _ = random_step(rng)
         t = truth.predict(tokens, keys) * (1 + rng.gauss(0, noise))
         if rng.random() < outliers:  # another process took the core: 2x-6x slower
             t *= rng.uniform(2, 6)
@@ -97,8 +97,8 @@ def test_constant_batch_predicts_its_own_steps_and_stays_nonnegative():
 def test_features_match_the_policy_units():
     """A chunk's chunk_cost in units of token_s with K = token_s / key_s is its predicted time."""
     chunks = [ScheduledChunk("a", 700, 1, []), ScheduledChunk("b", 40, 300, [])]
-    tokens, keys = plan_features(chunks)
-    assert (tokens, keys) == (301, 701 + sum(range(41, 341)))
+    tokens, keys, n = plan_features(chunks)
+    assert (tokens, keys, n) == (301, 701 + sum(range(41, 341)), 2)
     units = sum(chunk_cost(c.start_pos, c.num_tokens, TRUE.horizon) for c in chunks)
     assert units * TRUE.token_s == pytest.approx(TRUE.predict(tokens, keys) - TRUE.overhead_s)
 
