@@ -165,7 +165,7 @@ SETTINGS: list[Setting] = [
             "prompts longer than this many tokens are long: their prefill chunks take at most this many units "
             "of a step's budget together, so streams decoding beside a long prompt stall less while short "
             "prompts still fill the budget; 0 = no cap", ("scheduler", "up")),
-    Setting("itl_target", "PHASESERVE_ITL_TARGET", "1.5x", parse_itl_target_arg,
+    Setting("itl_target", "PHASESERVE_ITL_TARGET", "1.3x", parse_itl_target_arg,
             "bound on a step's time while streams decode, from each worker's step costs learned from its "
             "measured steps: a ratio of the predicted decode-only step at that batch (e.g. 1.5x) or "
             "milliseconds (e.g. 80ms); prefill chunks get only what is left under it, so prompts that need "

@@ -116,7 +116,7 @@ def test_itl_target_parsing():
 
 def test_itl_target_setting_default_and_clear_error(capsys):
     args = settings.parse("scheduler", [])
-    assert args.itl_target == ItlTarget(ratio=1.5)
+    assert args.itl_target == ItlTarget(ratio=1.3)
     assert settings.parse("up", ["--itl-target", "60ms"]).itl_target == ItlTarget(ms=60.0)
     parser = argparse.ArgumentParser(prog="phaseserve scheduler")
     settings.add_arguments(parser, "scheduler")
