@@ -201,15 +201,18 @@ class StepBudget:
     long_threshold: int  # T; 0: no cap on long prefills
     long_left: float  # what the chunks of long prefills may still take; inf with no cap
     head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
-    # the ITL target, in units: prefill may take max(base + slope * decode units, floor) - prefill units
-    # (inf without a target or a learned cost model, or in a step with no decode: no stream to stall)
+    # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
+    # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
+    # learned cost model, or in a step with no decode: no stream to stall)
     target_base: float = math.inf
     target_slope: float = 0.0
     target_floor: float = 0.0
     overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
+    prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
     unit_s: float = 0.0  # seconds a unit (0: no cost model)
     decode_units: float = 0.0
     prefill_units: float = 0.0
+    prefill_chunks: int = 0
 
     @classmethod
     def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None) -> StepBudget:
@@ -221,6 +224,7 @@ class StepBudget:
             return budget
         # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
         budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units
+        budget.prefill_chunk_units = costs.prefill_chunk_units
         if target.ratio is not None:  # r * (fixed + decodes) - (fixed + decodes)
             budget.target_base = (target.ratio - 1.0) * budget.overhead_units
             budget.target_slope = target.ratio - 1.0
@@ -235,7 +239,9 @@ class StepBudget:
     def target_left(self) -> float:
         if not self.decode_units or math.isinf(self.target_base):
             return math.inf
-        return max(self.target_base + self.target_slope * self.decode_units, self.target_floor) - self.prefill_units
+        room = (self.target_base + self.target_slope * self.decode_units
+                - self.prefill_chunk_units * (self.prefill_chunks + 1))
+        return max(room, self.target_floor) - self.prefill_units
 
     @property
     def left(self) -> float:
@@ -249,7 +255,8 @@ class StepBudget:
     @property
     def predicted_s(self) -> float:
         """The step's predicted time as planned so far (0 without a cost model)."""
-        return (self.overhead_units + self.decode_units + self.prefill_units) * self.unit_s
+        return (self.overhead_units + self.decode_units + self.prefill_units
+                + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
 
     def is_long(self, prefill_len: int) -> bool:
         return bool(self.long_threshold) and prefill_len > self.long_threshold
@@ -275,6 +282,7 @@ class StepBudget:
             self.long_left -= cost
         self.cap_left -= cost
         self.prefill_units += cost
+        self.prefill_chunks += 1
         return cost
 
 

@@ -110,7 +110,7 @@ class WorkerSlot:
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
-    # the worker's step time learned from its results, and (tokens, keys, chunks) of each plan in flight
+    # the worker's step time learned from its results, and (tokens, keys, prefill chunks) of each plan in flight
     step_costs: StepCostModel = field(default_factory=StepCostModel)
     plan_features: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
@@ -524,17 +524,18 @@ class SchedulerService:
         features = slot.plan_features
         for step_id in [k for k in features if k < result.step_id]:  # given up or lost: no time to learn
             del features[step_id]
-        tokens_keys_chunks = features.pop(result.step_id, None)
-        if tokens_keys_chunks is None or any(e.error for e in result.events):
+        planned = features.pop(result.step_id, None)
+        if planned is None or any(e.error for e in result.events):
             return
-        tokens, keys, chunks = tokens_keys_chunks
+        tokens, keys, prefill_chunks = planned
         model = slot.step_costs
-        model.observe(tokens, keys, result.step_time_s, chunks)
+        model.observe(tokens, keys, result.step_time_s, prefill_chunks)
         slot.policy.step_costs = costs = model.costs
         if costs is not None and model.num_samples % STEP_COST_LOG_EVERY == model.min_samples % STEP_COST_LOG_EVERY:
             log.info("step costs learned", worker_id=slot.info.worker_id, steps=model.num_samples,
                      overhead_ms=round(costs.overhead_s * 1e3, 3), token_ms=round(costs.token_s * 1e3, 4),
-                     key_us=round(costs.key_s * 1e6, 5), horizon=round(costs.horizon),
+                     key_us=round(costs.key_s * 1e6, 5), prefill_chunk_ms=round(costs.prefill_chunk_s * 1e3, 3),
+                     horizon=round(costs.horizon),
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.limits.itl_target))

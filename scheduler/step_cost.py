@@ -3,19 +3,22 @@
 Model: a step of `tokens` tokens (decodes + prefill chunk tokens) whose queries attend to `keys` keys in
 all (a token at position p attends to p + 1 keys) takes
 
-    t = overhead_s + token_s * tokens + key_s * keys
+    t = overhead_s + token_s * tokens + key_s * keys + prefill_chunk_s * prefill_chunks
 
 seconds: the weights read once a step (and the step's fixed costs), the linear layers' work per token,
-attention's per key. It maps onto the policy's budget units (scheduler/policy.py, "Budget units"): one
+attention's per key, and what each prefill chunk adds beyond its tokens (its own attention call and
+masks: a step carrying one costs more than its tokens say). It maps onto the policy's budget units (scheduler/policy.py, "Budget units"): one
 unit is `token_s` seconds and the attention horizon K is token_s / key_s, so a chunk's `chunk_cost` times
-`token_s` is its predicted time, and the fixed part is `overhead_s / token_s` units.
+`token_s` is its predicted time (plus `prefill_chunk_s` for a prefill chunk), and the fixed part is
+`overhead_s / token_s` units.
 
-`StepCostModel` fits the three coefficients to the last `window` steps by weighted least squares, the
+`StepCostModel` fits the four coefficients to the last `window` steps by weighted least squares, the
 weights decaying with age (half-life `half_life` steps) so it follows a machine whose speed changes,
 and reweighted twice by Huber's rule so a step slowed by something else (another process, a page fault)
 barely moves it. A weak prior (a few pseudo-steps at `prior`) settles what the data cannot tell apart
 (at a constant batch the fixed cost and the per-token cost are one number); no coefficient goes below 0.
-It refits every `refit_every` steps (one small numpy solve), so the per-step cost is a ring-buffer write.
+It refits every `refit_every` steps (every 4 in the first 4 x `refit_every`; a few small numpy solves), so
+the per-step cost is mostly a ring-buffer write.
 
 `ItlTarget` is the operator's bound (`--itl-target`): a ratio of the predicted pure-decode step at the
 current batch (`1.5x`) or milliseconds (`80ms`); `off` turns it off.
@@ -32,6 +35,7 @@ import numpy as np
 # Huber's constant (in robust standard deviations) and the IRLS passes
 HUBER_K = 1.5
 IRLS_PASSES = 2
+NUM_COEFS = 4  # overhead, per token, per key, per prefill chunk
 RATIO_SMOOTHING = 0.02  # of the prediction-error averages (about the last 50 steps)
 
 
@@ -42,9 +46,10 @@ class StepCosts:
     overhead_s: float
     token_s: float
     key_s: float
+    prefill_chunk_s: float = 0.0
 
-    def predict(self, tokens: float, keys: float) -> float:
-        return self.overhead_s + self.token_s * tokens + self.key_s * keys
+    def predict(self, tokens: float, keys: float, prefill_chunks: int = 0) -> float:
+        return self.overhead_s + self.token_s * tokens + self.key_s * keys + self.prefill_chunk_s * prefill_chunks
 
     @property
     def horizon(self) -> float:
@@ -56,6 +61,10 @@ class StepCosts:
     @property
     def overhead_units(self) -> float:
         return self.overhead_s / self.token_s
+
+    @property
+    def prefill_chunk_units(self) -> float:
+        return self.prefill_chunk_s / self.token_s
 
 
 # Before any step is measured: a step costs ~5 ms + 0.2 ms a token, and attention equals the linears at a
@@ -70,13 +79,15 @@ def chunk_keys(start: int, n: int) -> int:
 
 
 def plan_features(chunks) -> tuple[int, int, int]:
-    """(tokens, keys, chunks) of a step's chunks (anything with start_pos and num_tokens): one pass."""
-    tokens = keys = 0
+    """(tokens, keys, prefill chunks) of a step's chunks (anything with start_pos and num_tokens; a chunk
+    of more than one token is a prefill chunk): one pass over the chunks."""
+    tokens = keys = prefills = 0
     for c in chunks:
         n, s = c.num_tokens, c.start_pos
         tokens += n
         keys += n * s + n * (n + 1) // 2
-    return tokens, keys, len(chunks)
+        prefills += n > 1
+    return tokens, keys, prefills
 
 
 class StepCostModel:
@@ -91,7 +102,7 @@ class StepCostModel:
         self.refit_every = refit_every
         self.min_samples = min_samples
         self._decay = 0.5 ** (1.0 / half_life)
-        self._x = np.zeros((window, 3))
+        self._x = np.zeros((window, NUM_COEFS))
         self._y = np.zeros(window)
         self._n = 0  # samples seen (the ring holds min(n, window))
         self._since_fit = 0
@@ -110,21 +121,23 @@ class StepCostModel:
         budget alone)."""
         return self._costs
 
-    def observe(self, tokens: int, keys: int, seconds: float, chunks: int = 0) -> None:
+    def observe(self, tokens: int, keys: int, seconds: float, prefill_chunks: int = 0) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or tokens <= 0:
             return  # a failed or empty step says nothing about the cost of work
         if self._costs is not None:
-            ratio = seconds / max(self._costs.predict(tokens, keys), 1e-9)
-            if tokens > chunks:
+            ratio = seconds / max(self._costs.predict(tokens, keys, prefill_chunks), 1e-9)
+            if prefill_chunks:
                 self.prefill_ratio += RATIO_SMOOTHING * (ratio - self.prefill_ratio)
             else:
                 self.decode_ratio += RATIO_SMOOTHING * (ratio - self.decode_ratio)
         i = self._n % self.window
-        self._x[i] = (1.0, tokens, keys)
+        self._x[i] = (1.0, tokens, keys, prefill_chunks)
         self._y[i] = seconds
         self._n += 1
         self._since_fit += 1
-        if self._n >= self.min_samples and (self._costs is None or self._since_fit >= self.refit_every):
+        # early on every few steps: the first fit sees the warm-up steps, and the costs matter from the start
+        every = self.refit_every if self._n >= 4 * self.refit_every else min(4, self.refit_every)
+        if self._n >= self.min_samples and (self._costs is None or self._since_fit >= every):
             self._costs = self.fit()
             self._since_fit = 0
 
@@ -133,31 +146,31 @@ class StepCostModel:
         newest = (self._n - 1) % self.window
         age = (newest - np.arange(m)) % self.window if m == self.window else (m - 1 - np.arange(m))
         # columns scaled to a typical step's size: well-conditioned normal equations, and the prior's
-        # three pseudo-steps weigh alike
+        # pseudo-steps weigh alike
         scale = np.array([1.0, max(1.0, float(np.median(self._x[:m, 1]))),
-                          max(1.0, float(np.median(self._x[:m, 2])))])
+                          max(1.0, float(np.median(self._x[:m, 2]))), 1.0])
         x, y = self._x[:m] / scale, self._y[:m]
         w = self._decay ** age
         p = self.prior
-        prior_coef = np.array([p.overhead_s, p.token_s, p.key_s]) * scale
+        prior_coef = np.array([p.overhead_s, p.token_s, p.key_s, p.prefill_chunk_s]) * scale
         robust = np.ones(m)
         coef = prior_coef
         for _ in range(IRLS_PASSES + 1):
             wr = w * robust
             # the prior as pseudo-steps on the diagonal: one per coefficient, at its prior value
-            gram = (x * wr[:, None]).T @ x + PRIOR_WEIGHT * np.eye(3)
+            gram = (x * wr[:, None]).T @ x + PRIOR_WEIGHT * np.eye(NUM_COEFS)
             rhs = (x * wr[:, None]).T @ y + PRIOR_WEIGHT * prior_coef
             coef = _nonnegative_solve(gram, rhs)
             resid = np.abs(y - x @ coef)
             sigma = 1.4826 * float(np.median(resid)) + 1e-12
             robust = np.minimum(1.0, HUBER_K * sigma / np.maximum(resid, 1e-15))
         coef = coef / scale
-        return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]))
+        return StepCosts(*(float(v) for v in coef))
 
 
 def _nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """The least-squares solution from its normal equations with every coefficient >= 0: drop the most
-    negative one and solve again (an active set over three coefficients; at most three 3x3 solves)."""
+    negative one and solve again (an active set over four coefficients; at most four small solves)."""
     free = list(range(len(rhs)))
     coef = np.zeros(len(rhs))
     while free:

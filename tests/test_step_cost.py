@@ -13,7 +13,7 @@ from scheduler.policy import chunk_cost
 from scheduler.step_cost import (ItlTarget, StepCostModel, StepCosts, chunk_keys, parse_itl_target,
                                  plan_features)
 
-TRUE = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 1500)
+TRUE = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 1500, prefill_chunk_s=0.004)
 
 
 def random_step(rng: random.Random) -> tuple[int, int, int]:
@@ -27,17 +27,18 @@ def random_step(rng: random.Random) -> tuple[int, int, int]:
 def feed(model: StepCostModel, truth: StepCosts, n: int, rng: random.Random, noise: float = 0.05,
          outliers: float = 0.0) -> None:
     for _ in range(n):
-        tokens, keys, _ = random_step(rng)
-        t = truth.predict(tokens, keys) * (1 + rng.gauss(0, noise))
+        tokens, keys, prefills = random_step(rng)
+        t = truth.predict(tokens, keys, prefills) * (1 + rng.gauss(0, noise))
         if rng.random() < outliers:  # another process took the core: 2x-6x slower
             t *= rng.uniform(2, 6)
-        model.observe(tokens, keys, t)
+        model.observe(tokens, keys, t, prefills)
 
 
 def assert_close(fit: StepCosts, truth: StepCosts, rel: float) -> None:
     assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=rel)
     assert fit.token_s == pytest.approx(truth.token_s, rel=rel)
     assert fit.key_s == pytest.approx(truth.key_s, rel=rel)
+    assert fit.prefill_chunk_s == pytest.approx(truth.prefill_chunk_s, rel=2 * rel)
 
 
 def test_recovers_known_coefficients_from_noisy_steps_with_outliers():
@@ -46,23 +47,25 @@ def test_recovers_known_coefficients_from_noisy_steps_with_outliers():
     assert_close(model.costs, TRUE, rel=0.15)
     assert model.costs.horizon == pytest.approx(1500, rel=0.2)
     # what the policy uses: the predicted time of a decode-only step and of a prefill chunk beside it
-    for tokens, keys in [(16, 16 * 1000), (16 + 256, 16 * 1000 + chunk_keys(1000, 256))]:
-        assert model.costs.predict(tokens, keys) == pytest.approx(TRUE.predict(tokens, keys), rel=0.05)
+    for tokens, keys, p in [(16, 16 * 1000, 0), (16 + 256, 16 * 1000 + chunk_keys(1000, 256), 1)]:
+        assert model.costs.predict(tokens, keys, p) == pytest.approx(TRUE.predict(tokens, keys, p), rel=0.05)
 
 
 def test_outliers_barely_move_the_fit():
     clean, noisy = StepCostModel(), StepCostModel()
     feed(clean, TRUE, 400, random.Random(2), noise=0.02)
     feed(noisy, TRUE, 400, random.Random(2), noise=0.02, outliers=0.1)
-    for tokens, keys in [(16, 16 * 500), (300, 16 * 500 + chunk_keys(500, 284))]:
-        assert noisy.costs.predict(tokens, keys) == pytest.approx(clean.costs.predict(tokens, keys), rel=0.1)
+    for tokens, keys, p in [(16, 16 * 500, 0), (300, 16 * 500 + chunk_keys(500, 284), 1)]:
+        assert noisy.costs.predict(tokens, keys, p) == pytest.approx(clean.costs.predict(tokens, keys, p), rel=0.1)
+    # measured / predicted, by kind of step (the service logs them)
+    assert clean.decode_ratio == pytest.approx(1, abs=0.03) and clean.prefill_ratio == pytest.approx(1, abs=0.03)
 
 
 def test_adapts_when_the_machine_slows_down():
     model = StepCostModel()
     rng = random.Random(3)
     feed(model, TRUE, 500, rng)
-    slow = StepCosts(TRUE.overhead_s * 2, TRUE.token_s * 3, TRUE.key_s * 3)  # e.g. another job on the cores
+    slow = StepCosts(TRUE.overhead_s * 2, TRUE.token_s * 3, TRUE.key_s * 3, TRUE.prefill_chunk_s * 2)  # e.g. another job on the cores
     feed(model, slow, 1500, rng)
     assert_close(model.costs, slow, rel=0.2)
 
@@ -90,7 +93,7 @@ def test_constant_batch_predicts_its_own_steps_and_stays_nonnegative():
         keys = 16 * rng.randrange(100, 400)
         model.observe(16, keys, TRUE.predict(16, keys) * (1 + rng.gauss(0, 0.02)))
     c = model.costs
-    assert min(c.overhead_s, c.token_s, c.key_s) >= 0
+    assert min(c.overhead_s, c.token_s, c.key_s, c.prefill_chunk_s) >= 0
     assert c.predict(16, 16 * 250) == pytest.approx(TRUE.predict(16, 16 * 250), rel=0.05)
 
 
@@ -98,9 +101,10 @@ def test_features_match_the_policy_units():
     """A chunk's chunk_cost in units of token_s with K = token_s / key_s is its predicted time."""
     chunks = [ScheduledChunk("a", 700, 1, []), ScheduledChunk("b", 40, 300, [])]
     tokens, keys, n = plan_features(chunks)
-    assert (tokens, keys, n) == (301, 701 + sum(range(41, 341)), 2)
+    assert (tokens, keys, n) == (301, 701 + sum(range(41, 341)), 1)
     units = sum(chunk_cost(c.start_pos, c.num_tokens, TRUE.horizon) for c in chunks)
-    assert units * TRUE.token_s == pytest.approx(TRUE.predict(tokens, keys) - TRUE.overhead_s)
+    units += TRUE.prefill_chunk_units  # the one prefill chunk
+    assert units * TRUE.token_s == pytest.approx(TRUE.predict(tokens, keys, n) - TRUE.overhead_s)
 
 
 def test_itl_target_parsing():

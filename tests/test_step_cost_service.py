@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from model_factory import make_model
@@ -33,9 +34,12 @@ async def test_the_service_learns_step_costs_from_measured_steps(model_dir, redi
         costs = slot.policy.step_costs
         assert costs is model.costs and costs is not None
         assert min(costs.overhead_s, costs.token_s, costs.key_s) >= 0
-        # a 4-sequence decode step of this tiny model: predicted within a few x of what the worker measured
-        busy = worker.service.busy_s / worker.service.steps_run
-        assert busy / 4 < costs.predict(4, 4 * 30) < busy * 4, (costs, busy)
+        # the decode-only steps the worker measured (one token a chunk) are predicted within 2x (the median)
+        n = min(model.num_samples, model.window)
+        x, y = model._x[:n], model._y[:n]
+        decode = x[:, 3] == 0
+        predicted = np.array([costs.predict(t, k, 0) for t, k in x[decode, 1:3]])
+        assert 0.5 < float(np.median(y[decode] / predicted)) < 2, (costs, np.median(y[decode]))
         assert 0.25 < model.decode_ratio < 4
         assert not slot.plan_features, "every answered plan's features are dropped"
         s = await stats(client, keys)
