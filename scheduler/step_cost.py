@@ -94,13 +94,17 @@ class StepCostModel:
     """Online robust fit of `StepCosts` to measured (tokens, keys, seconds) of one worker's steps."""
 
     def __init__(self, prior: StepCosts = DEFAULT_PRIOR, *, window: int = 512, half_life: float = 256.0,
-                 refit_every: int = 32, min_samples: int = 16):
-        if window < 4 or half_life <= 0 or refit_every < 1 or min_samples < 1:
-            raise ValueError("StepCostModel: window >= 4, half_life > 0, refit_every >= 1, min_samples >= 1")
+                 refit_every: int = 32, min_samples: int = 48, warmup: int = 8):
+        if window < 4 or half_life <= 0 or refit_every < 1 or min_samples < 1 or warmup < 0:
+            raise ValueError("StepCostModel: window >= 4, half_life > 0, refit_every >= 1, min_samples >= 1, "
+                             "warmup >= 0")
         self.prior = prior
         self.window = window
         self.refit_every = refit_every
         self.min_samples = min_samples
+        # a worker's first steps run lazy initialisation (allocations, kernel selection) and cost many
+        # times a later one: fitted, they make the first costs absurd and hold prefill back
+        self._warmup_left = warmup
         self._decay = 0.5 ** (1.0 / half_life)
         self._x = np.zeros((window, NUM_COEFS))
         self._y = np.zeros(window)
@@ -124,6 +128,9 @@ class StepCostModel:
     def observe(self, tokens: int, keys: int, seconds: float, prefill_chunks: int = 0) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or tokens <= 0:
             return  # a failed or empty step says nothing about the cost of work
+        if self._warmup_left:
+            self._warmup_left -= 1
+            return
         if self._costs is not None:
             ratio = seconds / max(self._costs.predict(tokens, keys, prefill_chunks), 1e-9)
             if prefill_chunks:

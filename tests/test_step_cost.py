@@ -71,9 +71,11 @@ def test_adapts_when_the_machine_slows_down():
 
 
 def test_prior_until_min_samples_and_bad_samples_ignored():
-    model = StepCostModel(min_samples=16)
+    model = StepCostModel(min_samples=16, warmup=3)
     assert model.costs is None
     rng = random.Random(4)
+    for _ in range(3):  # the worker's first steps (lazy initialisation) are not learned from
+        model.observe(16, 16 * 100, 10.0)
     feed(model, TRUE, 15, rng)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         model.observe(10, 100, bad)
@@ -82,6 +84,7 @@ def test_prior_until_min_samples_and_bad_samples_ignored():
     feed(model, TRUE, 1, rng)
     assert model.costs is not None
     assert min(model.costs.overhead_s, model.costs.token_s, model.costs.key_s) >= 0
+    assert model.costs.predict(16, 16 * 100) < 0.2, "the 10 s warm-up steps were not fitted"
 
 
 def test_constant_batch_predicts_its_own_steps_and_stays_nonnegative():
