@@ -7,21 +7,23 @@ all (a token at position p attends to p + 1 keys) takes
 
 seconds: the weights read once a step (and the step's fixed costs), the linear layers' work per token,
 attention's per key, and what each prefill chunk adds beyond its tokens (its own attention call and
-masks: a step carrying one costs more than its tokens say). It maps onto the policy's budget units (scheduler/policy.py, "Budget units"): one
-unit is `token_s` seconds and the attention horizon K is token_s / key_s, so a chunk's `chunk_cost` times
-`token_s` is its predicted time (plus `prefill_chunk_s` for a prefill chunk), and the fixed part is
-`overhead_s / token_s` units.
+masks: a step carrying one costs more than its tokens say). It maps onto the policy's budget units
+(scheduler/policy.py, "Budget units"): one unit is `token_s` seconds and the attention horizon K is
+token_s / key_s, so a chunk's `chunk_cost` times `token_s` is its predicted time (plus `prefill_chunk_s`
+for a prefill chunk), and the fixed part is `overhead_s / token_s` units.
 
 `StepCostModel` fits the four coefficients to the last `window` steps by weighted least squares, the
 weights decaying with age (half-life `half_life` steps) so it follows a machine whose speed changes,
 and reweighted twice by Huber's rule so a step slowed by something else (another process, a page fault)
 barely moves it. A weak prior (a few pseudo-steps at `prior`) settles what the data cannot tell apart
 (at a constant batch the fixed cost and the per-token cost are one number); no coefficient goes below 0.
-It refits every `refit_every` steps (every 4 in the first 4 x `refit_every`; a few small numpy solves), so
-the per-step cost is mostly a ring-buffer write.
+It skips a worker's first `warmup` steps (lazy initialisation), fits from `min_samples` on (until then
+`costs` is None and the policy uses its token budget alone), and refits every `refit_every` steps (every 4
+in the first 4 x `refit_every`; a few small numpy solves), so the per-step cost is mostly a ring-buffer
+write.
 
 `ItlTarget` is the operator's bound (`--itl-target`): a ratio of the predicted pure-decode step at the
-current batch (`1.5x`) or milliseconds (`80ms`); `off` turns it off.
+current batch (`1.3x`, the default) or milliseconds (`80ms`); `off` turns it off.
 """
 
 from __future__ import annotations
