@@ -220,7 +220,7 @@ class StepBudget:
         budget = cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
                      float(threshold) if threshold else math.inf)
         target = cfg.itl_target
-        if costs is None or target.is_off or not cfg.enable_chunked_prefill or costs.token_s <= 0:
+        if costs is None or target.is_off or not cfg.enable_chunked_prefill or not costs.is_plausible:
             return budget
         # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
         budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units

@@ -38,6 +38,7 @@ import numpy as np
 HUBER_K = 1.5
 IRLS_PASSES = 2
 NUM_COEFS = 4  # overhead, per token, per key, per prefill chunk
+MIN_HORIZON = 64  # keys: a fit whose attention costs as much as the linears below this is not believed
 RATIO_SMOOTHING = 0.02  # of the prediction-error averages (about the last 50 steps)
 
 
@@ -59,6 +60,14 @@ class StepCosts:
         if self.key_s <= 0 or self.token_s <= 0:
             return 0.0
         return self.token_s / self.key_s
+
+    @property
+    def is_plausible(self) -> bool:
+        """A step has a fixed cost and a token costs time, and attention equals the linears only past
+        MIN_HORIZON keys: a fit that puts everything on one column (the data at one batch cannot tell them
+        apart) would make the policy's units absurd."""
+        return (self.overhead_s > 0 and self.token_s > 0
+                and (self.key_s == 0 or self.token_s / self.key_s >= MIN_HORIZON))
 
     @property
     def overhead_units(self) -> float:
@@ -147,8 +156,10 @@ class StepCostModel:
         # early on every few steps: the first fit sees the warm-up steps, and the costs matter from the start
         every = self.refit_every if self._n >= 4 * self.refit_every else min(4, self.refit_every)
         if self._n >= self.min_samples and (self._costs is None or self._since_fit >= every):
-            self._costs = self.fit()
+            fit = self.fit()
             self._since_fit = 0
+            if fit.is_plausible:  # else keep the last plausible fit (or none: the token budget alone)
+                self._costs = fit
 
     def fit(self) -> StepCosts:
         m = min(self._n, self.window)

@@ -110,6 +110,9 @@ def test_no_target_without_costs_or_decodes():
     # no costs learned yet: the token budget alone, exactly as with the target off
     budget = StepBudget.for_step(cfg, None)
     assert budget.left == cfg.max_num_batched_tokens and budget.horizon == cfg.attention_horizon
+    # nor with costs the model would not believe (everything on the keys)
+    budget = StepBudget.for_step(cfg, StepCosts(0.0, 0.0, 6e-4))
+    assert budget.target_left == float("inf") and budget.horizon == cfg.attention_horizon
     budget = StepBudget.for_step(cfg, COSTS)
     assert budget.left == cfg.max_num_batched_tokens  # no decode charged: no stream to protect
     for pos in range(16):

@@ -131,3 +131,20 @@ def test_itl_target_setting_default_and_clear_error(capsys):
         parser.parse_args(["--itl-target", "soon"])
     err = capsys.readouterr().err
     assert "expected a ratio like 1.5x" in err and "Traceback" not in err
+
+
+def test_an_implausible_fit_is_not_believed():
+    """All time on the keys (no fixed cost, free tokens) would make every token cost thousands of units:
+    the model keeps its last plausible fit, and the policy does not take such costs."""
+    assert not StepCosts(0.0, 0.0, 6e-4).is_plausible
+    assert not StepCosts(0.01, 1e-4, 1e-4 / 10).is_plausible  # attention = linears at 10 keys
+    assert StepCosts(0.01, 1e-4, 0.0).is_plausible and TRUE.is_plausible
+    model = StepCostModel(min_samples=16, warmup=0)
+    feed(model, TRUE, 64, random.Random(6))
+    good = model.costs
+    # steps whose time grows only with the keys (a decode-only stretch at one batch on a busy machine)
+    for i in range(64):
+        model.observe(8, 8 * (100 + i), 6e-4 * 8 * (100 + i))
+    assert model.costs is not None and model.costs.is_plausible
+    assert model.costs.token_s > 0 and model.costs.overhead_s > 0
+    assert good.is_plausible
