@@ -38,7 +38,7 @@ import numpy as np
 HUBER_K = 1.5
 IRLS_PASSES = 2
 NUM_COEFS = 4  # overhead, per token, per key, per prefill chunk
-MIN_HORIZON = 64  # keys: a fit whose attention costs as much as the linears below this is not believed
+MIN_HORIZON = 8  # keys: a fit whose attention costs as much as the linears below this is not believed
 RATIO_SMOOTHING = 0.02  # of the prediction-error averages (about the last 50 steps)
 
 

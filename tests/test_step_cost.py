@@ -137,7 +137,7 @@ def test_an_implausible_fit_is_not_believed():
     """All time on the keys (no fixed cost, free tokens) would make every token cost thousands of units:
     the model keeps its last plausible fit, and the policy does not take such costs."""
     assert not StepCosts(0.0, 0.0, 6e-4).is_plausible
-    assert not StepCosts(0.01, 1e-4, 1e-4 / 10).is_plausible  # attention = linears at 10 keys
+    assert not StepCosts(0.01, 1e-4, 1e-4 / 4).is_plausible  # attention = linears at 4 keys
     assert StepCosts(0.01, 1e-4, 0.0).is_plausible and TRUE.is_plausible
     model = StepCostModel(min_samples=16, warmup=0)
     feed(model, TRUE, 64, random.Random(6))
