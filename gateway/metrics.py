@@ -64,6 +64,9 @@ class GatewayMetrics:
             ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
             ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
         )}
+        self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
+                                        "ITL target held back while prompts waited (cumulative, scheduler)",
+                                        registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
@@ -83,6 +86,7 @@ class GatewayMetrics:
         self.preemptions.set(stats.get("num_preemptions", 0))
         for key, gauge in self.handoffs.items():
             gauge.set(stats.get(key, 0))
+        self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
         self.stats_age.set(stats.get("updated_at", 0))
 
     def render(self) -> bytes:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from phaseserve import model_source
 from phaseserve.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
+from scheduler.step_cost import ItlTarget, parse_itl_target
 
 
 def parse_size(text: str | int) -> int:
@@ -37,6 +38,13 @@ def parse_bool(text: str | bool) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def parse_itl_target_arg(text: str | ItlTarget) -> ItlTarget:
+    try:
+        return parse_itl_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,12 @@ SETTINGS: list[Setting] = [
     Setting("kv_transport", "PHASESERVE_KV_TRANSPORT", "auto", str,
             "how a prefill worker's KV reaches a decode worker: auto (shared memory when both run on one host, "
             "else Redis), shm, redis", ("scheduler", "up"), ("auto", "shm", "redis")),
+    Setting("itl_target", "PHASESERVE_ITL_TARGET", "1.3x", parse_itl_target_arg,
+            "bound on a step's time while streams decode, from each worker's step costs learned from its "
+            "measured steps: a ratio of the predicted decode-only step at that batch (e.g. 1.5x) or "
+            "milliseconds (e.g. 80ms); prefill chunks get only what is left under it, so prompts that need "
+            "more wait (their TTFT grows) instead of the streams' inter-token latency; off = no bound",
+            ("scheduler", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,

@@ -30,14 +30,34 @@ dropped. Two exceptions let a step exceed the budget by one token: the head
 of the queue (below) and a step that would otherwise be empty always get at
 least one token.
 
+ITL target. Once the service has learned the worker's step costs from measured
+steps (scheduler/step_cost.py: t = overhead + per token + per attended key;
+`step_costs`), the budget is also bounded by the operator's ITL target
+(`SchedulerConfig.itl_target`, `--itl-target`) and counted in the learned
+units: a unit is one token's time, K is the learned ratio of a token's cost to
+a key's, and the step's fixed cost is O units. With decodes costing D units, a
+ratio target r lets prefill take (r - 1)(O + D) units -- the step's predicted
+time stays within r times the predicted pure-decode step at that batch -- and
+a target of M ms lets it take M / unit - O - D. Decodes always run; prefill
+chunks get only what the prediction leaves (and never more than
+`max_num_batched_tokens`); prompts that need more wait, so their TTFT grows
+instead of the streams' ITL (`num_steps_held_by_itl_target` counts such steps).
+Whatever the target, prefill may take at least the cost of one token at the
+deepest position a step, so a prefill at the front of the queue progresses
+at least a token a step. A step
+with no decode has no stream to protect: only `max_num_batched_tokens` binds.
+Before the costs are learned (and with chunking off) the target is not applied.
+
 Long prompts. A sequence whose prefill is longer than `long_prefill_threshold`
 T tokens is long: all long prefill chunks of a step together cost at most T
 units (vLLM's `long_prefill_token_threshold`). A long prompt's chunks then
 stay small while streams decode beside it, and shorter prompts can still fill
 the rest of the budget, so a burst of short prompts is prefilled as fast as
-before. The first long chunk of a step gets at least one token when the budget
-allows it, so a long prompt always progresses; the head of the queue keeps its
-rule below. T = 0 turns the cap off.
+before. Partially-prefilled short prompts get their chunks before long ones (so
+under a tight ITL target a chat prompt is not stuck behind long prompts). The
+first long chunk of a step gets at least one token when the budget allows it,
+so a long prompt always progresses; the head of the queue keeps its rule below.
+T = 0 turns the cap off.
 
 Starvation rule (a short prompt behind a long one): when the head of the
 waiting queue could be admitted this step, it is reserved
@@ -90,6 +110,7 @@ from phaseserve.kv_admission import DEFAULT_WATERMARK, KVCapacity, promised_len
 from phaseserve.wire import KVReceive, KVSend, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_cost import ItlTarget, StepCosts
 
 log = structlog.get_logger("scheduler.policy")
 
@@ -147,6 +168,9 @@ class SchedulerConfig:
     # T: the prefill chunks of prompts longer than T tokens take at most T budget units of a step
     # together (0 = no cap); see "Long prompts" in the module docstring
     long_prefill_threshold: int = 256
+    # the bound on a step's predicted time while streams decode (see "ITL target" in the module
+    # docstring); it applies once the service has learned the worker's step costs (WorkerPolicy.step_costs)
+    itl_target: ItlTarget = field(default_factory=ItlTarget)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -169,20 +193,70 @@ class SchedulerConfig:
 
 @dataclass
 class StepBudget:
-    """What is left of one step's `max_num_batched_tokens`, in cost units (module docstring: "Budget units",
-    "Long prompts", "Starvation rule")."""
+    """What is left of one step's budget, in cost units (module docstring: "Budget units", "ITL target",
+    "Long prompts", "Starvation rule"): the least of `max_num_batched_tokens` and the ITL target's room."""
 
-    left: float  # may go below 0: decodes are charged but never dropped
-    horizon: int  # K; 0: a token costs 1
+    cap_left: float  # of max_num_batched_tokens; may go below 0: decodes are charged but never dropped
+    horizon: float  # K; 0: a token costs 1
     long_threshold: int  # T; 0: no cap on long prefills
     long_left: float  # what the chunks of long prefills may still take; inf with no cap
     head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
+    # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
+    # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
+    # learned cost model, or in a step with no decode: no stream to stall)
+    target_base: float = math.inf
+    target_slope: float = 0.0
+    target_floor: float = 0.0
+    overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
+    prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
+    unit_s: float = 0.0  # seconds a unit (0: no cost model)
+    decode_units: float = 0.0
+    prefill_units: float = 0.0
+    prefill_chunks: int = 0
 
     @classmethod
-    def for_step(cls, cfg: SchedulerConfig) -> StepBudget:
+    def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None) -> StepBudget:
         threshold = cfg.long_prefill_threshold if cfg.enable_chunked_prefill else 0
-        return cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
-                   float(threshold) if threshold else math.inf)
+        budget = cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
+                     float(threshold) if threshold else math.inf)
+        target = cfg.itl_target
+        if costs is None or target.is_off or not cfg.enable_chunked_prefill or not costs.is_plausible:
+            return budget
+        # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
+        budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units
+        budget.prefill_chunk_units = costs.prefill_chunk_units
+        if target.ratio is not None:  # r * (fixed + decodes) - (fixed + decodes)
+            budget.target_base = (target.ratio - 1.0) * budget.overhead_units
+            budget.target_slope = target.ratio - 1.0
+        else:  # ms / unit - (fixed + decodes)
+            budget.target_base = target.ms / 1e3 / costs.token_s - budget.overhead_units
+            budget.target_slope = -1.0
+        # the deepest token's cost: whatever the target, every step may prefill at least one token
+        budget.target_floor = chunk_cost(cfg.max_model_len - 1, 1, budget.horizon)
+        return budget
+
+    @property
+    def target_left(self) -> float:
+        if not self.decode_units or math.isinf(self.target_base):
+            return math.inf
+        room = (self.target_base + self.target_slope * self.decode_units
+                - self.prefill_chunk_units * (self.prefill_chunks + 1))
+        return max(room, self.target_floor) - self.prefill_units
+
+    @property
+    def left(self) -> float:
+        return min(self.cap_left, self.target_left)
+
+    @property
+    def held_by_target(self) -> bool:
+        """The ITL target, not max_num_batched_tokens, is what limits this step's prefill."""
+        return self.target_left < self.cap_left
+
+    @property
+    def predicted_s(self) -> float:
+        """The step's predicted time as planned so far (0 without a cost model)."""
+        return (self.overhead_units + self.decode_units + self.prefill_units
+                + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
 
     def is_long(self, prefill_len: int) -> bool:
         return bool(self.long_threshold) and prefill_len > self.long_threshold
@@ -197,14 +271,18 @@ class StepBudget:
         return n
 
     def charge_decode(self, pos: int) -> None:
-        self.left -= chunk_cost(pos, 1, self.horizon)
+        cost = chunk_cost(pos, 1, self.horizon)
+        self.cap_left -= cost
+        self.decode_units += cost
 
     def charge_prefill(self, prefill_len: int, start: int, n: int) -> float:
         """Spend a prefill chunk's cost (from the long cap too if it is long); returns the cost."""
         cost = chunk_cost(start, n, self.horizon)
         if self.is_long(prefill_len):
             self.long_left -= cost
-        self.left -= cost
+        self.cap_left -= cost
+        self.prefill_units += cost
+        self.prefill_chunks += 1
         return cost
 
 
@@ -276,6 +354,10 @@ class WorkerPolicy:
         self._num_ignored_events = 0  # token events at an unexpected offset
         self._num_handed_off = 0  # sequences moved to a decode worker
         self._num_handed_in = 0  # sequences taken from a prefill worker
+        # the worker's learned step costs (the service sets them from measured steps; None: not yet)
+        self.step_costs: StepCosts | None = None
+        self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
+        self._num_steps_held_by_itl_target = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -330,12 +412,19 @@ class WorkerPolicy:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to send."""
         step = _StepDraft()
-        budget = StepBudget.for_step(self.config)
+        budget = StepBudget.for_step(self.config, self.step_costs)
         self._schedule_decodes(step, budget)
         self._reserve_head_of_queue(step, budget)
         self._schedule_prefill_chunks(step, budget)
         self._admit_waiting(step, budget)
+        self._note_itl_target(budget)
         return self._seal(step)
+
+    def _note_itl_target(self, budget: StepBudget) -> None:
+        """Count the steps whose prefill the ITL target held back while prompts waited for it."""
+        self.last_budget = budget
+        if budget.held_by_target and (self._waiting or any(s.is_prefilling for s in self._running)):
+            self._num_steps_held_by_itl_target += 1
 
     def _schedule_decodes(self, step: _StepDraft, budget: StepBudget) -> None:
         """Step 1: one token for every running sequence past its prefill, in rank order, preempting the
@@ -385,13 +474,14 @@ class WorkerPolicy:
             budget.head_reserve = min(whole, max(math.ceil(budget.left / 2), chunk_cost(0, 1, horizon)))
 
     def _schedule_prefill_chunks(self, step: _StepDraft, budget: StepBudget) -> None:
-        """Step 2a: the next chunks of partially-prefilled sequences, in rank order, in what is left of the
-        budget after the head's reserve (none exist with chunking off)."""
+        """Step 2a: the next chunks of partially-prefilled sequences, short prompts before long ones (each
+        in rank order), in what is left of the budget after the head's reserve (none exist with chunking
+        off)."""
         bm = self.block_manager
         allow = budget.left - budget.head_reserve
-        for seq in list(self._running):
-            if not seq.is_prefilling or seq in step.scheduled:
-                continue
+        # short first: under a tight ITL target a long prompt would otherwise take a short one's room
+        prefilling = [s for s in self._running if s.is_prefilling and s not in step.scheduled]
+        for seq in sorted(prefilling, key=lambda s: budget.is_long(s.prefill_len)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
             n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.prefill_len, start, allow))
@@ -676,6 +766,10 @@ class WorkerPolicy:
     def num_preemptions(self) -> int:
         return self._num_preemptions
 
+    @property
+    def num_steps_held_by_itl_target(self) -> int:
+        return self._num_steps_held_by_itl_target
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
@@ -698,4 +792,5 @@ class WorkerPolicy:
             "num_decode_tokens": self._num_decode_tokens,
             "num_handed_off": self._num_handed_off,
             "num_handed_in": self._num_handed_in,
+            "num_steps_held_by_itl_target": self._num_steps_held_by_itl_target,
         }

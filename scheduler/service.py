@@ -66,10 +66,12 @@ from phaseserve.wire import (
     StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
+from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.service")
 
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
+STEP_COST_LOG_EVERY = 512  # steps between log lines of a worker's learned step costs
 READ_COUNT = 512
 # step ids of one adoption of a worker start at (adoption number) * this: a late result of an earlier
 # adoption (or of a scheduler before us, whose epoch differs anyway) matches no open step
@@ -131,6 +133,9 @@ class WorkerSlot:
     @property
     def role(self) -> str:
         return self.info.role
+    # the worker's step time learned from its results, and (tokens, keys, prefill chunks) of each plan in flight
+    step_costs: StepCostModel = field(default_factory=StepCostModel)
+    plan_features: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -150,6 +155,7 @@ class PolicyLimits:
     # how prefill workers hand KV to decode workers: "auto" (shared memory between workers on one host,
     # else Redis), "shm" or "redis"
     kv_transport: str = "auto"
+    itl_target: ItlTarget = field(default_factory=ItlTarget)  # see SchedulerConfig; off: no bound
 
 
 @dataclass
@@ -393,6 +399,7 @@ class SchedulerService:
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
+            itl_target=self.limits.itl_target,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),
@@ -645,6 +652,7 @@ class SchedulerService:
             log.warning("step result missing (a later one came first)", worker_id=result.worker_id, step_id=lost)
         slot.in_flight.popleft()
         slot.head_since = time.monotonic()
+        self._learn_step_cost(slot, result)
         policy = slot.policy
         before = {}
         for ev in result.events:
@@ -670,6 +678,28 @@ class SchedulerService:
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
         self._stats_dirty = True
+
+    def _learn_step_cost(self, slot: WorkerSlot, result: StepResult) -> None:
+        """Feed the worker's measured step time, with what its plan held, to its cost model; the policy
+        plans with the refitted costs from its next plan on."""
+        features = slot.plan_features
+        for step_id in [k for k in features if k < result.step_id]:  # given up or lost: no time to learn
+            del features[step_id]
+        planned = features.pop(result.step_id, None)
+        if planned is None or any(e.error for e in result.events):
+            return
+        tokens, keys, prefill_chunks = planned
+        model = slot.step_costs
+        model.observe(tokens, keys, result.step_time_s, prefill_chunks)
+        slot.policy.step_costs = costs = model.costs
+        if costs is not None and model.num_samples % STEP_COST_LOG_EVERY == model.min_samples % STEP_COST_LOG_EVERY:
+            log.info("step costs learned", worker_id=slot.info.worker_id, steps=model.num_samples,
+                     overhead_ms=round(costs.overhead_s * 1e3, 3), token_ms=round(costs.token_s * 1e3, 4),
+                     key_us=round(costs.key_s * 1e6, 5), prefill_chunk_ms=round(costs.prefill_chunk_s * 1e3, 3),
+                     horizon=round(costs.horizon),
+                     measured_over_predicted_prefill=round(model.prefill_ratio, 3),
+                     measured_over_predicted_decode=round(model.decode_ratio, 3),
+                     itl_target=str(self.limits.itl_target))
 
     @property
     def step_timeout(self) -> float:
@@ -732,6 +762,7 @@ class SchedulerService:
                 plan.timeout_s = self.plan_timeout(plan)
                 pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + self.deadline_margin))
+                slot.plan_features[plan.step_id] = plan_features(plan.chunks)
                 sent += 1
         if sent:
             self._stats_dirty = True
@@ -747,6 +778,7 @@ class SchedulerService:
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
+            "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
         }
 
     def maybe_write_stats(self, pipe, now: float) -> float | None:
@@ -943,7 +975,8 @@ def confirmed_outputs(record: dict) -> list[int]:
 async def serve(args) -> None:
     client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
-                          args.attention_horizon, args.long_prefill_threshold, args.kv_transport)
+                          args.attention_horizon, args.long_prefill_threshold, kv_transport=args.kv_transport,
+                          itl_target=args.itl_target)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
                                resume_grace=args.resume_grace, drain_timeout=args.drain_timeout)

@@ -1,0 +1,162 @@
+"""The policy under an ITL target (scheduler/policy.py, "ITL target"): with learned step costs, a planned
+step's predicted time stays under the target while streams decode, decodes are never dropped, and a
+waiting prompt still progresses. Driven by test_scheduler_policy's fake worker and invariant checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.policy import SchedulerConfig, StepBudget, WorkerPolicy, chunk_cost, max_chunk_tokens
+from scheduler.step_cost import ItlTarget, StepCosts, plan_features
+from test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
+
+# a 200M-like worker: a decode step of 16 costs ~33 ms, a 256-token chunk ~8 decode steps' worth
+COSTS = StepCosts(overhead_s=0.020, token_s=0.0008, key_s=0.0008 / 2000, prefill_chunk_s=0.002)  # K = 2000
+
+
+def config(target: ItlTarget, **kw) -> SchedulerConfig:
+    base = dict(num_blocks=512, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                attention_horizon=2000, itl_target=target)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def split(plan, prefill_lens: dict[str, int]):
+    decodes = [c for c in plan.chunks if c.start_pos >= prefill_lens.get(c.seq_id, 0)]
+    prefills = [c for c in plan.chunks if c.start_pos < prefill_lens.get(c.seq_id, 0)]
+    return decodes, prefills
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("target", [ItlTarget(ratio=1.5), ItlTarget(ratio=1.2), ItlTarget(ms=45.0)])
+def test_planned_steps_stay_under_the_target_and_decodes_are_never_dropped(depth, target):
+    cfg = config(target)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = COSTS
+    shorts = [make_req(f"d{i}", 8, max_tokens=120) for i in range(16)]
+    longs = [make_req("long0", 2000, max_tokens=2), make_req("long1", 1500, max_tokens=2)]
+    reqs = {r.request_id: r for r in shorts + longs}
+    lens = {rid: len(r.prompt_ids) for rid, r in reqs.items()}
+    long_progress: dict[str, list[int]] = {"long0": [], "long1": []}
+    checked = 0
+    one_token = chunk_cost(cfg.max_model_len - 1, 1, COSTS.horizon) * COSTS.token_s
+
+    def on_plan(idx, plan):
+        nonlocal checked
+        decodes, prefills = split(plan, lens)
+        for c in prefills:
+            if c.seq_id in long_progress:
+                long_progress[c.seq_id].append(idx)
+        if idx < 2 or len(decodes) < 16 or not prefills:
+            return  # the streams' own prompts, or a step with no long prefill beside all 16 streams
+        decode_s = COSTS.predict(*plan_features(decodes))
+        bound = target.ratio * decode_s if target.ratio else target.ms / 1e3
+        # the head of the queue may take one token beyond what the target leaves
+        assert COSTS.predict(*plan_features(plan.chunks)) <= bound + one_token + 1e-9, (idx, plan.chunks)
+        checked += 1
+
+    plans = drive(sched, worker, depth=depth, arrivals={0: shorts, 4: longs}, on_plan=on_plan)
+    assert checked >= 10, "the long prompts prefilled beside the decoding streams"
+    # every stream decodes in every plan until it finishes: count each stream's decodes per plan
+    for rid in lens:
+        if rid.startswith("d"):
+            idx = [i for i, p in enumerate(plans) if any(c.seq_id == rid and c.start_pos >= 8 for c in p.chunks)]
+            assert idx == list(range(idx[0], idx[0] + len(idx))), f"{rid} skipped a step"
+    # the long prompts progressed: long0 (the head) in every plan from its start until its prefill ended
+    p0 = long_progress["long0"]
+    assert p0 == list(range(p0[0], p0[0] + len(p0)))
+    assert_reference(worker, shorts + longs, cfg.max_model_len)
+    assert_idle(sched)
+    assert sched.stats()["num_steps_held_by_itl_target"] > 0
+
+
+def test_the_target_slows_the_long_prompt_as_expected():
+    """Against no target, the long prompt takes more steps (it waits) and each chunk is smaller."""
+    chunks: dict[str, list[int]] = {}
+    for name, target in (("off", ItlTarget()), ("1.5x", ItlTarget(ratio=1.5))):
+        cfg = config(target, long_prefill_threshold=0)
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+        sched.step_costs = COSTS
+        shorts = [make_req(f"d{i}", 8, max_tokens=300) for i in range(16)]
+        long = make_req("long", 2000, max_tokens=2)
+        got = chunks.setdefault(name, [])
+        drive(sched, worker, arrivals={0: shorts, 4: [long]},
+              on_plan=lambda i, p: got.extend(c.num_tokens for c in p.chunks if c.seq_id == "long"
+                                              and c.start_pos < 2000))
+    assert sum(chunks["off"]) == sum(chunks["1.5x"]) == 2000
+    assert len(chunks["1.5x"]) > 3 * len(chunks["off"])
+    # 1.5x of ~33 ms leaves ~16 ms = ~20 units of a 0.8 ms token, minus attention deeper in the prompt
+    assert max(chunks["1.5x"]) <= 25 and max(chunks["off"]) > 400
+
+
+def test_an_ms_target_below_the_decode_step_still_moves_every_prompt():
+    """Decodes alone exceed a 10 ms target: prefill gets the floor (the deepest token's cost) a step, so
+    a waiting prompt still finishes, a few tokens at a time."""
+    cfg = config(ItlTarget(ms=10.0), long_prefill_threshold=0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = COSTS
+    shorts = [make_req(f"d{i}", 8, max_tokens=120) for i in range(8)]
+    late = make_req("late", 40, max_tokens=2)
+    got: list[int] = []
+    drive(sched, worker, arrivals={0: shorts, 3: [late]},
+          on_plan=lambda i, p: got.extend(c.num_tokens for c in p.chunks if c.seq_id == "late" and c.start_pos < 40))
+    floor = chunk_cost(cfg.max_model_len - 1, 1, COSTS.horizon)  # the deepest token's cost: 3.05 units
+    assert sum(got) == 40 and max(got) == max_chunk_tokens(0, floor, COSTS.horizon) == 3 and len(got) >= 13
+    assert_reference(worker, shorts + [late], cfg.max_model_len)
+
+
+def test_no_target_without_costs_or_decodes():
+    cfg = config(ItlTarget(ratio=1.5))
+    # no costs learned yet: the token budget alone, exactly as with the target off
+    budget = StepBudget.for_step(cfg, None)
+    assert budget.left == cfg.max_num_batched_tokens and budget.horizon == cfg.attention_horizon
+    # nor with costs the model would not believe (everything on the keys)
+    budget = StepBudget.for_step(cfg, StepCosts(0.0, 0.0, 6e-4))
+    assert budget.target_left == float("inf") and budget.horizon == cfg.attention_horizon
+    budget = StepBudget.for_step(cfg, COSTS)
+    assert budget.left == cfg.max_num_batched_tokens  # no decode charged: no stream to protect
+    for pos in range(16):
+        budget.charge_decode(1000 + pos)
+    decode_units = budget.decode_units
+    # half of the decode-only step, less what the first prefill chunk adds beyond its tokens
+    assert budget.left == pytest.approx(0.5 * (COSTS.overhead_units + decode_units) - COSTS.prefill_chunk_units)
+    assert budget.held_by_target
+    # a lone long prompt (no stream decoding) gets full budget-sized chunks
+    sched = WorkerPolicy(cfg)
+    sched.step_costs = COSTS
+    sched.add_request(make_req("alone", 2000, max_tokens=2))
+    plan = sched.schedule()
+    assert plan.chunks[0].num_tokens > 200
+
+
+def test_chunked_prefill_off_ignores_the_target():
+    cfg = config(ItlTarget(ratio=1.5), enable_chunked_prefill=False)
+    assert StepBudget.for_step(cfg, COSTS).target_left == float("inf")
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_short_prompts_are_not_stuck_behind_long_ones_under_the_target(depth):
+    """Long prompts wait under the target; a chat prompt arriving behind them still starts at once and
+    finishes its prefill in a few steps (short partial prefills go before long ones)."""
+    cfg = config(ItlTarget(ratio=1.5))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = COSTS
+    streams = [make_req(f"d{i}", 8, max_tokens=200) for i in range(16)]
+    longs = [make_req(f"long{i}", 2000, max_tokens=2) for i in range(3)]
+    chats = [make_req(f"chat{i}", 60, max_tokens=4) for i in range(4)]
+    first: dict[str, int] = {}
+    done: dict[str, int] = {}
+
+    def on_plan(idx, plan):
+        for c in plan.chunks:
+            first.setdefault(c.seq_id, idx)
+            if c.seq_id.startswith("chat") and c.start_pos + c.num_tokens == 60:
+                done[c.seq_id] = idx
+
+    drive(sched, worker, depth=depth, arrivals={0: streams, 4: longs, 10: chats[:2], 30: chats[2:]},
+          on_plan=on_plan)
+    arrived = {"chat0": 10, "chat1": 10, "chat2": 30, "chat3": 30}
+    for rid, at in arrived.items():
+        assert first[rid] - at <= 2 and done[rid] - at <= 8, (rid, first[rid], done[rid])
+    assert max(first[f"long{i}"] for i in range(3)) <= 8  # the long ones started too, and wait their turn
+    assert_reference(worker, streams + longs + chats, cfg.max_model_len)
