@@ -5,19 +5,20 @@
 // Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
 // Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
 //
-// GEMM-style, flash-attention order. A work item is (sequence, KV head, tile of QUERY_TILE consecutive
-// queries) and serves all the query heads of its KV head. It walks the keys in KEY_BLOCK blocks at
-// absolute positions (0, 64, 128, ...): packs the block's K into pairs-of-features order and its V into
-// pairs-of-tokens order once (the layouts vdpbf16ps reads), then per query head computes the block's
-// scores S = Q K^T with a register-blocked micro-kernel (rows of Q broadcast as bf16 pairs, 16 keys per
-// vector), an online softmax per query row in fp32 (base 2: log2(e) folded into the scale), and O += P V
-// with the same micro-kernel (probabilities rounded to bf16, as the torch path rounds them; O in fp32).
+// GEMM-style, flash-attention order, in two passes. First every key block (KEY_BLOCK keys at absolute
+// positions 0, 128, 256, ...) of every KV head a sequence's queries read is packed once, for all its query
+// tiles: K into pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads).
+// Then a work item, (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads
+// of its KV head: per block and query head it computes the scores S = Q K^T with a register-blocked
+// micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys), an online softmax per query row in fp32
+// (base 2: log2(e) folded into the scale), and O += P V with the same micro-kernel (probabilities rounded
+// to bf16, as the torch path rounds them; O in fp32).
 //
 // A query row's result depends only on its own position and the sequence's K/V: the key blocks sit at
 // absolute positions, and a block past a row's position leaves that row untouched (no rescale, zero
 // probabilities). So a sequence's output is bit-identical alone or batched, at any thread count, and in
-// whatever tiles or chunks its queries come. Threads pull items from a shared counter (costliest first);
-// which thread runs an item never changes its arithmetic.
+// whatever tiles or chunks its queries come. Threads pull items from a shared counter; which thread runs an
+// item never changes its arithmetic.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -39,8 +40,8 @@ namespace {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-constexpr int KEY_BLOCK = 128;    // keys per block: 4 score vectors per query row
-constexpr int QUERY_TILE = 32;   // queries (positions) per work item, each for all the KV head's query heads
+constexpr int KEY_BLOCK = 128;   // keys per block: 8 score vectors per query row
+constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all the KV head's query heads: 8 x 6 rows
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -176,11 +177,16 @@ struct Item {
   int64_t b, kh, q0, rows;  // sequence, KV head, first query (index within the chunk), queries
 };
 
+// One key block of one KV head, packed for vdpbf16ps: K by feature pairs, V by token pairs.
+template <int D>
+struct PackedBlock {
+  alignas(64) uint16_t k[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
+  alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
+};
+
 // A work item's buffers, one set per thread.
 template <int D>
 struct Scratch {
-  alignas(64) uint16_t kpack[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
-  alignas(64) uint16_t vpack[KEY_BLOCK / 2][D * 2];  // [token pair][feature lane order][2]
   alignas(64) float scores[QUERY_TILE][KEY_BLOCK];
   alignas(64) uint16_t probs[QUERY_TILE][KEY_BLOCK];
   alignas(64) float acc[MAX_GROUP][QUERY_TILE][D];
@@ -188,9 +194,10 @@ struct Scratch {
   float keep[QUERY_TILE];
 };
 
-// Pack keys [k0, k0 + n) of KV head kh of sequence b: K by feature pairs, V by token pairs; zeros past n.
+// Pack keys [k0, k0 + n) of KV head kh of the sequence with this block table; zeros past n.
 template <int D>
-AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, int64_t k0, int n, Scratch<D>& S) {
+AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, int64_t k0, int n,
+                            PackedBlock<D>& S) {
   const int64_t row = P.hkv * D;
   const uint16_t* krow[KEY_BLOCK];
   const uint16_t* vrow[KEY_BLOCK];
@@ -210,14 +217,14 @@ AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, 
         r[t] = key < n ? _mm512_loadu_si512(krow[key] + c * 32) : _mm512_setzero_si512();
       }
       transpose16x16(r);
-      for (int j = 0; j < 16; j++) _mm512_store_si512(&S.kpack[c * 16 + j][tile * 32], r[j]);
+      for (int j = 0; j < 16; j++) _mm512_store_si512(&S.k[c * 16 + j][tile * 32], r[j]);
     }
   for (int t = 0; t < n; t += 2)
     for (int c = 0; c < D / 32; c++) {
       const __m512i x = _mm512_loadu_si512(vrow[t] + c * 32);
       const __m512i y = t + 1 < n ? _mm512_loadu_si512(vrow[t + 1] + c * 32) : _mm512_setzero_si512();
-      _mm512_store_si512(&S.vpack[t / 2][c * 64], _mm512_unpacklo_epi16(x, y));
-      _mm512_store_si512(&S.vpack[t / 2][c * 64 + 32], _mm512_unpackhi_epi16(x, y));
+      _mm512_store_si512(&S.v[t / 2][c * 64], _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(&S.v[t / 2][c * 64 + 32], _mm512_unpackhi_epi16(x, y));
     }
 }
 
@@ -238,6 +245,26 @@ AVX512_BF16 void softmax_block(const float* scores, uint16_t* probs, int rows, i
       continue;
     }
     const float* sr = scores + r * KEY_BLOCK;
+    if (visible == KEY_BLOCK) {  // the whole block visible (most rows over a prefix): no masks, unrolled
+      __m512 s[KEY_BLOCK / 16];
+      __m512 mx = neg_inf;
+      for (int i = 0; i < KEY_BLOCK / 16; i++) {
+        s[i] = _mm512_mul_ps(_mm512_load_ps(sr + i * 16), sc);
+        mx = _mm512_max_ps(mx, s[i]);
+      }
+      const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < KEY_BLOCK / 16; i += 2) {
+        const __m512 p0 = exp2_ps(_mm512_sub_ps(s[i], mv)), p1 = exp2_ps(_mm512_sub_ps(s[i + 1], mv));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      keep[r] = std::exp2(m[r] - m_new);
+      l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+      continue;
+    }
     __m512 s[KEY_BLOCK / 16];
     __mmask16 valid[KEY_BLOCK / 16];
     __m512 mx = neg_inf;
@@ -263,15 +290,14 @@ AVX512_BF16 void softmax_block(const float* scores, uint16_t* probs, int rows, i
   }
 }
 
+// Tile `it` over its sequence's packed blocks (blocks[j] = key block j of the item's KV head).
 template <int D>
-AVX512_BF16 void attend_item(const Problem& P, const Item& it, Scratch<D>& S) {
+AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock<D>* const* blocks, Scratch<D>& S) {
   const int64_t G = P.hq / P.hkv;
   const int64_t start = P.starts[it.b], n_new = P.starts[it.b + 1] - start;
-  const int64_t ctx = P.lens[it.b];
-  const int64_t pos0 = ctx - n_new + it.q0;  // position of the tile's first query
+  const int64_t pos0 = P.lens[it.b] - n_new + it.q0;  // position of the tile's first query
   const int rows = static_cast<int>(it.rows);
   const int64_t last = pos0 + rows - 1;
-  const int32_t* table = P.tables + it.b * P.table_stride;
   const uint16_t* q0 = P.q + (start + it.q0) * P.q_stride;
   for (int64_t g = 0; g < G; g++) {
     std::memset(S.acc[g], 0, sizeof(float) * rows * D);
@@ -279,17 +305,17 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, Scratch<D>& S) {
   }
   constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in O += P V
   for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
-    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, last + 1 - k0));
-    pack_block<D>(P, table, it.kh, k0, n, S);
+    const PackedBlock<D>& pb = *blocks[k0 / KEY_BLOCK];
+    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, last + 1 - k0));  // keys the tile sees
     const int kpairs = (n + 1) / 2;
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
       for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block; only the block's n keys
-        gemm_rows<4, 6>(rows, q0 + h * D, P.q_stride, &S.kpack[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
+        gemm_rows<4, 6>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
                         &S.scores[0][0] + c0, KEY_BLOCK, nullptr);
       softmax_block(&S.scores[0][0], &S.probs[0][0], rows, pos0, k0, n, P.scale_log2, S.m[g], S.l[g], S.keep);
       for (int d0 = 0; d0 < D; d0 += PV_NR * 16)
-        gemm_rows<PV_NR, 24 / PV_NR>(rows, &S.probs[0][0], KEY_BLOCK, &S.vpack[0][0] + 2 * d0, D * 2, kpairs,
+        gemm_rows<PV_NR, 24 / PV_NR>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
                                      &S.acc[g][0][0] + d0, D, S.keep);
     }
   }
@@ -300,11 +326,51 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, Scratch<D>& S) {
     }
 }
 
+// The calling thread's buffer for packed blocks, kept between calls (grown to the largest call seen) so that
+// a step's layers do not map and fault in fresh pages each time.
+struct PackBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~PackBuffer() { std::free(data); }
+  void* reserve(size_t need) {
+    if (need > bytes) {
+      std::free(data);
+      bytes = (need + 63) / 64 * 64;
+      data = std::aligned_alloc(64, bytes);
+      if (data == nullptr) bytes = 0;
+    }
+    return data;
+  }
+};
+
 template <int D>
 void run(const Problem& P, int64_t B) {
-  // Items of one (sequence, KV head) run one after another, last tile first: a thread's next item reads the
-  // K/V its previous one left in its cache. Sequences with the most work first, so the last items threads
-  // pick up are short. (The order decides only which thread runs what, never a result.)
+  // 1. Pack every key block each sequence with queries reads, once for all its tiles: entry (j, kh) of
+  //    sequence b at (first_block[b] + j) * hkv + kh.
+  std::vector<int64_t> first_block(B + 1, 0);
+  for (int64_t b = 0; b < B; b++) {
+    const bool has_queries = P.starts[b + 1] > P.starts[b];
+    first_block[b + 1] = first_block[b] + (has_queries ? (P.lens[b] + KEY_BLOCK - 1) / KEY_BLOCK : 0);
+  }
+  const int64_t entries = first_block[B] * P.hkv;
+  thread_local PackBuffer buffer;
+  auto* packed = static_cast<PackedBlock<D>*>(buffer.reserve(sizeof(PackedBlock<D>) * entries));
+  STD_TORCH_CHECK(packed != nullptr, "extend_attention: out of memory");
+  std::vector<int64_t> entry_seq(first_block[B]);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = first_block[b]; j < first_block[b + 1]; j++) entry_seq[j] = b;
+  torch::stable::parallel_for(0, entries, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; e++) {
+      const int64_t j = e / P.hkv, kh = e % P.hkv, b = entry_seq[j];
+      const int64_t k0 = (j - first_block[b]) * KEY_BLOCK;
+      pack_block<D>(P, P.tables + b * P.table_stride, kh, k0,
+                    static_cast<int>(std::min<int64_t>(KEY_BLOCK, P.lens[b] - k0)), packed[e]);
+    }
+  });
+
+  // 2. Attend. Items of one (sequence, KV head) run one after another, last tile first: a thread's next item
+  //    reads the packed K/V its previous one left in its cache. Sequences with the most work first, so the
+  //    last items threads pick up are short. (The order decides only which thread runs what, never a result.)
   std::vector<int64_t> seqs(B);
   for (int64_t b = 0; b < B; b++) seqs[b] = b;
   auto work = [&](int64_t b) {
@@ -325,7 +391,13 @@ void run(const Problem& P, int64_t B) {
   torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch<D>* S = static_cast<Scratch<D>*>(std::aligned_alloc(64, (sizeof(Scratch<D>) + 63) / 64 * 64));
     STD_TORCH_CHECK(S != nullptr, "extend_attention: out of memory");
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) attend_item<D>(P, items[i], *S);
+    std::vector<const PackedBlock<D>*> blocks;
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      blocks.clear();
+      for (int64_t j = first_block[it.b]; j < first_block[it.b + 1]; j++) blocks.push_back(&packed[j * P.hkv + it.kh]);
+      attend_item<D>(P, it, blocks.data(), *S);
+    }
     std::free(S);
   });
 }
