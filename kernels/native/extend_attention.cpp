@@ -95,52 +95,60 @@ AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
 
 // C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1]: A row-major bf16 (lda
 // elements a row), B packed as pairs (ldb elements per pair row). With `keep`, C starts from C * keep[m]
-// (the online softmax's rescale); else from 0.
-template <int MR, int NR>
+// (the online softmax's rescale); else from 0. KEEP is a template parameter so that each form's
+// accumulators stay in registers from start to end.
+template <int MR, int NR, bool KEEP>
 AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int kpairs,
                                    float* C, int64_t ldc, const float* keep) {
   __m512 acc[MR][NR];
+#pragma GCC unroll 16
   for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
     for (int n = 0; n < NR; n++)
-      acc[m][n] = keep != nullptr ? _mm512_mul_ps(_mm512_load_ps(C + m * ldc + n * 16), _mm512_set1_ps(keep[m]))
-                                  : _mm512_setzero_ps();
+      acc[m][n] = KEEP ? _mm512_mul_ps(_mm512_load_ps(C + m * ldc + n * 16), _mm512_set1_ps(keep[m]))
+                       : _mm512_setzero_ps();
   for (int k = 0; k < kpairs; k++) {
     __m512bh b[NR];
+#pragma GCC unroll 8
     for (int n = 0; n < NR; n++) b[n] = (__m512bh)_mm512_load_si512(B + k * ldb + n * 32);
+#pragma GCC unroll 16
     for (int m = 0; m < MR; m++) {
       int32_t pair;
       std::memcpy(&pair, A + m * lda + 2 * k, sizeof(pair));
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
       for (int n = 0; n < NR; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
     }
   }
+#pragma GCC unroll 16
   for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
     for (int n = 0; n < NR; n++) _mm512_store_ps(C + m * ldc + n * 16, acc[m][n]);
 }
 
 // micro_gemm over M rows: blocks of MR_MAX rows, then the remainder.
-template <int NR, int MR_MAX>
+template <int NR, int MR_MAX, bool KEEP>
 AVX512_BF16 inline void gemm_rows(int M, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                                   int kpairs, float* C, int64_t ldc, const float* keep) {
   int m = 0;
   for (; m + MR_MAX <= M; m += MR_MAX)
-    micro_gemm<MR_MAX, NR>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc, keep ? keep + m : nullptr);
+    micro_gemm<MR_MAX, NR, KEEP>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc, KEEP ? keep + m : nullptr);
   const int rest = M - m;
   A += m * lda;
   C += m * ldc;
-  if (keep) keep += m;
+  if (KEEP) keep += m;
   switch (rest) {  // MR_MAX <= 12
-    case 1: micro_gemm<1, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 2: micro_gemm<2, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 3: micro_gemm<3, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 4: micro_gemm<4, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 5: micro_gemm<5, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 6: micro_gemm<6, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 7: micro_gemm<7, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 8: micro_gemm<8, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 9: micro_gemm<9, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 10: micro_gemm<10, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 11: micro_gemm<11, NR>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 1: micro_gemm<1, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 2: micro_gemm<2, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 3: micro_gemm<3, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 4: micro_gemm<4, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 5: micro_gemm<5, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 6: micro_gemm<6, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 7: micro_gemm<7, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 8: micro_gemm<8, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 9: micro_gemm<9, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 10: micro_gemm<10, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 11: micro_gemm<11, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
     default: break;
   }
 }
@@ -311,11 +319,11 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
       for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block; only the block's n keys
-        gemm_rows<4, 6>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
+        gemm_rows<4, 6, false>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
                         &S.scores[0][0] + c0, KEY_BLOCK, nullptr);
       softmax_block(&S.scores[0][0], &S.probs[0][0], rows, pos0, k0, n, P.scale_log2, S.m[g], S.l[g], S.keep);
       for (int d0 = 0; d0 < D; d0 += PV_NR * 16)
-        gemm_rows<PV_NR, 24 / PV_NR>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
+        gemm_rows<PV_NR, 24 / PV_NR, true>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
                                      &S.acc[g][0][0] + d0, D, S.keep);
     }
   }
