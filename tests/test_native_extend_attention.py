@@ -206,3 +206,27 @@ def test_dispatch_takes_torch_where_native_does_not_apply(dtype, head_dim):
 def test_native_off_switch(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert native.load("extend_attention") is None
+
+
+def test_runner_prefills_natively_and_chunking_does_not_change_greedy_tokens(tmp_path, ops, monkeypatch):
+    """bf16, head_dim 32: the runner's prefill chunks take the native op, and a prompt's greedy tokens and
+    their logprobs are the same, bit for bit, prefilled in one chunk or in chunks of 48 over a growing
+    cached prefix (beside another sequence): the op's rows do not depend on the chunking."""
+    from model_factory import make_model
+    from phaseserve.params import SamplingParams
+    from runner_driver import run
+    from workers.runner import ModelRunner
+
+    calls = []
+    extend = ops.extend_attention
+    monkeypatch.setattr(kernels, "_native_extend", lambda *shape: type("Ops", (), {
+        "extend_attention": staticmethod(lambda *a: calls.append(a[0].shape[0]) or extend(*a))}))
+    path = make_model(tmp_path, "llama_linear_head_dim", dtype="bfloat16")
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    prompts = [list(range(3, 203)), list(range(7, 47))]
+    runner = ModelRunner(path, dtype="bfloat16", num_blocks=256)
+    outputs = {size: [(s.outputs, s.logprobs) for s in run(runner, prompts, greedy, chunk_size=size)]
+               for size in (256, 48)}
+    assert calls and max(calls) > 48
+    assert outputs[256][0][1], "no logprobs came back"
+    assert outputs[48] == outputs[256]
