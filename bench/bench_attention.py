@@ -76,7 +76,8 @@ def prefill_case(chunk: int, prefix: int, hq: int, hkv: int, d: int, seed: int):
     v = torch.randn(blocks, BLOCK, hkv, d, generator=g).bfloat16()
     tables = torch.randperm(blocks, generator=g).view(1, blocks).int()
     q = torch.randn(chunk, hq, d, generator=g).bfloat16()
-    return q, k, v, tables, torch.tensor([prefix + chunk], dtype=torch.int32), torch.tensor([0, chunk], dtype=torch.int32)
+    lens = torch.tensor([prefix + chunk], dtype=torch.int32)
+    return q, k, v, tables, lens, torch.tensor([0, chunk], dtype=torch.int32)
 
 
 def cpu_timed(fn) -> tuple[float, float]:

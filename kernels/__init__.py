@@ -54,7 +54,8 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                  head_dim: int) -> str | None:
     """Why the native attention ops (decode and prefill) cannot take these shapes, or None when they can."""
     if dtype != torch.bfloat16:
         return f"dtype {dtype} (native attention is bf16 only)"

@@ -84,7 +84,8 @@ AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
   }
   for (int k = 0; k < 4; k++) {
     const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
     t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // column k
     t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // column 4 + k
     t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);   // column 8 + k
@@ -161,7 +162,8 @@ AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float 
   const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t c = 0; c < d; c += 32) {
     const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + c), s), y = _mm512_mul_ps(_mm512_load_ps(acc + c + 16), s);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
   }
