@@ -2,8 +2,8 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU decode attention in bf16 and for matmuls with quantized weights; set
-PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each) and for matmuls
+with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ log = structlog.get_logger(__name__)
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
         "pack_quantized", "quant_linear")
 
-# What the native decode attention handles; anything else takes the torch path.
-NATIVE_DECODE_HEAD_DIMS = (32, 64, 128)
-NATIVE_DECODE_MAX_GROUP = 16  # query heads per KV head
+# What the native attention ops (decode and prefill) handle; anything else takes the torch path.
+NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
+NATIVE_ATTENTION_MAX_GROUP = 16  # query heads per KV head
 
 
 def _triton():
@@ -54,37 +54,48 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def _unsupported_native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
-    """Why the native decode attention cannot take these shapes, or None when it can."""
+def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                  head_dim: int) -> str | None:
+    """Why the native attention ops (decode and prefill) cannot take these shapes, or None when they can."""
     if dtype != torch.bfloat16:
-        return f"dtype {dtype} (native decode attention is bf16 only)"
-    if head_dim not in NATIVE_DECODE_HEAD_DIMS:
-        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_DECODE_HEAD_DIMS))})"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_DECODE_MAX_GROUP:
+        return f"dtype {dtype} (native attention is bf16 only)"
+    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS:
+        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS))})"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_ATTENTION_MAX_GROUP:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
     return None
 
 
-_decode_choice: dict[tuple, object | None] = {}
+# (op, dtype, heads, kv heads, head_dim) -> the loaded native ops, or None for torch
+_attention_choice: dict[tuple, object | None] = {}
+_ATTENTION_LOG = {"decode_attention": "CPU decode attention", "extend_attention": "CPU prefill attention"}
 
 
-def _native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
-    """The native ops for CPU decode attention at these shapes, or None (torch). Decided once per shape and
-    logged then."""
-    key = (dtype, num_heads, num_kv_heads, head_dim)
-    if key not in _decode_choice:
-        reason = _unsupported_native_decode(dtype, num_heads, num_kv_heads, head_dim)
+def _native_attention(op: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The native ops of kernels/native/<op>.cpp for CPU attention at these shapes, or None (torch). Decided
+    once per op and shape, and logged then."""
+    key = (op, dtype, num_heads, num_kv_heads, head_dim)
+    if key not in _attention_choice:
+        reason = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
         ops = None
         if reason is None:
-            ops = native.load("decode_attention")
+            ops = native.load(op)
             if ops is None:
                 reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
                           else "native op unavailable (see the log line above)")
-        log.info("CPU decode attention", implementation="native avx512-bf16" if ops is not None else "torch",
+        log.info(_ATTENTION_LOG[op], implementation="native avx512-bf16" if ops is not None else "torch",
                  reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
                  head_dim=head_dim)
-        _decode_choice[key] = ops
-    return _decode_choice[key]
+        _attention_choice[key] = ops
+    return _attention_choice[key]
+
+
+def _native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    return _native_attention("decode_attention", dtype, num_heads, num_kv_heads, head_dim)
+
+
+def _native_extend(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    return _native_attention("extend_attention", dtype, num_heads, num_kv_heads, head_dim)
 
 
 def decode_reads_own_lengths(device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -109,12 +120,16 @@ def _cpu_paged_attention(
     scale: float, max_query_len: int,
 ) -> torch.Tensor:
     T, H, D = q.shape
-    if max_query_len == 1 and T == seq_lens.shape[0] and k_cache.dtype == q.dtype:
-        ops = _native_decode(q.dtype, H, k_cache.shape[2], D)
+    if k_cache.dtype == q.dtype:
+        decode = max_query_len == 1 and T == seq_lens.shape[0]
+        ops = (_native_decode if decode else _native_extend)(q.dtype, H, k_cache.shape[2], D)
         if ops is not None:
             if q.stride(2) != 1 or q.stride(1) != D:
                 q = q.contiguous()
-            return ops.decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale)
+            if decode:
+                return ops.decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale)
+            return ops.extend_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(),
+                                        query_start_loc.int(), scale)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 

@@ -1,0 +1,490 @@
+// Prefill ("extend") attention over the paged KV cache, for CPUs with AVX512-BF16: a chunk of n new queries
+// at positions p .. p+n-1 of a sequence attends causally to its p cached keys and the chunk's own (already
+// written to the cache), GQA, head_dim 32/64/128, bf16.
+//
+// Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
+// Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
+//
+// GEMM-style, flash-attention order, in two passes. First every key block (KEY_BLOCK keys at absolute
+// positions 0, 128, 256, ...) of every KV head a sequence's queries read is packed once, for all its query
+// tiles: K into pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads).
+// Then a work item, (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads
+// of its KV head: per block and query head it computes the scores S = Q K^T with a register-blocked
+// micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys), an online softmax per query row in fp32
+// (base 2: log2(e) folded into the scale), and O += P V with the same micro-kernel (probabilities rounded
+// to bf16, as the torch path rounds them; O in fp32).
+//
+// A query row's result depends only on its own position and the sequence's K/V: the key blocks sit at
+// absolute positions, and a block past a row's position leaves that row untouched (no rescale, zero
+// probabilities). So a sequence's output is bit-identical alone or batched, at any thread count, and in
+// whatever tiles or chunks its queries come. Threads pull items from a shared counter; which thread runs an
+// item never changes its arithmetic.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int KEY_BLOCK = 128;   // keys per block: 8 score vectors per query row
+constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all the KV head's query heads: 8 x 6 rows
+constexpr int MAX_GROUP = 16;    // query heads per KV head
+constexpr float LOG2E = 1.4426950408889634f;
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+// 2^x for x <= 0 (clamped below at -126; the caller masks what must be 0). As in decode_attention.cpp.
+AVX512_BF16 inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910072f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 rows of 16 dwords -> 16 columns, in place (three rounds: 32-bit, 64-bit, 128-bit interleaves).
+AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; k++) {
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // column k
+    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // column 4 + k
+    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);   // column 8 + k
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);  // column 12 + k
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+// C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1]: A row-major bf16 (lda
+// elements a row), B packed as pairs (ldb elements per pair row). With `keep`, C starts from C * keep[m]
+// (the online softmax's rescale); else from 0. KEEP is a template parameter so that each form's
+// accumulators stay in registers from start to end.
+template <int MR, int NR, bool KEEP>
+AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int kpairs,
+                                   float* C, int64_t ldc, const float* keep) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
+    for (int n = 0; n < NR; n++)
+      acc[m][n] = KEEP ? _mm512_mul_ps(_mm512_load_ps(C + m * ldc + n * 16), _mm512_set1_ps(keep[m]))
+                       : _mm512_setzero_ps();
+  for (int k = 0; k < kpairs; k++) {
+    __m512bh b[NR];
+#pragma GCC unroll 8
+    for (int n = 0; n < NR; n++) b[n] = (__m512bh)_mm512_load_si512(B + k * ldb + n * 32);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; m++) {
+      int32_t pair;
+      std::memcpy(&pair, A + m * lda + 2 * k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int n = 0; n < NR; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
+    for (int n = 0; n < NR; n++) _mm512_store_ps(C + m * ldc + n * 16, acc[m][n]);
+}
+
+// micro_gemm over M rows: blocks of MR_MAX rows, then the remainder.
+template <int NR, int MR_MAX, bool KEEP>
+AVX512_BF16 inline void gemm_rows(int M, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                  int kpairs, float* C, int64_t ldc, const float* keep) {
+  int m = 0;
+  for (; m + MR_MAX <= M; m += MR_MAX)
+    micro_gemm<MR_MAX, NR, KEEP>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc, KEEP ? keep + m : nullptr);
+  const int rest = M - m;
+  A += m * lda;
+  C += m * ldc;
+  if (KEEP) keep += m;
+  switch (rest) {  // MR_MAX <= 12
+    case 1: micro_gemm<1, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 2: micro_gemm<2, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 3: micro_gemm<3, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 4: micro_gemm<4, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 5: micro_gemm<5, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 6: micro_gemm<6, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 7: micro_gemm<7, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 8: micro_gemm<8, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 9: micro_gemm<9, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 10: micro_gemm<10, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 11: micro_gemm<11, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    default: break;
+  }
+}
+
+// out = bf16(acc / l) for D elements. The V pairs come from unpacklo/unpackhi, which leave each 32 features of
+// acc as lane 4j+k: feature 8j+k, then 8j+4+k (as in decode_attention.cpp): put back in order here.
+AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float inv_l, int64_t d) {
+  const __m512 s = _mm512_set1_ps(inv_l);
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + c), s), y = _mm512_mul_ps(_mm512_load_ps(acc + c + 16), s);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
+  }
+}
+
+struct Problem {
+  const uint16_t* q;  // [T, Hq, D], token stride q_stride
+  int64_t q_stride;
+  const uint16_t* k;  // [blocks, bs, Hkv, D]
+  const uint16_t* v;
+  const int32_t* tables;  // [B, M], row stride table_stride
+  int64_t table_stride;
+  const int32_t* lens;  // context after the chunk
+  const int32_t* starts;  // query_start_loc [B + 1]
+  int64_t hq, hkv, bs;
+  float scale_log2;  // softmax scale * log2(e)
+  uint16_t* out;  // [T, Hq, D] dense
+};
+
+struct Item {
+  int64_t b, kh, q0, rows;  // sequence, KV head, first query (index within the chunk), queries
+};
+
+// One key block of one KV head, packed for vdpbf16ps: K by feature pairs, V by token pairs.
+template <int D>
+struct PackedBlock {
+  alignas(64) uint16_t k[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
+  alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
+};
+
+// A work item's buffers, one set per thread.
+template <int D>
+struct Scratch {
+  alignas(64) float scores[QUERY_TILE][KEY_BLOCK];
+  alignas(64) uint16_t probs[QUERY_TILE][KEY_BLOCK];
+  alignas(64) float acc[MAX_GROUP][QUERY_TILE][D];
+  float m[MAX_GROUP][QUERY_TILE], l[MAX_GROUP][QUERY_TILE];
+  float keep[QUERY_TILE];
+};
+
+// Pack keys [k0, k0 + n) of KV head kh of the sequence with this block table; zeros past n.
+template <int D>
+AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, int64_t k0, int n,
+                            PackedBlock<D>& S) {
+  const int64_t row = P.hkv * D;
+  const uint16_t* krow[KEY_BLOCK];
+  const uint16_t* vrow[KEY_BLOCK];
+  int64_t blk = k0 / P.bs, in = k0 % P.bs;
+  for (int t = 0; t < n; t++) {
+    const int64_t off = (static_cast<int64_t>(table[blk]) * P.bs + in) * row + kh * D;
+    krow[t] = P.k + off;
+    vrow[t] = P.v + off;
+    if (++in == P.bs) in = 0, blk++;
+  }
+  const int tiles = (n + 15) / 16;
+  for (int tile = 0; tile < tiles; tile++)
+    for (int c = 0; c < D / 32; c++) {  // 16 keys x 32 features (16 pairs) -> 16 pair vectors of 16 keys
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) {
+        const int key = tile * 16 + t;
+        r[t] = key < n ? _mm512_loadu_si512(krow[key] + c * 32) : _mm512_setzero_si512();
+      }
+      transpose16x16(r);
+      for (int j = 0; j < 16; j++) _mm512_store_si512(&S.k[c * 16 + j][tile * 32], r[j]);
+    }
+  for (int t = 0; t < n; t += 2)
+    for (int c = 0; c < D / 32; c++) {
+      const __m512i x = _mm512_loadu_si512(vrow[t] + c * 32);
+      const __m512i y = t + 1 < n ? _mm512_loadu_si512(vrow[t + 1] + c * 32) : _mm512_setzero_si512();
+      _mm512_store_si512(&S.v[t / 2][c * 64], _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(&S.v[t / 2][c * 64 + 32], _mm512_unpackhi_epi16(x, y));
+    }
+}
+
+// Online softmax of the block's scores for `rows` queries, the first at position pos0, keys from k0 (n of
+// them). Writes the bf16 probabilities of the block's first n keys, rounded up to a pair (0 past each row's
+// last visible key), and each row's rescale factor for its output.
+AVX512_BF16 void softmax_block(const float* scores, uint16_t* probs, int rows, int64_t pos0, int64_t k0, int n,
+                               float scale_log2, float* m, float* l, float* keep) {
+  const __m512 sc = _mm512_set1_ps(scale_log2);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const int vecs = (n + 31) / 32 * 2;  // 16-key vectors of scores, even (probabilities are stored 32 at a time)
+  for (int r = 0; r < rows; r++) {
+    const int64_t visible = std::min<int64_t>(n, pos0 + r + 1 - k0);  // keys of this block the row sees
+    uint16_t* pr = probs + r * KEY_BLOCK;
+    if (visible <= 0) {  // the block lies past this row: leave its state as it is
+      keep[r] = 1.0f;
+      std::memset(pr, 0, sizeof(uint16_t) * 16 * vecs);
+      continue;
+    }
+    const float* sr = scores + r * KEY_BLOCK;
+    if (visible == KEY_BLOCK) {  // the whole block visible (most rows over a prefix): no masks, unrolled
+      __m512 s[KEY_BLOCK / 16];
+      __m512 mx = neg_inf;
+      for (int i = 0; i < KEY_BLOCK / 16; i++) {
+        s[i] = _mm512_mul_ps(_mm512_load_ps(sr + i * 16), sc);
+        mx = _mm512_max_ps(mx, s[i]);
+      }
+      const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < KEY_BLOCK / 16; i += 2) {
+        const __m512 p0 = exp2_ps(_mm512_sub_ps(s[i], mv)), p1 = exp2_ps(_mm512_sub_ps(s[i + 1], mv));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      keep[r] = std::exp2(m[r] - m_new);
+      l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+      continue;
+    }
+    __m512 s[KEY_BLOCK / 16];
+    __mmask16 valid[KEY_BLOCK / 16];
+    __m512 mx = neg_inf;
+    for (int i = 0; i < vecs; i++) {
+      const int64_t left = visible - i * 16;
+      valid[i] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                            : left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1);
+      s[i] = _mm512_mask_mul_ps(neg_inf, valid[i], _mm512_load_ps(sr + i * 16), sc);
+      mx = _mm512_max_ps(mx, s[i]);
+    }
+    const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < vecs; i += 2) {
+      const __m512 p0 = _mm512_maskz_mov_ps(valid[i], exp2_ps(_mm512_sub_ps(s[i], mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(valid[i + 1], exp2_ps(_mm512_sub_ps(s[i + 1], mv)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    keep[r] = std::exp2(m[r] - m_new);  // 0 on a row's first block (m = -inf)
+    l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
+    m[r] = m_new;
+  }
+}
+
+// Tile `it` over its sequence's packed blocks (blocks[j] = key block j of the item's KV head).
+template <int D>
+AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock<D>* const* blocks, Scratch<D>& S) {
+  const int64_t G = P.hq / P.hkv;
+  const int64_t start = P.starts[it.b], n_new = P.starts[it.b + 1] - start;
+  const int64_t pos0 = P.lens[it.b] - n_new + it.q0;  // position of the tile's first query
+  const int rows = static_cast<int>(it.rows);
+  const int64_t last = pos0 + rows - 1;
+  const uint16_t* q0 = P.q + (start + it.q0) * P.q_stride;
+  for (int64_t g = 0; g < G; g++) {
+    std::memset(S.acc[g], 0, sizeof(float) * rows * D);
+    for (int r = 0; r < rows; r++) S.m[g][r] = -INFINITY, S.l[g][r] = 0.0f;
+  }
+  constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in O += P V
+  for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
+    const PackedBlock<D>& pb = *blocks[k0 / KEY_BLOCK];
+    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, last + 1 - k0));  // keys the tile sees
+    const int kpairs = (n + 1) / 2;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t h = it.kh * G + g;
+      for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block; only the block's n keys
+        gemm_rows<4, 6, false>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
+                        &S.scores[0][0] + c0, KEY_BLOCK, nullptr);
+      softmax_block(&S.scores[0][0], &S.probs[0][0], rows, pos0, k0, n, P.scale_log2, S.m[g], S.l[g], S.keep);
+      for (int d0 = 0; d0 < D; d0 += PV_NR * 16)
+        gemm_rows<PV_NR, 24 / PV_NR, true>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
+                                     &S.acc[g][0][0] + d0, D, S.keep);
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t h = it.kh * G + g;
+      store_normalized(P.out + ((start + it.q0 + r) * P.hq + h) * D, S.acc[g][r], 1.0f / S.l[g][r], D);
+    }
+}
+
+// The calling thread's buffer for packed blocks, kept between calls (grown to the largest call seen) so that
+// a step's layers do not map and fault in fresh pages each time.
+struct PackBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~PackBuffer() { std::free(data); }
+  void* reserve(size_t need) {
+    if (need > bytes) {
+      std::free(data);
+      bytes = (need + 63) / 64 * 64;
+      data = std::aligned_alloc(64, bytes);
+      if (data == nullptr) bytes = 0;
+    }
+    return data;
+  }
+};
+
+template <int D>
+void run(const Problem& P, int64_t B) {
+  // 1. Pack every key block each sequence with queries reads, once for all its tiles: entry (j, kh) of
+  //    sequence b at (first_block[b] + j) * hkv + kh.
+  std::vector<int64_t> first_block(B + 1, 0);
+  for (int64_t b = 0; b < B; b++) {
+    const bool has_queries = P.starts[b + 1] > P.starts[b];
+    first_block[b + 1] = first_block[b] + (has_queries ? (P.lens[b] + KEY_BLOCK - 1) / KEY_BLOCK : 0);
+  }
+  const int64_t entries = first_block[B] * P.hkv;
+  thread_local PackBuffer buffer;
+  auto* packed = static_cast<PackedBlock<D>*>(buffer.reserve(sizeof(PackedBlock<D>) * entries));
+  STD_TORCH_CHECK(packed != nullptr, "extend_attention: out of memory");
+  std::vector<int64_t> entry_seq(first_block[B]);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = first_block[b]; j < first_block[b + 1]; j++) entry_seq[j] = b;
+  torch::stable::parallel_for(0, entries, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; e++) {
+      const int64_t j = e / P.hkv, kh = e % P.hkv, b = entry_seq[j];
+      const int64_t k0 = (j - first_block[b]) * KEY_BLOCK;
+      pack_block<D>(P, P.tables + b * P.table_stride, kh, k0,
+                    static_cast<int>(std::min<int64_t>(KEY_BLOCK, P.lens[b] - k0)), packed[e]);
+    }
+  });
+
+  // 2. Attend. Items of one (sequence, KV head) run one after another, last tile first: a thread's next item
+  //    reads the packed K/V its previous one left in its cache. Sequences with the most work first, so the
+  //    last items threads pick up are short. (The order decides only which thread runs what, never a result.)
+  std::vector<int64_t> seqs(B);
+  for (int64_t b = 0; b < B; b++) seqs[b] = b;
+  auto work = [&](int64_t b) {
+    const int64_t n_new = P.starts[b + 1] - P.starts[b];
+    return n_new * (P.lens[b] - n_new / 2);
+  };
+  std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  std::vector<Item> items;
+  for (int64_t b : seqs) {
+    const int64_t n_new = P.starts[b + 1] - P.starts[b];
+    for (int64_t kh = 0; kh < P.hkv; kh++)
+      for (int64_t q0 = (n_new - 1) / QUERY_TILE * QUERY_TILE; q0 >= 0; q0 -= QUERY_TILE)
+        items.push_back(Item{b, kh, q0, std::min<int64_t>(QUERY_TILE, n_new - q0)});
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(torch::stable::get_num_threads(), count));
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<D>* S = static_cast<Scratch<D>*>(std::aligned_alloc(64, (sizeof(Scratch<D>) + 63) / 64 * 64));
+    STD_TORCH_CHECK(S != nullptr, "extend_attention: out of memory");
+    std::vector<const PackedBlock<D>*> blocks;
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      blocks.clear();
+      for (int64_t j = first_block[it.b]; j < first_block[it.b + 1]; j++) blocks.push_back(&packed[j * P.hkv + it.kh]);
+      attend_item<D>(P, it, blocks.data(), *S);
+    }
+    std::free(S);
+  });
+}
+
+Tensor extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens,
+                        Tensor query_start_loc, double scale) {
+  STD_TORCH_CHECK(cpu_supported(), "extend_attention: this CPU lacks AVX512-BF16");
+  STD_TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && block_tables.dim() == 2 &&
+                      seq_lens.dim() == 1 && query_start_loc.dim() == 1,
+                  "extend_attention: q [T, Hq, D], caches [blocks, block_size, Hkv, D], tables [B, M], lens [B], "
+                  "query_start_loc [B + 1]");
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::BFloat16 && k_cache.scalar_type() == ScalarType::BFloat16 &&
+                      v_cache.scalar_type() == ScalarType::BFloat16,
+                  "extend_attention: q and the caches must be bfloat16");
+  STD_TORCH_CHECK(block_tables.scalar_type() == ScalarType::Int && seq_lens.scalar_type() == ScalarType::Int &&
+                      query_start_loc.scalar_type() == ScalarType::Int,
+                  "extend_attention: block_tables, seq_lens and query_start_loc must be int32");
+  const int64_t T = q.size(0), hq = q.size(1), D = q.size(2);
+  const int64_t nb = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
+  const int64_t B = seq_lens.size(0);
+  STD_TORCH_CHECK(k_cache.size(3) == D && v_cache.size(0) == nb && v_cache.size(1) == bs && v_cache.size(2) == hkv &&
+                      v_cache.size(3) == D,
+                  "extend_attention: cache shapes disagree with q");
+  STD_TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= MAX_GROUP,
+                  "extend_attention: query heads must be 1 to 16 times the KV heads");
+  STD_TORCH_CHECK(D == 32 || D == 64 || D == 128, "extend_attention: head_dim must be 32, 64 or 128");
+  STD_TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "extend_attention: caches must be contiguous");
+  STD_TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "extend_attention: q's heads must be dense rows");
+  STD_TORCH_CHECK(block_tables.size(0) == B && query_start_loc.size(0) == B + 1 && block_tables.stride(1) == 1 &&
+                      seq_lens.stride(0) == 1 && query_start_loc.stride(0) == 1,
+                  "extend_attention: block_tables [B, M] (dense rows), seq_lens [B], query_start_loc [B + 1]");
+  STD_TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && block_tables.is_cpu() && seq_lens.is_cpu() &&
+                      query_start_loc.is_cpu(),
+                  "extend_attention: CPU tensors only");
+
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int64_t M = block_tables.size(1), tstride = block_tables.stride(0);
+  STD_TORCH_CHECK(B == 0 || (starts[0] == 0 && starts[B] == T),
+                  "extend_attention: query_start_loc must run from 0 to the number of queries");
+  for (int64_t b = 0; b < B; b++) {  // every block a sequence reads must exist: checked before any read
+    const int64_t n = starts[b + 1] - starts[b];
+    STD_TORCH_CHECK(n >= 0, "extend_attention: query_start_loc must not decrease");
+    if (n == 0) continue;
+    STD_TORCH_CHECK(lens[b] >= n && lens[b] <= M * bs, "extend_attention: seq_lens[", b, "] = ", lens[b],
+                    " is outside [", n, ", ", M * bs, "]");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; j++)
+      STD_TORCH_CHECK(tables[b * tstride + j] >= 0 && tables[b * tstride + j] < nb,
+                      "extend_attention: block id out of range in block_tables[", b, "]");
+  }
+  Tensor out = torch::stable::new_empty(q, {T, hq, D});
+  if (T == 0) return out;
+  Problem P{static_cast<const uint16_t*>(q.const_data_ptr()), q.stride(0),
+            static_cast<const uint16_t*>(k_cache.const_data_ptr()),
+            static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, tstride, lens, starts, hq, hkv, bs,
+            static_cast<float>(scale) * LOG2E, static_cast<uint16_t*>(out.mutable_data_ptr())};
+  if (D == 32) run<32>(P, B);
+  else if (D == 64) run<64>(P, B);
+  else run<128>(P, B);
+  return out;
+}
+
+bool supported() { return cpu_supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_extend_attention, m) {
+  m.def("extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_extend_attention, CPU, m) {
+  m.impl("extend_attention", TORCH_BOX(&extend_attention));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_extend_attention, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}
