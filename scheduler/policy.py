@@ -38,9 +38,11 @@ units: a unit is one token's time, K is the learned ratio of a token's cost to
 a key's, and the step's fixed cost is O units. With decodes costing D units, a
 ratio target r lets prefill take (r - 1)(O + D) units -- the step's predicted
 time stays within r times the predicted pure-decode step at that batch -- and
-a target of M ms lets it take M / unit - O - D. Decodes always run; prefill
-chunks get only what the prediction leaves (and never more than
-`max_num_batched_tokens`); prompts that need more wait, so their TTFT grows
+a target of M ms lets it take M / unit - O - D. Decodes always run; the chunks
+of long prompts (see "Long prompts"; every prompt's when T = 0) get only what
+the prediction leaves (and never more than the long cap or
+`max_num_batched_tokens`): short prompts are not held, so a burst of chat
+prompts is prefilled as without a target. Long prompts that need more wait, so their TTFT grows
 instead of the streams' ITL (`num_steps_held_by_itl_target` counts such steps).
 Whatever the target, prefill may take at least the cost of one token at the
 deepest position a step, so a prefill at the front of the queue progresses
@@ -245,12 +247,12 @@ class StepBudget:
 
     @property
     def left(self) -> float:
-        return min(self.cap_left, self.target_left)
+        return self.cap_left
 
     @property
     def held_by_target(self) -> bool:
-        """The ITL target, not max_num_batched_tokens, is what limits this step's prefill."""
-        return self.target_left < self.cap_left
+        """The ITL target, not max_num_batched_tokens or the long cap, is what limits long prefills now."""
+        return self.target_left < min(self.cap_left, self.long_left)
 
     @property
     def predicted_s(self) -> float:
@@ -262,10 +264,13 @@ class StepBudget:
         return bool(self.long_threshold) and prefill_len > self.long_threshold
 
     def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
-        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget` and the long cap."""
+        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget`, and for a long prompt
+        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill)."""
+        if not self.long_threshold:
+            return max_chunk_tokens(start, min(budget, self.target_left), self.horizon)
         if not self.is_long(prefill_len):
             return max_chunk_tokens(start, budget, self.horizon)
-        n = max_chunk_tokens(start, min(budget, self.long_left), self.horizon)
+        n = max_chunk_tokens(start, min(budget, self.long_left, self.target_left), self.horizon)
         if n == 0 and self.long_left == self.long_threshold:  # the step's first long chunk: it always moves
             n = min(1, max_chunk_tokens(start, budget, self.horizon))
         return n

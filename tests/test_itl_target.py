@@ -119,7 +119,8 @@ def test_no_target_without_costs_or_decodes():
         budget.charge_decode(1000 + pos)
     decode_units = budget.decode_units
     # half of the decode-only step, less what the first prefill chunk adds beyond its tokens
-    assert budget.left == pytest.approx(0.5 * (COSTS.overhead_units + decode_units) - COSTS.prefill_chunk_units)
+    assert budget.target_left == pytest.approx(0.5 * (COSTS.overhead_units + decode_units)
+                                              - COSTS.prefill_chunk_units)
     assert budget.held_by_target
     # a lone long prompt (no stream decoding) gets full budget-sized chunks
     sched = WorkerPolicy(cfg)
@@ -127,6 +128,25 @@ def test_no_target_without_costs_or_decodes():
     sched.add_request(make_req("alone", 2000, max_tokens=2))
     plan = sched.schedule()
     assert plan.chunks[0].num_tokens > 200
+
+
+def test_short_prompts_are_not_held_by_the_target():
+    """The target bounds long prompts (longer than the long-prompt threshold): a burst of chat prompts beside
+    the decoding streams is prefilled as fast as with the target off, so their TTFT (and a workload of
+    short prompts only, like workload A) does not pay for it. The streams' baseline ITL includes them."""
+    chunks: dict[str, list[int]] = {}
+    for name, target in (("off", ItlTarget()), ("1.3x", ItlTarget(ratio=1.3))):
+        cfg = config(target)
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+        sched.step_costs = COSTS
+        streams = [make_req(f"d{i}", 8, max_tokens=60) for i in range(16)]
+        chats = [make_req(f"c{i}", 200, max_tokens=2) for i in range(6)]
+        got = chunks.setdefault(name, [])
+        drive(sched, worker, arrivals={0: streams, 4: chats},
+              on_plan=lambda i, p: got.append(sum(c.num_tokens for c in p.chunks if c.seq_id.startswith("c")
+                                                  and c.start_pos < 200)))
+        assert_reference(worker, streams + chats, cfg.max_model_len)
+    assert chunks["1.3x"] == chunks["off"] and max(chunks["off"]) > 200
 
 
 def test_chunked_prefill_off_ignores_the_target():
