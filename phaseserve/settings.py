@@ -180,8 +180,9 @@ SETTINGS: list[Setting] = [
     Setting("itl_target", "PHASESERVE_ITL_TARGET", "1.3x", parse_itl_target_arg,
             "bound on a step's time while streams decode, from each worker's step costs learned from its "
             "measured steps: a ratio of the predicted decode-only step at that batch (e.g. 1.5x) or "
-            "milliseconds (e.g. 80ms); prefill chunks get only what is left under it, so prompts that need "
-            "more wait (their TTFT grows) instead of the streams' inter-token latency; off = no bound",
+            "milliseconds (e.g. 80ms); the chunks of long prompts (over --long-prefill-threshold) get only "
+            "what is left under it, so they wait (their TTFT grows) instead of the streams' inter-token "
+            "latency; off = no bound",
             ("scheduler", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
