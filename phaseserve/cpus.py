@@ -1,7 +1,7 @@
 """How many CPUs a worker's model gets: the thread-count rule shared by the worker (workers/service.py) and
 the launcher that splits the cores between services (phaseserve/launcher.py).
 
-The choice is measured, once per model and machine: a child process (`python -m phaseserve.cpus MODEL`)
+The choice is measured, once per model and machine: a child process (`python -m workers.thread_probe MODEL`)
 loads the model and times a decode step at a representative batch with every usable core and with one
 core fewer. A step on every core also pays for the rest of the service (gateway, scheduler, relay, Redis:
 their CPU per step lands on the model's cores and stalls its threads at every barrier); with a core kept
@@ -133,7 +133,7 @@ def probe(model_dir: str, counts: list[int]) -> tuple[dict[int, float], float]:
     busy0, wall0 = machine_busy_s(), time.monotonic()
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "phaseserve.cpus", model_dir, out.name,
+        proc = subprocess.run([sys.executable, "-m", "workers.thread_probe", model_dir, out.name,
                                ",".join(map(str, counts))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT_S, text=True)
         if proc.returncode != 0:
@@ -216,64 +216,3 @@ def write_cache(key: str, entry: dict) -> None:
         tmp.replace(path)
     except OSError as e:  # a read-only cache: measure again next time
         log.warning("could not save the thread choice", path=str(path), error=str(e))
-
-
-def measure_step_times(model_dir: str, thread_counts: list[int], *, batch: int = PROBE_BATCH, context: int = 64,
-                       rounds: int = 4, steps: int = 3) -> dict[int, float]:
-    """Seconds per decode step of this model at `batch` sequences of `context` tokens, per thread count: the
-    fastest step over `rounds` rounds of `steps` (thread counts alternate, so a neighbour's burst hits them
-    alike; the fastest, since another process's work is what the service term adds). Loads the model with
-    the worker's defaults; a second or two for a small model."""
-    import torch
-
-    from phaseserve.params import SamplingParams
-    from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
-
-    total_steps = rounds * len(thread_counts) * (steps + 1)
-    block_size = 16
-    per_seq = -(-(context + total_steps + 1) // block_size)
-    runner = ModelRunner(model_dir, num_blocks=batch * per_seq, block_size=block_size)
-    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [f"probe-{i}" for i in range(batch)]
-    tables = {s: list(range(i * per_seq, (i + 1) * per_seq)) for i, s in enumerate(seqs)}
-    step_id = 0
-
-    def run(**kw) -> None:
-        nonlocal step_id
-        step_id += 1
-        runner.execute(StepPlan(step_id, "probe", **kw))
-
-    prompts = [torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist() for _ in seqs]
-    run(starts=[SeqStart(s, "probe", p, params) for s, p in zip(seqs, prompts)],
-        chunks=[ScheduledChunk(s, 0, context, tables[s]) for s in seqs])
-
-    def decode() -> float:
-        t = time.perf_counter()
-        run(chunks=[ScheduledChunk(s, len(runner.seqs[s].token_ids) - 1, 1, tables[s]) for s in seqs])
-        return time.perf_counter() - t
-
-    times: dict[int, float] = {}
-    for _ in range(rounds):
-        for n in thread_counts:
-            torch.set_num_threads(n)
-            decode()  # warm-up: OpenMP starts its threads
-            times[n] = min(times.get(n, float("inf")), *(decode() for _ in range(steps)))
-    return times
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m phaseserve.cpus MODEL_DIR OUT.json 1,2`: step seconds per thread count into OUT.json."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3:
-        print("usage: python -m phaseserve.cpus MODEL_DIR OUT.json THREADS[,THREADS...]", file=sys.stderr)
-        return 2
-    model_dir, out, counts = args
-    times = measure_step_times(model_dir, [int(n) for n in counts.split(",")])
-    Path(out).write_text(json.dumps(times))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from phaseserve import model_source
 from phaseserve.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
-from scheduler.step_cost import ItlTarget, parse_itl_target
+from phaseserve.itl_target import ItlTarget, parse_itl_target
 
 
 def parse_size(text: str | int) -> int:

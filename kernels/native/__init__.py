@@ -13,6 +13,8 @@ dispatch point) decides what runs where; it asks here whether an op is available
 
 from __future__ import annotations
 
+import hashlib
+
 import os
 import platform
 import shutil
@@ -26,6 +28,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
+SHARED_HEADER = Path(__file__).resolve().parent / "cpu_features.h"  # included by every op
 ENV_SWITCH = "PHASESERVE_NATIVE"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
 
@@ -70,6 +73,13 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _header_flag() -> str:
+    """A define carrying the shared header's hash: torch rebuilds an op when its flags change, not when a
+    header it includes does."""
+    digest = hashlib.sha256(SHARED_HEADER.read_bytes()).hexdigest()[:16]
+    return f"-DPHASESERVE_CPU_FEATURES_H={digest}"
+
+
 def _load(name: str):
     source = SOURCE_DIR / f"{name}.cpp"
     if not source.is_file():
@@ -84,13 +94,14 @@ def _load(name: str):
     _put_ninja_on_path()
     build_dir = Path(cpp_extension._get_build_directory(module, verbose=False))
     built = build_dir / f"{module}.so"
-    fresh = not built.is_file() or built.stat().st_mtime < source.stat().st_mtime
+    newest = max(source.stat().st_mtime, SHARED_HEADER.stat().st_mtime)
+    fresh = not built.is_file() or built.stat().st_mtime < newest
     t0 = time.perf_counter()
     if fresh:
         log.info("compiling native op (first use; cached for later runs)", op=name, cache=str(build_dir))
     try:
-        cpp_extension.load(name=module, sources=[str(source)], extra_cflags=CFLAGS, is_python_module=False,
-                           verbose=False)
+        cpp_extension.load(name=module, sources=[str(source)], extra_cflags=CFLAGS + [_header_flag()],
+                           is_python_module=False, verbose=False)
     except Exception as exc:  # a missing header, a compiler error, ninja: the torch path still works
         log.warning("native op failed to build, torch path runs", op=name, error=str(exc).strip()[-2000:])
         return None

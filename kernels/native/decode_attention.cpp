@@ -18,6 +18,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -35,15 +37,6 @@ constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
 constexpr int PREFETCH_TILES = 2;  // software prefetch distance (1: 5-10% slower, 3-4: no better)
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
-
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 
 // 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes.
 AVX512_BF16 inline __m512 transpose_reduce(__m512 v[16]) {

@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -44,15 +46,6 @@ constexpr int KEY_BLOCK = 128;   // keys per block: 8 score vectors per query ro
 constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all the KV head's query heads: 8 x 6 rows
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
-
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 
 // 2^x for x <= 0 (clamped below at -126; the caller masks what must be 0). As in decode_attention.cpp.
 AVX512_BF16 inline __m512 exp2_ps(__m512 x) {

@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -43,15 +45,6 @@ constexpr int BLOCK = 32;
 constexpr int PAIRS = BLOCK / 2;       // k-pairs per block
 constexpr int GROUP = 16;              // output rows per group (one zmm of fp32)
 constexpr int64_t CHUNK_GROUPS = 4;    // groups a thread takes through every row tile (stay in L1)
-
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 
 struct Packed {
   const uint8_t* data;  // [groups, blocks, block_bytes<INT4>()]
