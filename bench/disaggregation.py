@@ -82,13 +82,13 @@ def summarize(label: str, result: dict, counters: dict[str, float], block_size: 
 
 def format_rows(rows: list[dict]) -> str:
     keys = [k for k in rows[0] if k != "layout"]
-    head = f"{'':<26}" + "".join(f"{r['layout']:>22}" for r in rows)
+    head = f"{'':<26}" + "".join(f"{r['layout']:>25}" for r in rows)
     lines = [head, "-" * len(head)]
     for k in keys:
         cells = []
         for r in rows:
             v = r[k]
-            cells.append(f"{'-' if v is None else (f'{v:.1f}' if isinstance(v, float) else str(v)):>22}")
+            cells.append(f"{'-' if v is None else (f'{v:.1f}' if isinstance(v, float) else str(v)):>25}")
         lines.append(f"{k:<26}" + "".join(cells))
     return "\n".join(lines)
 
