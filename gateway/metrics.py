@@ -61,6 +61,7 @@ class GatewayMetrics:
             ("handoff_sequences", "Sequences handed from a prefill worker to a decode worker (scheduler)"),
             ("handoff_blocks", "KV blocks decode workers received from prefill workers (scheduler)"),
             ("handoff_bytes", "KV bytes decode workers received from prefill workers (scheduler)"),
+            ("handoff_received", "KV transfers decode workers applied (scheduler)"),
             ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
             ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
         )}

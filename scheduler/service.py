@@ -116,6 +116,7 @@ class WorkerSlot:
     in_flight: deque = field(default_factory=deque)
     needs_plan: bool = False  # something (a cancel) the worker must hear about even with no work left
     head_since: float = 0.0  # when the oldest in-flight plan became the one the worker runs (a result came)
+    last_admission: int = 0  # when (SchedulerService._admissions) it was last given a new sequence; 0: never
     drain_deadline: float | None = None  # draining: when its running sequences are handed back (monotonic)
     handing_back: bool = False  # the deadline passed: no more plans; the rest moves once none is in flight
     drained: bool = False  # told it holds nothing and may exit
@@ -212,6 +213,7 @@ class SchedulerService:
         self._pending_ops: list[tuple] = []  # Redis writes decided while handling messages, sent next turn
         self._acks: list[tuple[str, list]] = []
         self._adoptions = 0
+        self._admissions = 0
         self._outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
         self._next_claim = 0.0
         self._renew_at = 0.0
@@ -498,9 +500,11 @@ class SchedulerService:
         if not fits:
             return max(candidates, key=lambda s: (s.info.max_model_len, s.info.num_blocks))
         # a prefill worker's load is the prefill work queued on it; a mixed worker's, its sequences
+        # ties (idle workers, at light load) go to the one given a sequence least recently: a worker that
+        # just joined takes the next sequence, instead of the lowest id taking them all
         return min(fits, key=lambda s: (s.policy.queued_prefill_tokens if s.role == "prefill" else 0,
                                         s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
-                                        s.info.worker_id))
+                                        s.last_admission, s.info.worker_id))
 
     def place_parked(self) -> None:
         parked, self.parked = self.parked, []
@@ -574,6 +578,8 @@ class SchedulerService:
             self._fail_request(req, str(e), ERROR_REJECTED if rejected else None)
             return False
         self.owner[req.request_id] = slot.info.worker_id
+        self._admissions += 1
+        slot.last_admission = self._admissions
         self._pending_ops.append(("hset", self.keys.request_record(req.request_id), "worker", slot.info.worker_id))
         log.info("request admitted", request_id=req.request_id, worker_id=slot.info.worker_id,
                  prompt_tokens=len(req.prompt_ids), max_tokens=req.params.max_tokens,

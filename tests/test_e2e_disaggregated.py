@@ -29,7 +29,9 @@ async def test_a_disaggregated_stack_equals_the_engine_and_counts_its_handoffs(e
         assert wait_for(lambda: stack.scheduler_stats().get("num_workers") == 2, 120)
         async with openai.AsyncOpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=300) as client:
             texts = await asyncio.gather(*(_stream_text(client, stack.model, p) for p in ps))
-        handed = wait_for(lambda: metric(stack.base_url, "kv_handoff_sequences") >= len(ps), 10)
+        # handed over when the first token came; received once the decode worker's result is read
+        handed = wait_for(lambda: metric(stack.base_url, "kv_handoff_received") >= len(ps), 10)
+        assert metric(stack.base_url, "kv_handoff_sequences") == len(ps)
         blocks, moved = metric(stack.base_url, "kv_handoff_blocks"), metric(stack.base_url, "kv_handoff_bytes")
         failed, kept = metric(stack.base_url, "kv_handoff_failed"), metric(stack.base_url, "kv_handoff_kept")
         logs = stack.logs()
