@@ -210,3 +210,39 @@ def test_the_policy_hands_off_after_the_first_token_and_recomputes_a_failed_rece
     assert src.ready_handoffs() == ["b"]
     src.keep("b")
     assert [(c.start_pos, c.num_tokens) for c in src.schedule().chunks] == [(20, 1)]
+
+
+def test_a_prefill_worker_drops_only_the_transfers_nobody_will_take(tmp_path):
+    """Worker side (workers/handoff.py): a handed-off sequence's transfer stays for the decode worker to
+    take at its release; a kept sequence's is removed at its first decode here, and so is that of a sequence
+    whose first token was its last."""
+    from phaseserve.wire import KVSend, ScheduledChunk, SeqStart, StepPlan
+    from workers.handoff import KVHandoffs
+    from workers.kv_transfer.shm_transport import transfer_path
+
+    runner = ModelRunner(bundled_model_path(), num_blocks=16)
+    handoffs = KVHandoffs(runner)
+    ids = {name: f"keep-test-{name}-{time.monotonic_ns()}" for name in ("handed", "kept", "last")}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    starts = [SeqStart(name, "gw", list(range(5, 25)), SamplingParams(max_tokens=1, temperature=0.0)
+                       if name == "last" else params, send_kv=KVSend(ids[name], "shm")) for name in ids]
+    tables = {name: [2 * i, 2 * i + 1] for i, name in enumerate(ids)}
+    step = 0
+
+    def run(**kw):
+        nonlocal step
+        step += 1
+        plan = StepPlan(step, "p", **kw)
+        handoffs.before_step(plan)
+        runner.execute(plan)
+        handoffs.after_step(plan)
+
+    try:
+        run(starts=starts, chunks=[ScheduledChunk(n, 0, 20, tables[n]) for n in ids])
+        assert all(transfer_path(t).exists() for t in ids.values())  # all closed with the first token
+        run(chunks=[ScheduledChunk("kept", 20, 1, tables["kept"])], releases=["handed", "last"])
+        assert transfer_path(ids["handed"]).exists()  # the decode worker's to take
+        assert not transfer_path(ids["kept"]).exists() and not transfer_path(ids["last"]).exists()
+    finally:
+        for t in ids.values():
+            transfer_path(t).unlink(missing_ok=True)

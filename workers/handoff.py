@@ -7,9 +7,10 @@ docs/kv-transfer.md ("The handoff") for the whole sequence of messages.
   chunks; the step that ends the prefill also sends the last, partial block and closes the transfer, before
   the step's result (the first token) is published. So by the time the scheduler hands the sequence to a
   decode worker, the transfer is whole and the prefill worker's blocks are free to reuse.
-  A sequence the scheduler kept here (no decode worker had room) gets a decode chunk instead: its
-  transfer is aborted then. A released one (handed off, or cancelled) just leaves: a handed-off transfer
-  is the decode worker's to take; an abandoned one expires (Redis TTL; shared-memory files are swept).
+  A sequence the scheduler kept here (no decode worker had room) gets a decode chunk instead, and one whose
+  first token was its last is released finished: their transfers are aborted then. A released one that
+  was handed off (or cancelled) just leaves: a handed-off transfer is the decode worker's to take; an
+  abandoned one expires (Redis TTL; shared-memory files are swept).
 - Decode worker. A plan's `KVReceive`s are applied before its chunks run. A failed one (timeout, checksum,
   layout) writes nothing: the sequence is not started, its chunks are skipped, and the scheduler, seeing
   no token, recomputes it.
@@ -45,6 +46,7 @@ class _Outgoing:
     num_tokens: int  # the prefill's length: prompt + outputs at (re)start
     sender: KVSender | None = None  # opened at the first chunk, when the first block ids are known
     blocks_sent: int = 0
+    finished: bool = False  # closed: whole, until the release (handed off) or a decode here (kept: aborted)
 
 
 class KVHandoffs:
@@ -88,8 +90,12 @@ class KVHandoffs:
         if plan.reset:
             self.outgoing.clear()
         if self.outgoing:
-            for seq_id in plan.releases:
-                self.outgoing.pop(seq_id, None)
+            for seq_id in plan.releases:  # handed off (the transfer is the decode worker's now), or done here
+                state = self.runner.seqs.get(seq_id)
+                if state is not None and state.finished:  # its first token was its last: nobody takes it
+                    self._abort(seq_id, "finished on the prefill worker")
+                else:
+                    self.outgoing.pop(seq_id, None)
             for c in plan.chunks:  # a decode of a sequence kept here: nobody will take its transfer
                 out = self.outgoing.get(c.seq_id)
                 if out is not None and c.start_pos >= out.num_tokens:
@@ -115,7 +121,8 @@ class KVHandoffs:
             out = self.outgoing.get(c.seq_id)
             end = c.start_pos + c.num_tokens
             state = self.runner.seqs.get(c.seq_id)
-            if out is None or end > out.num_tokens or state is None or state.num_computed != end:
+            if (out is None or out.finished or end > out.num_tokens or state is None
+                    or state.num_computed != end):
                 continue  # not streamed, a decode, or a chunk the runner did not run (the scheduler recomputes)
             try:
                 if out.sender is None:
@@ -128,10 +135,10 @@ class KVHandoffs:
                     out.blocks_sent = full
                 if done:
                     out.sender.finish(out.num_tokens)
+                    out.finished = True
                     self.num_sent[out.send.transport] += 1
                     log.debug("kv transfer sent", seq_id=c.seq_id, transfer_id=out.send.transfer_id,
                               num_bytes=out.sender.num_bytes)
-                    del self.outgoing[c.seq_id]
             except (KVTransferError, OSError) as e:  # the decode worker's receive then fails: a recompute
                 log.error("kv transfer send failed", seq_id=c.seq_id, transfer_id=out.send.transfer_id, error=str(e))
                 self._abort(c.seq_id, str(e))
