@@ -10,29 +10,13 @@ Redis, in this process.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
-from aiohttp import web
 
-from gateway.app import create_app
 from gateway.state import GATEWAY
-from phaseserve import settings
-from phaseserve.redis_server import free_port
+from gateway_client import read_sse, serve_gateway
 
 MAX_TOKENS = 24
-
-
-async def read_sse(resp, stop_after=None):
-    ids, data = [], []
-    async for line in resp.content:
-        if line.startswith(b"id: "):
-            ids.append(line[4:].strip().decode())
-        elif line.startswith(b"data: {"):
-            data.append(json.loads(line[6:]))
-            if stop_after is not None and sum(1 for d in data if d.get("choices")) >= stop_after:
-                break
-    return ids, data
 
 
 def text_of(data):
@@ -40,15 +24,9 @@ def text_of(data):
 
 
 async def second_gateway(stack, *flags: str):
-    ns = settings.parse("gateway", ["--redis-url", stack.redis_url, "--model", str(stack.model_dir),
-                                    "--key-prefix", stack.key_prefix, "--gateway-id", "gw-second",
-                                    "--served-model-name", stack.model, *flags])
-    app = create_app(ns)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_gateway(["--redis-url", stack.redis_url, "--model", str(stack.model_dir),
+                                "--key-prefix", stack.key_prefix, "--gateway-id", "gw-second",
+                                "--served-model-name", stack.model, *flags])
 
 
 async def test_a_stream_resumed_on_a_second_gateway_equals_an_uninterrupted_greedy_run(stack):
@@ -63,7 +41,7 @@ async def test_a_stream_resumed_on_a_second_gateway_equals_an_uninterrupted_gree
             assert whole[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
             resp = await http.post(stack.api_url + "/completions", json=body)
-            ids, head = await read_sse(resp, stop_after=4)
+            ids, head = await read_sse(resp, stop_after=4, counts=lambda d: bool(d.get("choices")))
             resp.close()  # the connection breaks after 4 chunks
             rid = resp.headers["X-Request-Id"]
             assert ids[-1].startswith(rid + ":")

@@ -5,7 +5,6 @@ relay does) and publishes it, or deliberately does not publish it (a message pub
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import msgpack
@@ -16,6 +15,7 @@ import redis.asyncio as aioredis
 from phaseserve import token_log
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent
+from gateway_client import read_sse
 from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401
 
 REPLY = "The quick brown fox jumps"
@@ -56,17 +56,6 @@ async def emit(g: Gw, ev: TokenEvent, publish: bool = True) -> None:
         await pipe.execute()
 
 
-async def read_sse(resp: aiohttp.ClientResponse, stop_after: int | None = None) -> tuple[list[str], list[dict]]:
-    """-> (event ids, data objects) of an SSE response; stop_after: stop reading after that many data events."""
-    ids, data = [], []
-    async for line in resp.content:
-        if line.startswith(b"id: "):
-            ids.append(line[4:].strip().decode())
-        elif line.startswith(b"data: {"):
-            data.append(json.loads(line[6:]))
-            if stop_after is not None and len(data) >= stop_after:
-                break
-    return ids, data
 
 
 def texts(data: list[dict]) -> str:

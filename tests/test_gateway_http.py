@@ -19,13 +19,11 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
-from aiohttp import web
 
-from gateway.app import create_app
-from phaseserve import settings
 from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
+from gateway_client import serve_gateway
 from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WorkerInfo, peek_kind)
 from text_model_factory import make_text_model
@@ -40,17 +38,11 @@ def text_model(tmp_path_factory):
 
 
 async def start_gateway(redis_url: str, model_dir, *extra: str):
-    ns = settings.parse("gateway", ["--redis-url", redis_url, "--model", str(model_dir), "--key-prefix", "t",
-                                    "--gateway-id", GATEWAY_ID, "--max-body-bytes", "65536",
-                                    "--max-waiting-requests", "2",
-                                    # a client that goes away is cancelled at once (no wait for a resume)
-                                    "--resume-grace", "0", *extra])
-    app = create_app(ns)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_gateway(["--redis-url", redis_url, "--model", str(model_dir), "--key-prefix", "t",
+                                "--gateway-id", GATEWAY_ID, "--max-body-bytes", "65536",
+                                "--max-waiting-requests", "2",
+                                # a client that goes away is cancelled at once (no wait for a resume)
+                                "--resume-grace", "0", *extra])
 
 
 @pytest.fixture
