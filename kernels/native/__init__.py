@@ -28,7 +28,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SHARED_HEADER = Path(__file__).resolve().parent / "cpu_features.h"  # included by every op
+SHARED_HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))  # included by the ops
 ENV_SWITCH = "PHASESERVE_NATIVE"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
 
@@ -74,10 +74,10 @@ def _put_ninja_on_path() -> None:
 
 
 def _header_flag() -> str:
-    """A define carrying the shared header's hash: torch rebuilds an op when its flags change, not when a
+    """A define carrying the shared headers' hash: torch rebuilds an op when its flags change, not when a
     header it includes does."""
-    digest = hashlib.sha256(SHARED_HEADER.read_bytes()).hexdigest()[:16]
-    return f"-DPHASESERVE_CPU_FEATURES_H={digest}"
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in SHARED_HEADERS)).hexdigest()[:16]
+    return f"-DPHASESERVE_NATIVE_HEADERS={digest}"
 
 
 def _load(name: str):
@@ -94,7 +94,7 @@ def _load(name: str):
     _put_ninja_on_path()
     build_dir = Path(cpp_extension._get_build_directory(module, verbose=False))
     built = build_dir / f"{module}.so"
-    newest = max(source.stat().st_mtime, SHARED_HEADER.stat().st_mtime)
+    newest = max([source.stat().st_mtime] + [h.stat().st_mtime for h in SHARED_HEADERS])
     fresh = not built.is_file() or built.stat().st_mtime < newest
     t0 = time.perf_counter()
     if fresh:

@@ -1,6 +1,6 @@
 // What every native op needs to know about the CPU it runs on: the AVX512-BF16 target its kernels are
 // compiled for (per function, never -march=native: the binary must load on any x86-64), and whether this
-// CPU has it, asked at run time. kernels/native/__init__.py puts this file's hash in the build flags, so
+// CPU has it, asked at run time. kernels/native/__init__.py puts the headers' hash in the build flags, so
 // an edit here rebuilds every op.
 #pragma once
 

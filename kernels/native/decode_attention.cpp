@@ -18,7 +18,7 @@
 
 #include <immintrin.h>
 
-#include "cpu_features.h"
+#include "attention_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -51,22 +51,6 @@ AVX512_BF16 inline __m512 transpose_reduce(__m512 v[16]) {
     u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-}
-
-// 2^x for x <= 0 (clamped below at -126: the result is then ~0 and the caller masks what must be 0).
-AVX512_BF16 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  // 2^f = e^(f ln2), Taylor to degree 6 (relative error < 2e-7 on [-0.5, 0.5])
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910072f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 AVX512_BF16 inline __m512 bf16_to_fp32(const uint16_t* p) {
@@ -209,20 +193,6 @@ AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64
         for (int c = 0; c < D / 16; c++) _mm512_store_ps(ah + c * 16, o[c]);
       }
     }
-  }
-}
-
-// out[h] = bf16(acc[h] / l[h]) for D elements. With bf16 p.V the accumulators hold each 32 features as
-// unpacklo/unpackhi left them (lane 4j+k: feature 8j+k, then 8j+4+k): put back in order here.
-AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float inv_l, int64_t d) {
-  const __m512 s = _mm512_set1_ps(inv_l);
-  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t c = 0; c < d; c += 32) {
-    const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + c), s), y = _mm512_mul_ps(_mm512_load_ps(acc + c + 16), s);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
   }
 }
 

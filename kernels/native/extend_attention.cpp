@@ -27,7 +27,7 @@
 
 #include <immintrin.h>
 
-#include "cpu_features.h"
+#include "attention_math.h"
 
 #include <algorithm>
 #include <atomic>
@@ -46,21 +46,6 @@ constexpr int KEY_BLOCK = 128;   // keys per block: 8 score vectors per query ro
 constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all the KV head's query heads: 8 x 6 rows
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
-
-// 2^x for x <= 0 (clamped below at -126; the caller masks what must be 0). As in decode_attention.cpp.
-AVX512_BF16 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910072f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // 16 rows of 16 dwords -> 16 columns, in place (three rounds: 32-bit, 64-bit, 128-bit interleaves).
 AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
@@ -144,21 +129,6 @@ AVX512_BF16 inline void gemm_rows(int M, const uint16_t* A, int64_t lda, const u
     case 10: micro_gemm<10, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
     case 11: micro_gemm<11, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
     default: break;
-  }
-}
-
-// out = bf16(acc / l) for D elements. The V pairs come from unpacklo/unpackhi, which leave each 32 features of
-// acc as lane 4j+k: feature 8j+k, then 8j+4+k (as in decode_attention.cpp): put back in order here.
-AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float inv_l, int64_t d) {
-  const __m512 s = _mm512_set1_ps(inv_l);
-  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t c = 0; c < d; c += 32) {
-    const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + c), s), y = _mm512_mul_ps(_mm512_load_ps(acc + c + 16), s);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, lo, y)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(x, hi, y)));
   }
 }
 
