@@ -6,7 +6,8 @@
 Workload A (the defaults): random token ids, 64 prompts, 128 in, 64 out, concurrency 16, greedy,
 ignore_eos. Any `phaseserve bench` workload flag can be added (--workload, --num-prompts, ...).
 Each server is started, benchmarked and stopped before the next starts, so they never share the CPU.
-Prints a table and the ratios phaseserve/vLLM; writes JSON and PNG into --out-dir.
+Prints a table, the ratios phaseserve/vLLM and, for the random workload, its compute ceiling (bench/ceiling.py:
+the output tok/s no server can pass here) with each server's share of it; writes JSON and PNG into --out-dir.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
+from bench.ceiling import Ceiling, ceiling, measure_gemm_rate
 from bench.models import resolve_model, safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
 from phaseserve.redis_server import free_port
@@ -87,6 +89,15 @@ def ratios(runs: list[dict], base: str = "vllm") -> dict:
     return out
 
 
+def workload_ceiling(model_dir: Path, run: dict, gemm: tuple[float, int]) -> Ceiling | None:
+    """The random workload's compute ceiling (bench/ceiling.py), from what the run sent and received."""
+    m = run["metrics"]
+    if run["workload"].get("workload") != "random" or not m.get("completed"):
+        return None
+    n = m["completed"]
+    return ceiling(model_dir, n, m["total_input_tokens"] / n, m["total_output_tokens"] / n, gemm)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -100,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     tag = f"{Path(args.model).name}-{stamp}"
     name = "bench-model"  # the same served name on both servers
+    gemm = measure_gemm_rate()  # before any server starts: the machine's compute, measured quiet
     runs: list[dict] = []
     for server in servers:
         if server == "engine":
@@ -133,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     for pair, values in rat.items():
         print(f"{pair}: " + ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} -" for k, v in values.items()))
     payload = {"model": str(model_dir), "runs": runs, "ratios": rat}
+    roof = workload_ceiling(model_dir, runs[0], gemm)
+    if roof is not None:
+        shares = ", ".join(f"{r['label']} {r['metrics']['output_throughput'] / roof.output_tok_s:.2f}" for r in runs)
+        print(f"{roof.describe()}; share of it: {shares}")
+        payload["ceiling"] = {"output_tok_s": roof.output_tok_s, "tflop": roof.flops / 1e12,
+                              "gemm_gflop_s": roof.gemm_rate / 1e9, "threads": roof.threads}
     json_path = out / f"side-by-side-{tag}.json"
     json_path.write_text(json.dumps(payload, indent=1))
     from bench.plot import plot_results

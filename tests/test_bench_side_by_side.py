@@ -76,3 +76,34 @@ def test_client_cpus_pin_only_the_run_and_parse_strictly():
     assert os.sched_getaffinity(0) == before  # servers started after the run must not inherit it
     with cli.client_on(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_compute_ceiling_counts_the_models_matmuls(tmp_path):
+    """bench/ceiling.py's FLOPs equal the runner's own count (bench_model's prefill and decode FLOPs) for the
+    bundled model, and the ceiling is output tokens over FLOPs / GEMM rate."""
+    from pathlib import Path
+
+    from bench.bench_model import RunnerBench, decode_flops, prefill_flops
+    from bench.ceiling import ceiling, workload_flops
+    from bench.side_by_side import workload_ceiling
+    from workers.loader import read_config
+
+    bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
+    cfg = read_config(bundled)
+    runner = RunnerBench(bundled, "float32", kv_cache_memory_bytes=1 << 24).runner
+    lm_head = 2 * runner.model.lm_head.numel()
+    # one prompt of 7 tokens and one output token: the prefill and its lm_head row, nothing else
+    assert workload_flops(cfg, 1, 7, 1) == pytest.approx(prefill_flops(runner, 7))
+    # each later output token is a decode row: linears and lm_head (decode_flops leaves attention out)
+    one_more = workload_flops(cfg, 1, 7, 2) - workload_flops(cfg, 1, 7, 1)
+    attention = one_more - decode_flops(runner, 1)
+    assert 0 < attention < 0.05 * one_more
+    c = ceiling(bundled, 64, 128, 64, gemm=(1e11, 2))
+    assert c.output_tok_s == pytest.approx(64 * 64 / (workload_flops(cfg, 64, 128, 64) / 1e11))
+    assert "2 threads" in c.describe()
+    served = run("phaseserve", 50.0, 800.0, 30.0)
+    served["metrics"].update(total_input_tokens=8 * 128, total_output_tokens=8 * 64)
+    assert workload_ceiling(bundled, served, (1e11, 2)).output_tok_s == pytest.approx(
+        ceiling(bundled, 8, 128, 64, gemm=(1e11, 2)).output_tok_s)
+    served["workload"]["workload"] = "interference"
+    assert workload_ceiling(bundled, served, (1e11, 2)) is None
