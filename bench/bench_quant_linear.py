@@ -2,7 +2,7 @@
 
     python -m bench.bench_quant_linear [--rows 1,4,16,64,256] [--cold-mb 64]
 
-Columns: the bf16 oneDNN-packed `Linear` (workers/linear.py), torch's own weight-only kernels
+Columns: the bf16 `Linear` (workers/linear.py: the native bf16 GEMM where it runs, else oneDNN-packed), torch's own weight-only kernels
 (`_weight_int8pack_mm`: int8 per output channel; `_weight_int4pack_mm_for_cpu`: int4 in groups of 32
 with bf16 scales and zeros) and phaseserve's `QuantizedLinear` (kernels.quant_linear: the native
 AVX512-BF16 op where it runs) at int8 and int4. Each shape has enough distinct copies of its weights

@@ -2,8 +2,8 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each) and for matmuls
-with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for bf16 linears
+and for matmuls with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import structlog
 import torch
 
 from kernels import native, reference
+from kernels.native_bf16 import PackedBf16Weight
 from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
-        "pack_quantized", "quant_linear")
+        "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
@@ -170,6 +171,43 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     return _native_quant_gemm().quant_linear(x, weight.data, weight.bits)
+
+
+_bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use
+
+
+def _native_bf16_gemm():
+    if not _bf16_gemm_choice:
+        ops = native.load("bf16_gemm")
+        reason = None
+        if ops is None:
+            reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
+                      else "native op unavailable (see the log line above)")
+        log.info("CPU bf16 linear", implementation="native avx512-bf16" if ops is not None else "torch (oneDNN)",
+                 reason=reason)
+        _bf16_gemm_choice.append(ops)
+    return _bf16_gemm_choice[0]
+
+
+def pack_bf16_linear(weight: torch.Tensor) -> PackedBf16Weight | None:
+    """A bf16 CPU linear weight [out, in] in the layout bf16_linear reads (kernels/native_bf16.py, a pure
+    reshuffle that replaces the plain weight), where this CPU runs the native op; else None: the caller
+    keeps its torch (oneDNN) path. fp32 and CUDA weights always get None."""
+    from kernels import native_bf16
+
+    if not native_bf16.can_pack(weight) or _native_bf16_gemm() is None:
+        return None
+    return native_bf16.pack(weight)
+
+
+def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] bf16 @ W.T + bias for W from pack_bf16_linear: [T, out] bf16. Each output sums its inputs
+    in one fixed order, so a row's result does not depend on the other rows or the thread count."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_linear: takes bfloat16 activations, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _native_bf16_gemm().bf16_linear(x, weight.data, bias, weight.shape[0])
 
 
 __all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available"]

@@ -1,10 +1,13 @@
 """A linear layer whose weight is laid out once, at load, for the device's fastest GEMM.
 
-On CPU the weight is reordered into oneDNN's blocked layout (what torch.compile's freezing pass does
-for CPU linears). A decode step multiplies every weight by a handful of rows, so it is bound by
-reading the weights: `F.linear` on a plain [out, in] bf16 matrix streams it at ~10-15 GB/s on one
-thread, the prepacked oneDNN matmul at ~30-40 GB/s (see docs/model-runner.md). Results match
-`F.linear` (same fp32 accumulation); the packed weight replaces the plain one, so memory does not grow.
+bf16 on a CPU with AVX512-BF16: the native GEMM (kernels/native/bf16_gemm.cpp, weight packed in its layout
+by kernels.pack_bf16_linear), at every row count: decode steps read the weights once at near DRAM speed
+and run the multiply-adds under the stream; prefill runs as fast as oneDNN (docs/model-runner.md). Its rows
+do not depend on each other or on the thread count.
+Otherwise (fp32, or no native op) the weight is reordered into oneDNN's blocked layout (what
+torch.compile's freezing pass does for CPU linears): `F.linear` on a plain [out, in] bf16 matrix streams
+it at ~10-15 GB/s on one thread, the prepacked oneDNN matmul at ~30-40 GB/s. Results match `F.linear`
+(same fp32 accumulation). Either packed weight replaces the plain one, so memory does not grow.
 """
 
 from __future__ import annotations
@@ -31,9 +34,18 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.bias = bias
-        self.packed = pack and _can_pack(weight)
+        # native bf16 GEMM where this CPU runs it (kernels decides and logs); else oneDNN's packed weight
+        self.native = kernels.pack_bf16_linear(weight) if pack else None
+        if self.native is not None and bias is not None:
+            self.bias = bias.to(torch.bfloat16).contiguous()
+        self.packed = self.native is None and pack and _can_pack(weight)
         # the packed tensor is opaque (layout torch._mkldnn): only the matmul below can read it
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if self.packed else weight
+        if self.native is not None:
+            self.weight = None
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        else:
+            self.weight = weight
 
     def numel(self) -> int:
         return self.out_features * self.in_features
@@ -42,6 +54,8 @@ class Linear:
         return self.numel() * self.dtype.itemsize + (self.bias.nbytes if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return kernels.bf16_linear(x, self.native, self.bias)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
