@@ -200,8 +200,10 @@ def client_on(cpus: list[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def run_benchmark(args) -> dict:
-    """Run one benchmark as configured by build_parser()'s args; return the JSON-able result."""
+def run_benchmark(args, cpu_probe=None) -> dict:
+    """Run one benchmark as configured by build_parser()'s args; return the JSON-able result.
+    `cpu_probe` (bench/proc_cpu.ProcessTreeCPU of the server) is entered around the measured run only; its
+    report goes into the result as "cpu"."""
     percentiles = [float(x) for x in str(args.percentiles).split(",") if x.strip()]
     if not percentiles or any(not 0 < p < 100 for p in percentiles):
         raise ValueError("--percentiles wants numbers in (0, 100), e.g. 50,90,99")
@@ -230,7 +232,7 @@ def run_benchmark(args) -> dict:
         groups = {}
     else:
         # uvloop: a lighter client takes less CPU from the server it measures (the same client for every server)
-        with client_on(args.client_cpus):
+        with client_on(args.client_cpus), cpu_probe or contextlib.nullcontext():
             results, duration, info = event_loop.run(run_openai(args, specs, make_long, vocab))
         metrics = calculate_metrics([r for r in results if r.group in ("main", "short")], duration,
                                     goodput, percentiles)
@@ -263,6 +265,7 @@ def run_benchmark(args) -> dict:
         "goodput_slos_ms": goodput or None,
         **info,
         "metrics": metrics,
+        **({"cpu": cpu_probe.report(metrics["total_output_tokens"])} if cpu_probe is not None else {}),
         "groups": groups,
         "requests": [r.to_json() for r in results],
     }
@@ -283,6 +286,10 @@ def print_result(result: dict) -> None:
             print("no long prompt was sent: the short streams finished within --long-every")
         else:
             print(format_report(result["label"] + " - long prompts", result["groups"]["long"], pct))
+    if result.get("cpu"):
+        from bench.proc_cpu import format_cpu
+
+        print(format_cpu(result["cpu"]))
 
 
 def write_outputs(result_or_results, json_out: str | None, plot_out: str | None, compare=()) -> None:

@@ -7,7 +7,9 @@ Workload A (the defaults): random token ids, 64 prompts, 128 in, 64 out, concurr
 ignore_eos. Any `phaseserve bench` workload flag can be added (--workload, --num-prompts, ...).
 Each server is started, benchmarked and stopped before the next starts, so they never share the CPU.
 Prints a table, the ratios phaseserve/vLLM and, for the random workload, its compute ceiling (bench/ceiling.py:
-the output tok/s no server can pass here) with each server's share of it; writes JSON and PNG into --out-dir.
+the output tok/s no server can pass here) with each server's share of it; for each served stack, its CPU
+seconds per 1k output tokens by process (bench/proc_cpu.py: /proc CPU time of its process tree over the
+measured run, the client's too). Writes JSON and PNG into --out-dir.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from bench.ceiling import Ceiling, ceiling, measure_gemm_rate
 from bench.models import resolve_model, safetensors_folder
+from bench.proc_cpu import ProcessTreeCPU
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
 from phaseserve.redis_server import free_port
 
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 startup = time.monotonic() - t0
                 bargs = bench_args(extra, str(model_dir), server, proc.url, "openai", name)
-                result = bench_cli.run_benchmark(bargs)
+                result = bench_cli.run_benchmark(bargs, ProcessTreeCPU(proc.proc.pid))
             finally:
                 proc.stop()
             result["startup_s"] = round(startup, 1)

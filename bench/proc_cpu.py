@@ -1,0 +1,187 @@
+"""CPU seconds each process of a served stack spends over a measured run, by role.
+
+Robust on a shared machine: it counts CPU time (utime + stime from /proc/<pid>/stat), not wall time, so
+other people's load changes the throughput but not what a token costs. Read just before and just after the
+measured run for every process in the server's tree (its launcher and every descendant) and for this
+process (the bench client, which runs on the same cores). Divided by output tokens and, when the stack's
+Redis can be found, by model steps (the `results` stream's entries-added: one per step).
+
+  with ProcessTreeCPU(server_pid) as cpu:
+      run the workload
+  cpu.report(output_tokens)  # {"by_process": {...}, "per_1k_tokens": {...}, "per_step_ms": {...}, ...}
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("bench.proc_cpu")
+
+_TICK = os.sysconf("SC_CLK_TCK")
+CLIENT = "client"  # this process: the bench's own load generator
+# `python -m <module>` of the stack's processes -> the role reported (launcher.MODULE and the worker's relay)
+_MODULE_ROLES = {"gateway": "gateway", "scheduler": "scheduler", "workers": "worker", "workers.relay": "relay",
+                 "workers.thread_probe": "thread-probe", "phaseserve.cli": "launcher"}
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone
+        return None
+    return text[text.rindex(")") + 2:].split()  # the command name may hold spaces: split after it
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of every thread of `pid` (children not included), or None if it is gone."""
+    f = _stat_fields(pid)
+    return None if f is None else (int(f[11]) + int(f[12])) / _TICK  # fields 14 and 15 of proc(5)
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every descendant of it that is alive now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            f = _stat_fields(int(entry))
+            if f is not None:
+                children.setdefault(int(f[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def role_of(pid: int) -> str:
+    """What a process of the stack is, from its command line."""
+    argv = [a for a in _cmdline(pid) if a]
+    if not argv:
+        return "?"
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1]
+        return _MODULE_ROLES.get(module, module)
+    name = Path(argv[0]).name
+    if name == "phaseserve":
+        return "launcher"
+    return name.split(":")[0]  # redis-server renames itself "redis-server 127.0.0.1:PORT"
+
+
+def _redis_address(pids: list[int]) -> tuple[str, int] | None:
+    """host and port of an embedded redis-server among `pids` (its command line or its process title)."""
+    for pid in pids:
+        argv = [a for a in _cmdline(pid) if a]
+        if not argv or "redis-server" not in argv[0]:
+            continue
+        if "--port" in argv:
+            host = argv[argv.index("--bind") + 1] if "--bind" in argv else "127.0.0.1"
+            return host, int(argv[argv.index("--port") + 1])
+        addr = argv[0].split()[-1]  # process title "redis-server 127.0.0.1:6379"
+        if ":" in addr:
+            host, _, port = addr.rpartition(":")
+            return host, int(port)
+    return None
+
+
+def steps_taken(address: tuple[str, int] | None, key_prefix: str = "ps") -> int | None:
+    """Model steps the stack has run so far: every step XADDs one StepResult to `results`."""
+    if address is None:
+        return None
+    import redis
+
+    from phaseserve.wire import Keys
+
+    try:
+        client = redis.Redis(host=address[0], port=address[1], socket_timeout=2)
+        results = Keys(key_prefix).results
+        if not client.exists(results):  # no step yet
+            return 0
+        return int(client.xinfo_stream(results)["entries-added"])
+    except Exception as e:  # noqa: BLE001 -- a password, an older Redis: the per-step figures are left out
+        log.warning("could not count steps", error=str(e))
+        return None
+
+
+class ProcessTreeCPU:
+    """Context manager: CPU seconds of each process under `root_pid` (and of this one) over its body."""
+
+    def __init__(self, root_pid: int, key_prefix: str = "ps"):
+        self.root_pid, self.key_prefix = root_pid, key_prefix
+        self.before: dict[int, tuple[str, float]] = {}
+        self.after: dict[int, tuple[str, float]] = {}
+        self.steps: int | None = None
+        self.wall_s = 0.0
+        self.loadavg: tuple[float, float, float] | None = None
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        snap = {}
+        for pid in self.process_tree():
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                snap[pid] = (role_of(pid), cpu)
+        snap[os.getpid()] = (CLIENT, time.process_time())  # every thread of this process
+        return snap
+
+    def process_tree(self) -> list[int]:
+        return process_tree(self.root_pid)
+
+    def __enter__(self) -> "ProcessTreeCPU":
+        self._redis = _redis_address(self.process_tree())
+        self._steps0 = steps_taken(self._redis, self.key_prefix)
+        self.before = self._snapshot()
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after = self._snapshot()
+        self.wall_s = time.monotonic() - self._t0
+        self.loadavg = os.getloadavg()
+        steps1 = steps_taken(self._redis, self.key_prefix)
+        self.steps = steps1 - self._steps0 if steps1 is not None and self._steps0 is not None else None
+
+    def by_role(self) -> dict[str, float]:
+        """CPU seconds over the run per role (processes of one role summed; one started meanwhile counts
+        from 0, one that ended meanwhile is missing)."""
+        out: dict[str, float] = {}
+        for pid, (role, cpu) in self.after.items():
+            start = self.before.get(pid, (role, 0.0))[1]
+            out[role] = out.get(role, 0.0) + cpu - start
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def report(self, output_tokens: int) -> dict:
+        by = self.by_role()
+        server = sum(v for k, v in by.items() if k != CLIENT)
+        non_model = sum(v for k, v in by.items() if k not in (CLIENT, "worker"))
+        totals = {**by, "server": server, "server without the worker": non_model}
+        out = {"wall_s": round(self.wall_s, 3), "output_tokens": output_tokens, "steps": self.steps,
+               "loadavg_1m_5m_15m": [round(x, 2) for x in self.loadavg or ()],
+               "by_process_s": {k: round(v, 3) for k, v in totals.items()},
+               "per_1k_tokens_s": ({k: round(v * 1000 / output_tokens, 4) for k, v in totals.items()}
+                                   if output_tokens else {})}
+        if self.steps:
+            out["per_step_ms"] = {k: round(v * 1000 / self.steps, 3) for k, v in totals.items()}
+        return out
+
+
+def format_cpu(cpu: dict) -> str:
+    """The report as a table: CPU s per 1k output tokens (and ms per step) by process."""
+    per_tok, per_step = cpu.get("per_1k_tokens_s", {}), cpu.get("per_step_ms", {})
+    lines = [f"CPU s per 1k output tokens by process ({cpu['output_tokens']} tokens, {cpu['steps']} steps, "
+             f"{cpu['wall_s']:.1f} s, load average {cpu['loadavg_1m_5m_15m']})",
+             f"{'process':<28}{'s / 1k tok':>12}{'ms / step':>12}"]
+    for k, v in per_tok.items():
+        step = per_step.get(k)
+        lines.append(f"{k:<28}{v:>12.4f}" + (f"{step:>12.3f}" if step is not None else f"{'-':>12}"))
+    return "\n".join(lines)
