@@ -14,6 +14,7 @@ Redis can be found, by model steps (the `results` stream's entries-added: one pe
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -36,10 +37,34 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()  # the command name may hold spaces: split after it
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of every thread of `pid` (children not included), or None if it is gone."""
+def cpu_times(pid: int) -> tuple[float, float] | None:
+    """(user, system) seconds of every thread of `pid` (children not included), or None if it is gone."""
     f = _stat_fields(pid)
-    return None if f is None else (int(f[11]) + int(f[12])) / _TICK  # fields 14 and 15 of proc(5)
+    return None if f is None else (int(f[11]) / _TICK, int(f[12]) / _TICK)  # utime, stime: fields 14, 15 of proc(5)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of every thread of `pid`, or None if it is gone."""
+    t = cpu_times(pid)
+    return None if t is None else t[0] + t[1]
+
+
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of `pid`: each is one block on I/O or a lock, and the
+    wake-up after it (on a busy machine, each also puts a thread of the model off its core)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
 
 
 def process_tree(root: int) -> list[int]:
@@ -122,19 +147,21 @@ class ProcessTreeCPU:
 
     def __init__(self, root_pid: int, key_prefix: str = "ps"):
         self.root_pid, self.key_prefix = root_pid, key_prefix
-        self.before: dict[int, tuple[str, float]] = {}
-        self.after: dict[int, tuple[str, float]] = {}
+        # pid -> (role, user s, system s, wakeups)
+        self.before: dict[int, tuple[str, float, float, int]] = {}
+        self.after: dict[int, tuple[str, float, float, int]] = {}
         self.steps: int | None = None
         self.wall_s = 0.0
         self.loadavg: tuple[float, float, float] | None = None
 
-    def _snapshot(self) -> dict[int, tuple[str, float]]:
+    def _snapshot(self) -> dict[int, tuple[str, float, float, int]]:
         snap = {}
         for pid in self.process_tree():
-            cpu = cpu_seconds(pid)
-            if cpu is not None:
-                snap[pid] = (role_of(pid), cpu)
-        snap[os.getpid()] = (CLIENT, time.process_time())  # every thread of this process
+            times = cpu_times(pid)
+            if times is not None:
+                snap[pid] = (role_of(pid), *times, wakeups(pid))
+        own = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+        snap[os.getpid()] = (CLIENT, own.ru_utime, own.ru_stime, own.ru_nvcsw)
         return snap
 
     def process_tree(self) -> list[int]:
@@ -154,13 +181,20 @@ class ProcessTreeCPU:
         steps1 = steps_taken(self._redis, self.key_prefix)
         self.steps = steps1 - self._steps0 if steps1 is not None and self._steps0 is not None else None
 
+    def _deltas(self) -> dict[str, list]:
+        """role -> [user s, system s, wakeups] over the run (processes of one role summed; one started
+        meanwhile counts from 0, one that ended meanwhile is missing)."""
+        out: dict[str, list] = {}
+        for pid, (role, *after) in self.after.items():
+            before = self.before.get(pid, (role, 0.0, 0.0, 0))[1:]
+            acc = out.setdefault(role, [0.0, 0.0, 0])
+            for i, (a, b) in enumerate(zip(after, before)):
+                acc[i] += a - b
+        return out
+
     def by_role(self) -> dict[str, float]:
-        """CPU seconds over the run per role (processes of one role summed; one started meanwhile counts
-        from 0, one that ended meanwhile is missing)."""
-        out: dict[str, float] = {}
-        for pid, (role, cpu) in self.after.items():
-            start = self.before.get(pid, (role, 0.0))[1]
-            out[role] = out.get(role, 0.0) + cpu - start
+        """CPU seconds over the run per role, largest first."""
+        out = {role: u + s for role, (u, s, _w) in self._deltas().items()}
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def report(self, output_tokens: int) -> dict:
@@ -173,8 +207,11 @@ class ProcessTreeCPU:
                "by_process_s": {k: round(v, 3) for k, v in totals.items()},
                "per_1k_tokens_s": ({k: round(v * 1000 / output_tokens, 4) for k, v in totals.items()}
                                    if output_tokens else {})}
+        deltas = self._deltas()
+        out["system_share"] = {k: round(s / (u + s), 3) for k, (u, s, _w) in deltas.items() if u + s > 0}
         if self.steps:
             out["per_step_ms"] = {k: round(v * 1000 / self.steps, 3) for k, v in totals.items()}
+            out["wakeups_per_step"] = {k: round(w / self.steps, 2) for k, (_u, _s, w) in deltas.items()}
         return out
 
 
@@ -183,8 +220,13 @@ def format_cpu(cpu: dict) -> str:
     per_tok, per_step = cpu.get("per_1k_tokens_s", {}), cpu.get("per_step_ms", {})
     lines = [f"CPU s per 1k output tokens by process ({cpu['output_tokens']} tokens, {cpu['steps']} steps, "
              f"{cpu['wall_s']:.1f} s, load average {cpu['loadavg_1m_5m_15m']})",
-             f"{'process':<28}{'s / 1k tok':>12}{'ms / step':>12}"]
+             f"{'process':<28}{'s / 1k tok':>12}{'ms / step':>12}{'system':>8}{'wakeups / step':>16}"]
+    system, woken = cpu.get("system_share", {}), cpu.get("wakeups_per_step", {})
+
+    def cell(d: dict, k: str, width: int, fmt: str) -> str:
+        return f"{d[k]:>{width}{fmt}}" if k in d else f"{'':>{width}}"
+
     for k, v in per_tok.items():
-        step = per_step.get(k)
-        lines.append(f"{k:<28}{v:>12.4f}" + (f"{step:>12.3f}" if step is not None else f"{'-':>12}"))
+        lines.append(f"{k:<28}{v:>12.4f}" + cell(per_step, k, 12, ".3f") + cell(system, k, 8, ".0%")
+                     + cell(woken, k, 16, ".1f"))
     return "\n".join(lines)

@@ -73,5 +73,7 @@ def test_steps_are_counted_by_results_or_publishes():
         assert steps_taken((redis.host, redis.port)) == 8
         report = probe.report(output_tokens=70)
         assert set(report["per_step_ms"]) >= {"redis-server", CLIENT, "server"}
+        assert report["wakeups_per_step"]["redis-server"] >= 1  # it woke for our commands
+        assert 0 <= report["system_share"]["redis-server"] <= 1
     finally:
         redis.stop()
