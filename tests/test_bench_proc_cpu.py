@@ -74,6 +74,6 @@ def test_steps_are_counted_by_results_or_publishes():
         report = probe.report(output_tokens=70)
         assert set(report["per_step_ms"]) >= {"redis-server", CLIENT, "server"}
         assert report["wakeups_per_step"]["redis-server"] >= 1  # it woke for our commands
-        assert 0 <= report["system_share"]["redis-server"] <= 1
+        assert all(0 <= v <= 1 for v in report["system_share"].values())
     finally:
         redis.stop()
