@@ -32,6 +32,8 @@ from phaseserve.wire import ERROR_REJECTED, SubmitRequest, TokenEvent, WorkerInf
 log = structlog.get_logger("gateway")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# SSE data lines: compact, UTF-8 as is; one encoder for every event (json.dumps with options builds one a call)
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def _check_model(gw: Gateway, model: str | None) -> None:
@@ -360,10 +362,12 @@ class Generation:
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
 
-        async def send(obj: dict, with_id: bool = False) -> None:
+        def event(obj: dict, with_id: bool = False) -> bytes:
             head = f"id: {self._event_id()}\n".encode() if with_id else b""
-            await resp.write(head + b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-                             + b"\n\n")
+            return head + b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
+
+        async def send(obj: dict, with_id: bool = False) -> None:
+            await resp.write(event(obj, with_id))
 
         def make(choices: list[dict]) -> dict:
             return chunk(self.response_id, self.created, model, choices, None, include_usage)
@@ -376,6 +380,9 @@ class Generation:
                     await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})]), True)
                 elif self.echo_text:
                     await send(make([P.completion_choice(o.index, self.echo_text, None, None)]), True)
+            # the stream's last event, its usage chunk, [DONE] and the end of the chunked body go out in one
+            # write (one syscall, one wake-up of the client) instead of four
+            tail = b""
             async for out, d in self._deltas():
                 if d.error:
                     await send(P.error_chunk(self._failure(d)))
@@ -388,11 +395,14 @@ class Generation:
                                                  d.finish_reason)
                 else:
                     choice = P.completion_choice(out.index, d.text, lp, d.finish_reason)
-                await send(make([choice]), True)
+                data = event(make([choice]), True)
+                if all(o.finished for o in self.outputs):
+                    tail = data
+                else:
+                    await resp.write(data)
             if include_usage:
-                await send(chunk(self.response_id, self.created, model, [], self._usage(), True))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                tail += event(chunk(self.response_id, self.created, model, [], self._usage(), True))
+            await resp.write_eof(tail + b"data: [DONE]\n\n")
         except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
             self._client_gone = True
             log.info("client disconnected")
