@@ -10,12 +10,18 @@ from aiohttp import web
 from gateway.app import create_app
 from phaseserve import logs, settings
 from phaseserve.event_loop import new_event_loop
+from phaseserve.procs import freeze_startup_heap
 
 
 def main(argv: list[str] | None = None) -> None:
     ns = settings.parse("gateway", argv)
     log = logs.configure("gateway", ns.log_level, ns.log_json)
     app = create_app(ns)
+
+    async def freeze(_app) -> None:  # after the app's own start-up (the Redis side, the tokenizer)
+        freeze_startup_heap()
+
+    app.on_startup.append(freeze)
     log.info("listening", host=ns.host, port=ns.port)
     # run_app turns SIGINT/SIGTERM into a graceful shutdown: stop accepting, let handlers finish
     # (their finally blocks cancel unfinished sequences), then close the Redis side.

@@ -60,6 +60,7 @@ from redis.exceptions import ResponseError
 
 from phaseserve import event_loop, token_log
 from phaseserve.client_lease import OrphanTracker
+from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
     ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
@@ -1014,5 +1015,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.drain_timeout >= 0:
         raise SystemExit(f"phaseserve scheduler: --drain-timeout must be >= 0 (0 = hand back at once), "
                          f"got {args.drain_timeout}")
+    freeze_startup_heap()
     event_loop.run(serve(args))
     return 0

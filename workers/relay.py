@@ -48,7 +48,7 @@ import redis
 import structlog
 
 from phaseserve import token_log
-from phaseserve.procs import child_setup
+from phaseserve.procs import child_setup, freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect, execute_through_outages
 from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
 
@@ -395,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     child_setup(config.cpus)()
     logs.configure("worker-relay", config.log_level, config.log_json)
     structlog.contextvars.bind_contextvars(worker_id=WorkerInfo.from_wire(config.info).worker_id)
-    return Relay(config, plans, writes).run()
+    relay = Relay(config, plans, writes)
+    freeze_startup_heap()
+    return relay.run()
 
 
 def config_message(config: RelayConfig) -> bytes:

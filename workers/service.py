@@ -33,7 +33,7 @@ import msgpack
 import structlog
 
 from phaseserve.cpus import thread_choice, usable_cores
-from phaseserve.procs import parse_cpus, stop_process
+from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
 from workers.handoff import KVHandoffs
 from workers.relay import DRAINING, NO_SCHEDULER, RelayConfig, config_message
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopped during model load")
         return 0
     log.info("model loaded", seconds=round(time.perf_counter() - t0, 2), num_blocks=runner.num_blocks)
+    freeze_startup_heap()
 
     service = WorkerService(runner, args.redis_url, Keys(args.key_prefix), worker_id, role=args.role,
                             heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
