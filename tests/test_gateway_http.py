@@ -442,3 +442,25 @@ async def test_completion_echo_and_worker_error(gw):
         await gw.oai.completions.create(model=MODEL, prompt="Hello", max_tokens=5)
     assert "KV cache" in e.value.message
     await task
+
+
+async def test_a_streams_end_last_event_usage_and_done(gw):
+    """The gateway sends a stream's last token event, its usage chunk, [DONE] and the end of the chunked
+    body in one write: they come in that order, the last event with its resume id, and nothing after."""
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    async with gw.http.post(gw.url + "/v1/completions", json=body) as resp:
+        sub = await reader.next()
+        reads = []
+        await publish(gw, TokenEvent(sub.request_id, 0, [5, 6]), step=0)
+        reads.append(await resp.content.readany())  # the first event, on its own
+        await publish(gw, TokenEvent(sub.request_id, 2, [7], "length"), step=1)
+        while chunk := await resp.content.readany():
+            reads.append(chunk)
+    assert b'"finish_reason":null' in reads[0] and b"[DONE]" not in reads[0]
+    tail = b"".join(reads[1:]).decode()
+    last_event, usage, done = tail.index('"finish_reason":"length"'), tail.index('"usage":{'), tail.index("[DONE]")
+    assert last_event < usage < done and tail.endswith("data: [DONE]\n\n")
+    assert f"id: {sub.request_id.rsplit('-', 1)[0]}:4\n" in tail  # 3 tokens consumed, plus 1: finished
