@@ -2,8 +2,9 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each) and for matmuls
-with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for a layer's
+elementwise work in bf16 (rms_norm, silu_and_mul, rotary_and_write_kv: kernels/native/layer_ops.cpp) and
+for matmuls with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
-_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
-        "pack_quantized", "quant_linear")
+_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
+        "sample", "pack_quantized", "quant_linear")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
@@ -43,8 +44,6 @@ def _pick(name: str):
     return op
 
 
-rms_norm = _pick("rms_norm")
-silu_and_mul = _pick("silu_and_mul")
 write_kv_cache = _pick("write_kv_cache")
 sample = _pick("sample")
 
@@ -52,6 +51,81 @@ sample = _pick("sample")
 def rotary_embedding(positions, q, k, cos_sin_cache):
     impl = _triton() if q.is_cuda else reference
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+# dtype -> the loaded kernels/native/layer_ops.cpp ops for CPU tensors of that dtype, or None for torch
+_layer_ops_choice: dict[torch.dtype, object | None] = {}
+
+
+def _native_layer_ops(dtype: torch.dtype):
+    """The native layer ops (rms_norm, silu_and_mul, rotary_and_write_kv) for CPU tensors of `dtype`, or
+    None (torch). Decided once per dtype and logged then. bf16 only: fp32 runs keep the torch reference
+    exactly (the fp32 tests compare it for equality)."""
+    ops = _layer_ops_choice.get(dtype, False)
+    if ops is not False:
+        return ops
+    reason = None if dtype == torch.bfloat16 else f"dtype {dtype} (native layer ops are bf16 only)"
+    ops = None
+    if reason is None:
+        ops = native.load("layer_ops")
+        if ops is None:
+            reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
+                      else "native op unavailable (see the log line above)")
+    log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
+             implementation="native avx512-bf16" if ops is not None else "torch", reason=reason,
+             dtype=str(dtype).removeprefix("torch."))
+    _layer_ops_choice[dtype] = ops
+    return ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if x.is_cuda:
+        triton = _triton()
+        return triton.rms_norm(x, weight, eps) if residual is None else triton.rms_norm(x, weight, eps, residual)
+    ops = _native_layer_ops(x.dtype)
+    if (ops is not None and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))):
+        if not x.is_contiguous():  # rows of one stride (the op's layout); a rare case
+            x = x.contiguous()
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), None
+        return ops.add_rms_norm(x, residual if residual.is_contiguous() else residual.contiguous(), weight, eps)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+rms_norm.__doc__ = reference.rms_norm.__doc__
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton().silu_and_mul(x)
+    ops = _native_layer_ops(x.dtype)
+    if ops is not None:
+        return ops.silu_and_mul(x if x.is_contiguous() else x.contiguous())
+    return reference.silu_and_mul(x)
+
+
+silu_and_mul.__doc__ = reference.silu_and_mul.__doc__
+
+
+def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding(positions, q, k, cos_sin_cache), then write_kv_cache of the rotated k and v: returns
+    the rotated (q, k). The native CPU op does both in one pass and rotates q and k *in place* (they are
+    views of the qkv GEMM output, read once more by attention): use the returned tensors, and never count on
+    q and k keeping their values."""
+    if q.is_cuda:
+        return _triton().rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    ops = _native_layer_ops(q.dtype)
+    if (ops is not None and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == q.dtype
+            and cos_sin_cache.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and v.stride(-1) == 1):
+        ops.rotary_and_write_kv(positions if positions.dtype == torch.int64 else positions.long(), q, k, v,
+                                cos_sin_cache, k_cache, v_cache,
+                                slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long())
+        return q, k
+    return reference.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -1,0 +1,390 @@
+// A decoder layer's elementwise work for bf16 CPU tensors, each op one pass over its rows, for CPUs with
+// AVX512-BF16 (kernels/__init__.py dispatches here; kernels/reference.py is the oracle):
+//   add_rms_norm(x, residual?, weight, eps) -> (norm(x + residual) * weight, x + residual)
+//   silu_and_mul(x [T, 2I]) -> silu(gate) * up [T, I]
+//   rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots): rotates q and k in place
+//     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped)
+// Each replaces 5-10 small aten ops (dtype copies, temporaries) whose per-op overhead dominated at the few
+// rows of a decode step.
+//
+// Bit-identical to the torch reference: every value is rounded to bf16 where torch rounds it (round to
+// nearest even, done on the integer bits as torch does: vcvtneps2bf16 would flush denormals), products and
+// sums are separate fp32 operations where torch's are (no FMA contraction: see the pragma), the rms
+// statistic sums the squares in the order of torch's vectorized CPU sum (SumKernel.cpp's cascade, 16
+// lanes), and silu's exp is Sleef's expf_u10 (the one torch's vectorized silu calls), operation for
+// operation. Rows are independent and a row's arithmetic never depends on the batch or the thread count.
+//
+// Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_layer_ops.
+
+#pragma GCC optimize("fp-contract=off")  // torch rounds a*b and the sum separately: never fuse to an FMA
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include "cpu_features.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int64_t ELEMS_PER_THREAD = 32768;  // below this much work a call stays on the calling thread
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// n <= 16 bf16 values from p as fp32 (the rest 0).
+AVX512_BF16 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+AVX512_BF16 inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// fp32 -> bf16 exactly as c10::BFloat16 rounds (nearest even, denormals kept, NaN -> 0x7fc0).
+AVX512_BF16 inline __m256i to_bf16(__m512 x) {
+  __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(b);
+}
+
+AVX512_BF16 inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(x)); }
+
+AVX512_BF16 inline void store_bf16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+}
+
+AVX512_BF16 inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+// ------------------------------------------------------------------------------------------------ rms norm
+
+int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// sum(sq[0..n)) for n floats in the order of ATen's vectorized inner sum (SumKernel.cpp: vectorized_inner_sum
+// -> row_sum -> multi_row_sum with 16-lane vectors, ilp 4, 4 cascade levels), so the rms statistic is
+// torch's bit for bit.
+AVX512_BF16 float torch_order_sum(const float* sq, int64_t n) {
+  const int64_t vecs = n / 16, rows = vecs / 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / 4);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  __m512 acc[4][4];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + level_step <= rows;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(sq + (i * 4 + k) * 16));
+    for (int64_t j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; k++) {
+        acc[j][k] = _mm512_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm512_setzero_ps();
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(sq + (i * 4 + k) * 16));
+  for (int64_t j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * 4; v < vecs; v++) acc[0][0] = _mm512_add_ps(acc[0][0], _mm512_loadu_ps(sq + v * 16));
+  for (int k = 1; k < 4; k++) acc[0][0] = _mm512_add_ps(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t e = vecs * 16; e < n; e++) total += sq[e];
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc[0][0]);
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
+// One row: h = bf16(x + r) (when r), then out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))).
+// sq: n floats of scratch.
+AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* r, const uint16_t* w, uint16_t* h_out,
+                              uint16_t* out, int64_t n, float eps, float* sq) {
+  const uint16_t* h = r != nullptr ? h_out : x;
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    __m512 v = load_bf16(x + c, m);
+    if (r != nullptr) {
+      v = round_bf16(_mm512_add_ps(v, load_bf16(r + c, m)));
+      store_bf16(h_out + c, v, m);
+    }
+    _mm512_mask_storeu_ps(sq + c, m, _mm512_mul_ps(v, v));
+  }
+  // torch: sum(h^2).div_(n).add_(eps), then rsqrt as 1 / sqrt
+  const float mean = torch_order_sum(sq, n) / static_cast<float>(n);
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(_mm512_set1_ps(mean + eps)));
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    const __m512 y = round_bf16(_mm512_mul_ps(load_bf16(h + c, m), inv));
+    store_bf16(out + c, _mm512_mul_ps(load_bf16(w + c, m), y), m);
+  }
+}
+
+void check_rows(const Tensor& t, const char* name, const char* op) {
+  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16, op, ": ", name,
+                  " must be a bfloat16 CPU tensor");
+  STD_TORCH_CHECK(t.dim() >= 1 && t.stride(t.dim() - 1) == 1, op, ": ", name, "'s last dim must be contiguous");
+}
+
+// x's leading dims as rows: [rows, n] with row stride, or false when they do not collapse to one stride.
+bool row_stride(const Tensor& t, int64_t& stride) {
+  const int64_t d = t.dim();
+  stride = d >= 2 ? t.stride(d - 2) : t.size(d - 1);
+  for (int64_t i = d - 3; i >= 0; i--)
+    if (t.size(i + 1) != 1 && t.stride(i) != t.stride(i + 1) * t.size(i + 1)) return false;
+  return true;
+}
+
+int64_t rows_of(const Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < t.dim(); i++) rows *= t.size(i);
+  return rows;
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& weight,
+                                             double eps) {
+  STD_TORCH_CHECK(cpu_supported(), "add_rms_norm: this CPU lacks AVX512-BF16");
+  check_rows(x, "x", "add_rms_norm");
+  check_rows(weight, "weight", "add_rms_norm");
+  const int64_t n = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
+  int64_t xs = 0, rs = 0;
+  STD_TORCH_CHECK(row_stride(x, xs), "add_rms_norm: x's leading dims must collapse to rows");
+  if (residual != nullptr) {
+    check_rows(*residual, "residual", "add_rms_norm");
+    STD_TORCH_CHECK(residual->dim() == x.dim(), "add_rms_norm: residual shape differs from x's");
+    for (int64_t i = 0; i < x.dim(); i++)
+      STD_TORCH_CHECK(residual->size(i) == x.size(i), "add_rms_norm: residual shape differs from x's");
+    STD_TORCH_CHECK(row_stride(*residual, rs), "add_rms_norm: residual's leading dims must collapse to rows");
+  }
+  std::vector<int64_t> shape(x.dim());
+  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  Tensor out = torch::stable::new_empty(x, shape);
+  Tensor h = residual != nullptr ? torch::stable::new_empty(x, shape) : out;
+  const int64_t rows = rows_of(x);
+  if (rows == 0 || n == 0) return {out, h};
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* rp = residual != nullptr ? static_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr;
+  const auto* wp = static_cast<const uint16_t*>(weight.const_data_ptr());
+  auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
+  auto* hp = static_cast<uint16_t*>(h.mutable_data_ptr());
+  const float feps = static_cast<float>(eps);
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sq(n + 16);
+    for (int64_t i = begin; i < end; i++)
+      rms_norm_row(xp + i * xs, rp != nullptr ? rp + i * rs : nullptr, wp, hp + i * n, op + i * n, n, feps,
+                   sq.data());
+  });
+  return {out, h};
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, double eps) { return std::get<0>(add_rms_norm_impl(x, nullptr, weight, eps)); }
+
+std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor weight, double eps) {
+  return add_rms_norm_impl(x, &residual, weight, eps);
+}
+
+// ------------------------------------------------------------------------------------------------ silu * up
+
+// Sleef's xexpf (sleefsimdsp.c, the AVX512F build torch's Vectorized<float>::exp calls), operation for
+// operation: FMAs where Sleef uses vmla, so the result is Sleef's to the bit.
+AVX512_BF16 inline __m512 sleef_expf(__m512 d) {
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  // ldexp2: u * 2^(q >> 1) * 2^(q - (q >> 1))
+  const __m512i q1 = _mm512_srai_epi32(q, 1), q2 = _mm512_sub_epi32(q, q1);
+  const __m512i bias = _mm512_set1_epi32(0x7f);
+  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q1, bias), 23)));
+  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q2, bias), 23)));
+  u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_NLT_US), u);
+  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
+}
+
+// silu(g) * u as torch computes it for bf16: bf16(g / (1 + exp(-g))), then bf16(that * u).
+AVX512_BF16 inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 e = sleef_expf(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
+  const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  return _mm512_mul_ps(act, u);
+}
+
+AVX512_BF16 void silu_and_mul_row(const uint16_t* x, uint16_t* out, int64_t inter) {
+  int64_t c = 0;
+  for (; c + 16 <= inter; c += 16) store_bf16(out + c, silu_mul(load_bf16(x + c), load_bf16(x + inter + c)));
+  if (c < inter) {
+    const __mmask16 m = tail_mask(inter - c);
+    store_bf16(out + c, silu_mul(load_bf16(x + c, m), load_bf16(x + inter + c, m)), m);
+  }
+}
+
+Tensor silu_and_mul(Tensor x) {
+  STD_TORCH_CHECK(cpu_supported(), "silu_and_mul: this CPU lacks AVX512-BF16");
+  check_rows(x, "x", "silu_and_mul");
+  const int64_t width = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be even (gate | up), got ", width);
+  int64_t xs = 0;
+  STD_TORCH_CHECK(row_stride(x, xs), "silu_and_mul: x's leading dims must collapse to rows");
+  const int64_t inter = width / 2, rows = rows_of(x);
+  std::vector<int64_t> shape(x.dim());
+  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  shape.back() = inter;
+  Tensor out = torch::stable::new_empty(x, shape);
+  if (rows == 0 || inter == 0) return out;
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) silu_and_mul_row(xp + i * xs, op + i * inter, inter);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ rotary + KV
+
+struct Heads {
+  uint16_t* p;
+  int64_t st, sh, n;  // token stride, head stride, heads
+};
+
+// Rotates the first 2 * half features of each of the token's heads in place: (x1, x2) ->
+// (bf16(x1 c - x2 s), bf16(x2 c + x1 s)), each product rounded to fp32 on its own, as the reference does.
+AVX512_BF16 inline void rotate_heads(uint16_t* base, int64_t sh, int64_t heads, const float* cos, const float* sin,
+                                     int64_t half) {
+  for (int64_t h = 0; h < heads; h++) {
+    uint16_t* x = base + h * sh;
+    for (int64_t c = 0; c < half; c += 16) {
+      const __mmask16 m = tail_mask(half - c);
+      const __m512 x1 = load_bf16(x + c, m), x2 = load_bf16(x + half + c, m);
+      const __m512 cv = _mm512_maskz_loadu_ps(m, cos + c), sv = _mm512_maskz_loadu_ps(m, sin + c);
+      const __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+      const __m512 o2 = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+      store_bf16(x + c, o1, m);
+      store_bf16(x + half + c, o2, m);
+    }
+  }
+}
+
+AVX512_BF16 inline void copy_heads(uint16_t* dst, const uint16_t* src, int64_t src_sh, int64_t heads, int64_t d) {
+  for (int64_t h = 0; h < heads; h++)
+    for (int64_t c = 0; c < d; c += 32) {
+      const __mmask32 m = d - c >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (d - c)) - 1);
+      _mm512_mask_storeu_epi16(dst + h * d + c, m, _mm512_maskz_loadu_epi16(m, src + h * src_sh + c));
+    }
+}
+
+void check_heads(const Tensor& t, const char* name) {
+  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() == 3,
+                  "rotary_and_write_kv: ", name, " must be a bfloat16 CPU tensor [T, heads, head_dim]");
+  STD_TORCH_CHECK(t.stride(2) == 1, "rotary_and_write_kv: ", name, "'s head_dim must be contiguous");
+}
+
+void rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
+                         Tensor v_cache, Tensor slots) {
+  STD_TORCH_CHECK(cpu_supported(), "rotary_and_write_kv: this CPU lacks AVX512-BF16");
+  check_heads(q, "q");
+  check_heads(k, "k");
+  check_heads(v, "v");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
+                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
+  STD_TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                      k_cache.scalar_type() == ScalarType::BFloat16 && v_cache.scalar_type() == ScalarType::BFloat16,
+                  "rotary_and_write_kv: caches must be contiguous bfloat16 [blocks, block_size, KVH, D]");
+  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.dim() == 4 &&
+                      v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                      v_cache.size(2) == KVH && v_cache.size(3) == D,
+                  "rotary_and_write_kv: cache shapes disagree with k");
+  STD_TORCH_CHECK(cos_sin.is_cpu() && cos_sin.scalar_type() == ScalarType::Float && cos_sin.dim() == 2 &&
+                      cos_sin.stride(1) == 1,
+                  "rotary_and_write_kv: cos_sin_cache must be float32 [max_positions, rotary_dim]");
+  const int64_t rd = cos_sin.size(1), half = rd / 2, max_pos = cos_sin.size(0);
+  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
+                  " must be even, positive and <= head_dim ", D);
+  STD_TORCH_CHECK(positions.is_cpu() && positions.scalar_type() == ScalarType::Long && positions.dim() == 1 &&
+                      positions.size(0) == T && positions.stride(0) == 1 && slots.is_cpu() &&
+                      slots.scalar_type() == ScalarType::Long && slots.dim() == 1 && slots.size(0) == T &&
+                      slots.stride(0) == 1,
+                  "rotary_and_write_kv: positions and slot_mapping must be contiguous int64 [", T, "]");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; t++) {  // checked before anything is written
+    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_and_write_kv: position ", pos[t],
+                    " is outside the cos/sin cache [0, ", max_pos, ")");
+    STD_TORCH_CHECK(slot[t] < num_slots, "rotary_and_write_kv: slot ", slot[t], " is outside the cache (",
+                    num_slots, " slots)");
+  }
+  if (T == 0) return;
+  auto* qp = static_cast<uint16_t*>(q.mutable_data_ptr());
+  auto* kp = static_cast<uint16_t*>(k.mutable_data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
+  auto* kc = static_cast<uint16_t*>(k_cache.mutable_data_ptr());
+  auto* vc = static_cast<uint16_t*>(v_cache.mutable_data_ptr());
+  const float* cs = cos_sin.const_data_ptr<float>();
+  const int64_t cs_stride = cos_sin.stride(0);
+  const int64_t qst = q.stride(0), qsh = q.stride(1), kst = k.stride(0), ksh = k.stride(1);
+  const int64_t vst = v.stride(0), vsh = v.stride(1);
+  const int64_t per_token = (H + 2 * KVH) * D;
+  torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / per_token), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const float* cos = cs + pos[t] * cs_stride;
+      const float* sin = cos + half;
+      rotate_heads(qp + t * qst, qsh, H, cos, sin, half);
+      uint16_t* kt = kp + t * kst;
+      rotate_heads(kt, ksh, KVH, cos, sin, half);
+      if (slot[t] >= 0) {
+        copy_heads(kc + slot[t] * KVH * D, kt, ksh, KVH, D);
+        copy_heads(vc + slot[t] * KVH * D, vp + t * vst, vsh, KVH, D);
+      }
+    }
+  });
+}
+
+bool supported() { return cpu_supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_layer_ops, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&rms_norm));
+  m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
+  m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));
+  m.impl("rotary_and_write_kv", TORCH_BOX(&rotary_and_write_kv));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}
