@@ -83,13 +83,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         triton = _triton()
         return triton.rms_norm(x, weight, eps) if residual is None else triton.rms_norm(x, weight, eps, residual)
     ops = _native_layer_ops(x.dtype)
-    if (ops is not None and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))):
-        if not x.is_contiguous():  # rows of one stride (the op's layout); a rare case
-            x = x.contiguous()
+    # few, cheap checks per call (twice a layer every step); the op itself takes any layout
+    if ops is not None and weight.dtype == x.dtype:
         if residual is None:
             return ops.rms_norm(x, weight, eps), None
-        return ops.add_rms_norm(x, residual if residual.is_contiguous() else residual.contiguous(), weight, eps)
+        if residual.dtype == x.dtype:
+            return ops.add_rms_norm(x, residual, weight, eps)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -101,7 +100,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return _triton().silu_and_mul(x)
     ops = _native_layer_ops(x.dtype)
     if ops is not None:
-        return ops.silu_and_mul(x if x.is_contiguous() else x.contiguous())
+        return ops.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 

@@ -139,18 +139,19 @@ AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* r, const uint16
 }
 
 void check_rows(const Tensor& t, const char* name, const char* op) {
-  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16, op, ": ", name,
+  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() >= 1, op, ": ", name,
                   " must be a bfloat16 CPU tensor");
-  STD_TORCH_CHECK(t.dim() >= 1 && t.stride(t.dim() - 1) == 1, op, ": ", name, "'s last dim must be contiguous");
 }
 
-// x's leading dims as rows: [rows, n] with row stride, or false when they do not collapse to one stride.
-bool row_stride(const Tensor& t, int64_t& stride) {
+// t's leading dims as rows of one stride (returned), the last dim dense: t itself when it is laid out so
+// (a GEMM output, or a slice of rows of one), else a contiguous copy.
+int64_t as_rows(Tensor& t) {
   const int64_t d = t.dim();
-  stride = d >= 2 ? t.stride(d - 2) : t.size(d - 1);
-  for (int64_t i = d - 3; i >= 0; i--)
-    if (t.size(i + 1) != 1 && t.stride(i) != t.stride(i + 1) * t.size(i + 1)) return false;
-  return true;
+  bool rows = t.stride(d - 1) == 1 || t.size(d - 1) == 1;
+  for (int64_t i = d - 3; i >= 0 && rows; i--)
+    rows = t.size(i + 1) == 1 || t.stride(i) == t.stride(i + 1) * t.size(i + 1);
+  if (!rows) t = torch::stable::contiguous(t);
+  return d >= 2 ? t.stride(d - 2) : t.size(d - 1);
 }
 
 int64_t rows_of(const Tensor& t) {
@@ -159,21 +160,21 @@ int64_t rows_of(const Tensor& t) {
   return rows;
 }
 
-std::tuple<Tensor, Tensor> add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& weight,
-                                             double eps) {
+std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
   STD_TORCH_CHECK(cpu_supported(), "add_rms_norm: this CPU lacks AVX512-BF16");
   check_rows(x, "x", "add_rms_norm");
   check_rows(weight, "weight", "add_rms_norm");
   const int64_t n = x.size(x.dim() - 1);
   STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
-  int64_t xs = 0, rs = 0;
-  STD_TORCH_CHECK(row_stride(x, xs), "add_rms_norm: x's leading dims must collapse to rows");
+  if (weight.stride(0) != 1) weight = torch::stable::contiguous(weight);
+  const int64_t xs = as_rows(x);
+  int64_t rs = 0;
   if (residual != nullptr) {
     check_rows(*residual, "residual", "add_rms_norm");
     STD_TORCH_CHECK(residual->dim() == x.dim(), "add_rms_norm: residual shape differs from x's");
     for (int64_t i = 0; i < x.dim(); i++)
       STD_TORCH_CHECK(residual->size(i) == x.size(i), "add_rms_norm: residual shape differs from x's");
-    STD_TORCH_CHECK(row_stride(*residual, rs), "add_rms_norm: residual's leading dims must collapse to rows");
+    rs = as_rows(*residual);
   }
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
@@ -248,8 +249,7 @@ Tensor silu_and_mul(Tensor x) {
   check_rows(x, "x", "silu_and_mul");
   const int64_t width = x.size(x.dim() - 1);
   STD_TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be even (gate | up), got ", width);
-  int64_t xs = 0;
-  STD_TORCH_CHECK(row_stride(x, xs), "silu_and_mul: x's leading dims must collapse to rows");
+  const int64_t xs = as_rows(x);
   const int64_t inter = width / 2, rows = rows_of(x);
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
