@@ -156,7 +156,7 @@ def _check_rotary(ops, qkv, q, k, v, positions, cos_sin, k_cache, v_cache, slots
     ekc, evc = k_cache.clone(), v_cache.clone()
     ref.write_kv_cache(ek, v, ekc, evc, slots)
     v_before = v.clone()
-    ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots) is True
     assert torch.equal(q, eq) and torch.equal(k, ek)  # rotated in place, in the qkv buffer
     assert torch.equal(v, v_before)
     assert torch.equal(k_cache, ekc) and torch.equal(v_cache, evc)  # written slots, and the rest untouched
@@ -239,12 +239,40 @@ def test_bad_input_gets_clear_errors(ops):
         ops.rotary_and_write_kv(positions + 4096, q, k, v, cos_sin, k_cache, v_cache, slots)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots + 10 ** 6)
-    with pytest.raises(RuntimeError, match="int64"):
-        ops.rotary_and_write_kv(positions.int(), q, k, v, cos_sin, k_cache, v_cache, slots)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.rotary_and_write_kv(positions, q, k, v, cos_sin.bfloat16(), k_cache, v_cache, slots)
     with pytest.raises(RuntimeError, match="disagree"):
         ops.rotary_and_write_kv(positions, q, k[:2], v, cos_sin, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="disagree"):
+        ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache[..., :32].contiguous(), v_cache, slots)
+
+
+def test_rotary_declines_what_it_does_not_take_and_touches_nothing(ops):
+    """Other dtypes and layouts return False with every tensor as it was: the dispatch then runs torch."""
+    g = torch.Generator().manual_seed(9)
+    case = _rotary_case(g, 4, 4, 2, 64)
+    qkv, q, k, v, positions, cos_sin, k_cache, v_cache, slots = case
+    before = [t.clone() for t in case]
+    declined = [
+        (positions.int(), q, k, v, cos_sin, k_cache, v_cache, slots),  # index dtypes differ
+        (positions, q, k, v, cos_sin.bfloat16(), k_cache, v_cache, slots),
+        (positions, q, k, v, cos_sin, k_cache.float(), v_cache, slots),
+        (positions, q.float(), k, v, cos_sin, k_cache, v_cache, slots),
+        (positions, q.transpose(1, 2), k, v, cos_sin, k_cache, v_cache, slots),  # head_dim not dense
+        (positions.float(), q, k, v, cos_sin, k_cache, v_cache, slots.float()),
+    ]
+    for args in declined:
+        assert ops.rotary_and_write_kv(*args) is False
+    assert all(torch.equal(a, b) for a, b in zip(case, before))
+
+
+def test_rotary_takes_int32_positions_and_slots(ops):
+    g = torch.Generator().manual_seed(10)
+    qkv, q, k, v, positions, cos_sin, k_cache, v_cache, slots = _rotary_case(g, 9, 8, 2, 64)
+    eq, ek = ref.rotary_embedding(positions, q, k, cos_sin)  # the reference takes int64 only
+    expected = [k_cache.clone(), v_cache.clone()]
+    ref.write_kv_cache(ek, v, *expected, slots)
+    assert ops.rotary_and_write_kv(positions.int(), q, k, v, cos_sin, k_cache, v_cache, slots.int())
+    assert torch.equal(q, eq) and torch.equal(k, ek)
+    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -3,7 +3,8 @@
 //   add_rms_norm(x, residual?, weight, eps) -> (norm(x + residual) * weight, x + residual)
 //   silu_and_mul(x [T, 2I]) -> silu(gate) * up [T, I]
 //   rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots): rotates q and k in place
-//     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped)
+//     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped); returns
+//     false, doing nothing, for dtypes and layouts it does not take (the caller runs torch)
 // Each replaces 5-10 small aten ops (dtype copies, temporaries) whose per-op overhead dominated at the few
 // rows of a decode step.
 //
@@ -69,6 +70,22 @@ AVX512_BF16 inline void store_bf16(uint16_t* p, __m512 x) {
 
 AVX512_BF16 inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+// A new dense bf16 CPU tensor. aoti_torch_empty_strided calls at::empty_strided directly; the stable
+// new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a small op's cost).
+Tensor empty_bf16(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
+                                                         strides.data(), aoti_torch_dtype_bfloat16(),
+                                                         aoti_torch_device_type_cpu(), 0, &handle));
+  return Tensor(handle);
 }
 
 // ------------------------------------------------------------------------------------------------ rms norm
@@ -178,8 +195,8 @@ std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor 
   }
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
-  Tensor out = torch::stable::new_empty(x, shape);
-  Tensor h = residual != nullptr ? torch::stable::new_empty(x, shape) : out;
+  Tensor out = empty_bf16(shape);
+  Tensor h = residual != nullptr ? empty_bf16(shape) : out;
   const int64_t rows = rows_of(x);
   if (rows == 0 || n == 0) return {out, h};
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
@@ -254,7 +271,7 @@ Tensor silu_and_mul(Tensor x) {
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
   shape.back() = inter;
-  Tensor out = torch::stable::new_empty(x, shape);
+  Tensor out = empty_bf16(shape);
   if (rows == 0 || inter == 0) return out;
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
@@ -297,41 +314,15 @@ AVX512_BF16 inline void copy_heads(uint16_t* dst, const uint16_t* src, int64_t s
     }
 }
 
-void check_heads(const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() == 3,
-                  "rotary_and_write_kv: ", name, " must be a bfloat16 CPU tensor [T, heads, head_dim]");
-  STD_TORCH_CHECK(t.stride(2) == 1, "rotary_and_write_kv: ", name, "'s head_dim must be contiguous");
+bool is_bf16_heads(const Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() == 3 && t.stride(2) == 1;
 }
 
-void rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
-                         Tensor v_cache, Tensor slots) {
-  STD_TORCH_CHECK(cpu_supported(), "rotary_and_write_kv: this CPU lacks AVX512-BF16");
-  check_heads(q, "q");
-  check_heads(k, "k");
-  check_heads(v, "v");
+template <typename Index>
+void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
-                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
-  STD_TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                      k_cache.scalar_type() == ScalarType::BFloat16 && v_cache.scalar_type() == ScalarType::BFloat16,
-                  "rotary_and_write_kv: caches must be contiguous bfloat16 [blocks, block_size, KVH, D]");
-  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.dim() == 4 &&
-                      v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
-                      v_cache.size(2) == KVH && v_cache.size(3) == D,
-                  "rotary_and_write_kv: cache shapes disagree with k");
-  STD_TORCH_CHECK(cos_sin.is_cpu() && cos_sin.scalar_type() == ScalarType::Float && cos_sin.dim() == 2 &&
-                      cos_sin.stride(1) == 1,
-                  "rotary_and_write_kv: cos_sin_cache must be float32 [max_positions, rotary_dim]");
-  const int64_t rd = cos_sin.size(1), half = rd / 2, max_pos = cos_sin.size(0);
-  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
-                  " must be even, positive and <= head_dim ", D);
-  STD_TORCH_CHECK(positions.is_cpu() && positions.scalar_type() == ScalarType::Long && positions.dim() == 1 &&
-                      positions.size(0) == T && positions.stride(0) == 1 && slots.is_cpu() &&
-                      slots.scalar_type() == ScalarType::Long && slots.dim() == 1 && slots.size(0) == T &&
-                      slots.stride(0) == 1,
-                  "rotary_and_write_kv: positions and slot_mapping must be contiguous int64 [", T, "]");
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t half = cos_sin.size(1) / 2, max_pos = cos_sin.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < T; t++) {  // checked before anything is written
     STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_and_write_kv: position ", pos[t],
@@ -339,7 +330,6 @@ void rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor 
     STD_TORCH_CHECK(slot[t] < num_slots, "rotary_and_write_kv: slot ", slot[t], " is outside the cache (",
                     num_slots, " slots)");
   }
-  if (T == 0) return;
   auto* qp = static_cast<uint16_t*>(q.mutable_data_ptr());
   auto* kp = static_cast<uint16_t*>(k.mutable_data_ptr());
   const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
@@ -352,17 +342,55 @@ void rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor 
   const int64_t per_token = (H + 2 * KVH) * D;
   torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / per_token), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      const float* cos = cs + pos[t] * cs_stride;
+      const float* cos = cs + static_cast<int64_t>(pos[t]) * cs_stride;
       const float* sin = cos + half;
       rotate_heads(qp + t * qst, qsh, H, cos, sin, half);
       uint16_t* kt = kp + t * kst;
       rotate_heads(kt, ksh, KVH, cos, sin, half);
-      if (slot[t] >= 0) {
-        copy_heads(kc + slot[t] * KVH * D, kt, ksh, KVH, D);
-        copy_heads(vc + slot[t] * KVH * D, vp + t * vst, vsh, KVH, D);
+      const int64_t s = slot[t];
+      if (s >= 0) {
+        copy_heads(kc + s * KVH * D, kt, ksh, KVH, D);
+        copy_heads(vc + s * KVH * D, vp + t * vst, vsh, KVH, D);
       }
     }
   });
+}
+
+// false (nothing done) for dtypes and layouts the op does not take: q, k, v, caches bf16 with a dense
+// head_dim, contiguous caches, an fp32 cos/sin cache, int64 or int32 positions and slots. The caller then
+// runs torch. Shapes that disagree or indices out of range are errors.
+bool rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
+                         Tensor v_cache, Tensor slots) {
+  STD_TORCH_CHECK(cpu_supported(), "rotary_and_write_kv: this CPU lacks AVX512-BF16");
+  const auto index_type = positions.scalar_type();
+  if (!is_bf16_heads(q) || !is_bf16_heads(k) || !is_bf16_heads(v) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
+      k_cache.scalar_type() != ScalarType::BFloat16 || v_cache.scalar_type() != ScalarType::BFloat16 ||
+      !k_cache.is_cpu() || !v_cache.is_cpu() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
+      cos_sin.scalar_type() != ScalarType::Float || !cos_sin.is_cpu() || cos_sin.dim() != 2 ||
+      cos_sin.stride(1) != 1 || (index_type != ScalarType::Long && index_type != ScalarType::Int) ||
+      slots.scalar_type() != index_type || positions.dim() != 1 || slots.dim() != 1 || positions.stride(0) != 1 ||
+      slots.stride(0) != 1 || !positions.is_cpu() || !slots.is_cpu())
+    return false;
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  (void)H;
+  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
+                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
+  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.size(0) == k_cache.size(0) &&
+                      v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == KVH && v_cache.size(3) == D,
+                  "rotary_and_write_kv: cache shapes [blocks, block_size, KVH, D] disagree with k");
+  const int64_t rd = cos_sin.size(1);
+  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
+                  " must be even, positive and <= head_dim ", D);
+  STD_TORCH_CHECK(positions.size(0) == T && slots.size(0) == T, "rotary_and_write_kv: positions and "
+                  "slot_mapping must be [", T, "]");
+  if (T == 0) return true;
+  if (index_type == ScalarType::Long)
+    rotate_and_write(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  else
+    rotate_and_write(positions.const_data_ptr<int32_t>(), slots.const_data_ptr<int32_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  return true;
 }
 
 bool supported() { return cpu_supported(); }
@@ -374,7 +402,7 @@ STABLE_TORCH_LIBRARY(phaseserve_layer_ops, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
-        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> bool");
   m.def("supported() -> bool");
 }
 
