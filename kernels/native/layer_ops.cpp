@@ -13,7 +13,9 @@
 // sums are separate fp32 operations where torch's are (no FMA contraction: see the pragma), the rms
 // statistic sums the squares in the order of torch's vectorized CPU sum (SumKernel.cpp's cascade, 16
 // lanes), and silu's exp is Sleef's expf_u10 (the one torch's vectorized silu calls), operation for
-// operation. Rows are independent and a row's arithmetic never depends on the batch or the thread count.
+// operation, tabulated once for all 65536 bf16 gates. tests/test_native_layer_ops.py checks equality
+// (silu on every gate). Rows are independent and a row's arithmetic never depends on the batch or the
+// thread count.
 //
 // Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_layer_ops.
 
