@@ -11,11 +11,11 @@
 // Bit-identical to the torch reference: every value is rounded to bf16 where torch rounds it (round to
 // nearest even, done on the integer bits as torch does: vcvtneps2bf16 would flush denormals), products and
 // sums are separate fp32 operations where torch's are (no FMA contraction: see the pragma), the rms
-// statistic sums the squares in the order of torch's vectorized CPU sum (SumKernel.cpp's cascade, 16
-// lanes), and silu's exp is Sleef's expf_u10 (the one torch's vectorized silu calls), operation for
-// operation, tabulated once for all 65536 bf16 gates. tests/test_native_layer_ops.py checks equality
-// (silu on every gate). Rows are independent and a row's arithmetic never depends on the batch or the
-// thread count.
+// statistic sums the squares in the order of torch's vectorized CPU sum (SumKernel.cpp's cascade, from
+// its AVX2 build: 8 lanes), and silu's exp is Sleef's expf_u10 (the one torch's vectorized silu calls),
+// operation for operation, tabulated once for all 65536 bf16 gates. tests/test_native_layer_ops.py
+// checks equality (silu on every gate, the sum order over thousands of rows with outliers). Rows are
+// independent and a row's arithmetic never depends on the batch or the thread count.
 //
 // Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_layer_ops.
 
@@ -103,37 +103,38 @@ int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
 }
 
 // sum(sq[0..n)) for n floats in the order of ATen's vectorized inner sum (SumKernel.cpp: vectorized_inner_sum
-// -> row_sum -> multi_row_sum with 16-lane vectors, ilp 4, 4 cascade levels), so the rms statistic is
+// -> row_sum -> multi_row_sum, ilp 4, 4 cascade levels) as torch runs it on every x86 CPU: from its AVX2
+// build, 8 lanes (SumKernel.cpp registers no AVX512 sum: "slower with AVX512"). So the rms statistic is
 // torch's bit for bit.
 AVX512_BF16 float torch_order_sum(const float* sq, int64_t n) {
-  const int64_t vecs = n / 16, rows = vecs / 4;
+  const int64_t vecs = n / 8, rows = vecs / 4;
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / 4);
   const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
-  __m512 acc[4][4];
+  __m256 acc[4][4];
   for (auto& level : acc)
-    for (auto& a : level) a = _mm512_setzero_ps();
+    for (auto& a : level) a = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + level_step <= rows;) {
     for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(sq + (i * 4 + k) * 16));
+      for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
     for (int64_t j = 1; j < 4; ++j) {
       for (int k = 0; k < 4; k++) {
-        acc[j][k] = _mm512_add_ps(acc[j][k], acc[j - 1][k]);
-        acc[j - 1][k] = _mm512_setzero_ps();
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
       }
       if ((i & (level_mask << (j * level_power))) != 0) break;
     }
   }
   for (; i < rows; ++i)
-    for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(sq + (i * 4 + k) * 16));
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
   for (int64_t j = 1; j < 4; ++j)
-    for (int k = 0; k < 4; k++) acc[0][k] = _mm512_add_ps(acc[0][k], acc[j][k]);
-  for (int64_t v = rows * 4; v < vecs; v++) acc[0][0] = _mm512_add_ps(acc[0][0], _mm512_loadu_ps(sq + v * 16));
-  for (int k = 1; k < 4; k++) acc[0][0] = _mm512_add_ps(acc[0][0], acc[0][k]);
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * 4; v < vecs; v++) acc[0][0] = _mm256_add_ps(acc[0][0], _mm256_loadu_ps(sq + v * 8));
+  for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
   float total = 0.0f;
-  for (int64_t e = vecs * 16; e < n; e++) total += sq[e];
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc[0][0]);
+  for (int64_t e = vecs * 8; e < n; e++) total += sq[e];
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0][0]);
   for (float lane : lanes) total += lane;
   return total;
 }
