@@ -1,6 +1,7 @@
 """The native layer ops (kernels/native/layer_ops.cpp) against the torch path they replace, side by side.
 
     python -m bench.bench_layer_ops [--models small-200m smollm2] [--threads 1] [--rounds 5] [--engine smollm2]
+                                    [--engine-threads 2]
 
 Per op (through the kernels dispatch, Python included), at each model's shapes and 1 / 16 rows: the median
 call time with the native op and with torch. Then each model's decode step at batch 1 and 16 (RunnerBench,
@@ -74,7 +75,7 @@ def op_figures(cfg, rows: int, calls: int) -> dict[str, callable]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["small-200m", "smollm2"])
+    ap.add_argument("--models", nargs="*", default=["small-200m", "smollm2"], help="none: the engine only")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5, help="A/B rounds (each figure's median over them)")
     ap.add_argument("--steps", type=int, default=3, help="timed decode steps per round (median)")
