@@ -2,8 +2,10 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for bf16 linears
-and for matmuls with quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for a layer's
+elementwise work in bf16 (rms_norm, silu_and_mul, rotary_and_write_kv: kernels/native/layer_ops.cpp), for
+bf16 linears (kernels/native/bf16_gemm.cpp) and for matmuls with quantized weights; set
+PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
-_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "paged_attention", "sample",
-        "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
+_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
+        "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
@@ -44,8 +46,6 @@ def _pick(name: str):
     return op
 
 
-rms_norm = _pick("rms_norm")
-silu_and_mul = _pick("silu_and_mul")
 write_kv_cache = _pick("write_kv_cache")
 sample = _pick("sample")
 
@@ -53,6 +53,97 @@ sample = _pick("sample")
 def rotary_embedding(positions, q, k, cos_sin_cache):
     impl = _triton() if q.is_cuda else reference
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+class _LayerOps:
+    """kernels/native/layer_ops.cpp's ops, held as their overloads: a call skips the packet's overload
+    lookup (these run four times a layer every step, where ~0.5 us a call shows)."""
+
+    def __init__(self, ops):
+        self.rms_norm = ops.rms_norm.default
+        self.add_rms_norm = ops.add_rms_norm.default
+        self.silu_and_mul = ops.silu_and_mul.default
+        self.rotary_and_write_kv = ops.rotary_and_write_kv.default
+
+
+# dtype -> the native layer ops for CPU tensors of that dtype, or None for torch
+_layer_ops_choice: dict[torch.dtype, _LayerOps | None] = {}
+
+
+def _native_layer_ops(dtype: torch.dtype) -> _LayerOps | None:
+    """The native layer ops (rms_norm, silu_and_mul, rotary_and_write_kv) for CPU tensors of `dtype`, or
+    None (torch). Decided once per dtype and logged then. bf16 only: fp32 runs keep the torch reference
+    exactly (the fp32 tests compare it for equality)."""
+    ops = _layer_ops_choice.get(dtype, False)
+    if ops is not False:
+        return ops
+    reason = None if dtype == torch.bfloat16 else f"dtype {dtype} (native layer ops are bf16 only)"
+    ops = None
+    if reason is None:
+        loaded = native.load("layer_ops")
+        if loaded is None:
+            reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
+                      else "native op unavailable (see the log line above)")
+        else:
+            ops = _LayerOps(loaded)
+    log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
+             implementation="native avx512-bf16" if ops is not None else "torch", reason=reason,
+             dtype=str(dtype).removeprefix("torch."))
+    _layer_ops_choice[dtype] = ops
+    return ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if x.is_cuda:
+        triton = _triton()
+        return triton.rms_norm(x, weight, eps) if residual is None else triton.rms_norm(x, weight, eps, residual)
+    ops = _layer_ops_choice.get(x.dtype, False)
+    if ops is False:
+        ops = _native_layer_ops(x.dtype)
+    # few, cheap checks per call; the op takes any layout
+    if ops is not None and weight.dtype == x.dtype:
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), None
+        if residual.dtype == x.dtype:
+            return ops.add_rms_norm(x, residual, weight, eps)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+rms_norm.__doc__ = reference.rms_norm.__doc__
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton().silu_and_mul(x)
+    ops = _layer_ops_choice.get(x.dtype, False)
+    if ops is False:
+        ops = _native_layer_ops(x.dtype)
+    if ops is not None:
+        return ops.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+silu_and_mul.__doc__ = reference.silu_and_mul.__doc__
+
+
+def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding(positions, q, k, cos_sin_cache), then write_kv_cache of the rotated k and v: returns
+    the rotated (q, k). The native CPU op does both in one pass and rotates q and k *in place* (they are
+    views of the qkv GEMM output, read once more by attention): use the returned tensors, and never count on
+    q and k keeping their values."""
+    if q.is_cuda:
+        return _triton().rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    ops = _layer_ops_choice.get(q.dtype, False)
+    if ops is False:
+        ops = _native_layer_ops(q.dtype)
+    # the op checks dtypes and layouts itself (cheaper there) and returns False, untouched, for what it
+    # does not take: then torch runs
+    if ops is not None and ops.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                                   slot_mapping):
+        return q, k
+    return reference.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,

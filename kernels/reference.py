@@ -141,6 +141,17 @@ def write_kv_cache(
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def rotary_and_write_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding, then write_kv_cache of the rotated k and v (one layer's step, fused natively on
+    CPU): returns the rotated (q, k)."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 @_PerStep
 def _valid_slots(slot_mapping: torch.Tensor) -> torch.Tensor | None:
     """The mask of slots >= 0, or None when all are (the usual case): one host sync a step, not a layer."""

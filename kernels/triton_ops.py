@@ -270,6 +270,16 @@ def write_kv_cache(
     )
 
 
+def rotary_and_write_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # the two kernels back to back: on a GPU neither is worth fusing (launches, not per-op host work)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 # --------------------------------------------------------------------------- paged_attention
 
 

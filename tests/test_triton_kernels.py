@@ -150,6 +150,29 @@ def test_write_kv_cache(src_dtype, cache_dtype):
     assert torch.equal(v_cache, ev)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_write_kv(dtype):
+    """The fused dispatch point's Triton twin: rotary then the cache write of the rotated k, as the reference."""
+    g = torch.Generator().manual_seed(6)
+    T, H, KVH, D, nb, bs = 5, 4, 2, 64, 4, 16
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split((H * D, KVH * D, KVH * D), dim=-1))
+    positions = torch.randint(0, 300, (T,), generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[3] = -1
+    cache = _cos_sin_cache(300, D)
+    caches = [torch.randn(nb, bs, KVH, D, generator=g).to(dtype) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    qo, ko = tk.rotary_and_write_kv(positions, q, k, v, cache, *caches, slots)
+    eq, ek = ref.rotary_and_write_kv(positions, q, k, v, cache, *expected_caches, slots)
+    assert_close(qo, eq)
+    assert_close(ko, ek)
+    for got, expected in zip(caches, expected_caches):
+        assert_close(got, expected)
+        if dtype == torch.float32:
+            assert torch.equal(got, expected)
+
+
 def test_write_kv_cache_drops_out_of_range_slots():
     k = torch.ones(2, 1, 16)
     k_cache = torch.zeros(2, 4, 1, 16)
@@ -369,13 +392,17 @@ class _FakeCudaTensor:
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache",
-                                  "paged_attention", "sample"])
+                                  "rotary_and_write_kv", "paged_attention", "sample"])
 def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch, name):
     calls = []
     monkeypatch.setattr(tk, name, lambda *a, **kw: calls.append((a, kw)) or "triton")
     fake = _FakeCudaTensor()
     if name == "rotary_embedding":  # dispatches on q: positions may live anywhere
         args = (torch.arange(2), fake, fake, fake)
+    elif name == "rotary_and_write_kv":
+        args = (torch.arange(2),) + (fake,) * 7
+    elif name == "silu_and_mul":
+        args = (fake,)
     else:
         args = (fake, 1, 2)
     assert getattr(kernels, name)(*args) == "triton"

@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, readable top to bottom.
 
-Every hot op goes through `kernels` (Triton on GPU, torch on CPU). q/k/v and
+Every hot op goes through `kernels` (Triton on GPU; native C++ or torch on CPU). q/k/v and
 gate/up projections are concatenated at load so a layer runs four GEMMs:
 qkv, o, gate_up, down. The forward pass takes one packed, unpadded batch of
 tokens from any mix of prefill chunks and decodes.
@@ -111,8 +111,7 @@ class DecoderLayer:
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = kernels.rotary_embedding(inp.positions, q, k, cos_sin)
-        kernels.write_kv_cache(k, v, k_cache, v_cache, inp.slot_mapping)
+        q, k = kernels.rotary_and_write_kv(inp.positions, q, k, v, cos_sin, k_cache, v_cache, inp.slot_mapping)
         outs = [
             kernels.paged_attention(q[g.token_start:g.token_end], k_cache, v_cache, g.block_tables, g.seq_lens,
                                     g.query_start_loc, self.scale, g.max_query_len)

@@ -1,0 +1,476 @@
+// A decoder layer's elementwise work for bf16 CPU tensors, each op one pass over its rows, for CPUs with
+// AVX512-BF16 (kernels/__init__.py dispatches here; kernels/reference.py is the oracle):
+//   add_rms_norm(x, residual?, weight, eps) -> (norm(x + residual) * weight, x + residual)
+//   silu_and_mul(x [T, 2I]) -> silu(gate) * up [T, I]
+//   rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots): rotates q and k in place
+//     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped); returns
+//     false, doing nothing, for dtypes and layouts it does not take (the caller runs torch)
+// Each replaces 5-10 small aten ops (dtype copies, temporaries) whose per-op overhead dominated at the few
+// rows of a decode step.
+//
+// Bit-identical to the torch reference: every value is rounded to bf16 where torch rounds it (round to
+// nearest even, done on the integer bits as torch does: vcvtneps2bf16 would flush denormals), products and
+// sums are separate fp32 operations where torch's are (no FMA contraction: see the pragma), the rms
+// statistic sums the squares in the order of torch's vectorized CPU sum (SumKernel.cpp's cascade, from
+// its AVX2 build: 8 lanes), and silu's exp is Sleef's expf_u10 (the one torch's vectorized silu calls),
+// operation for operation, tabulated once for all 65536 bf16 gates. tests/test_native_layer_ops.py
+// checks equality (silu on every gate, the sum order over thousands of rows with outliers). Rows are
+// independent and a row's arithmetic never depends on the batch or the thread count.
+//
+// Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_layer_ops.
+
+#pragma GCC optimize("fp-contract=off")  // torch rounds a*b and the sum separately: never fuse to an FMA
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include "cpu_features.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int64_t ELEMS_PER_THREAD = 32768;  // below this much work a call stays on the calling thread
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// n <= 16 bf16 values from p as fp32 (the rest 0).
+AVX512_BF16 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+AVX512_BF16 inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// x rounded to bf16 exactly as c10::BFloat16 rounds (nearest even on the bits, denormals kept, NaN ->
+// 0x7fc0), left as fp32 with the low half zero: ready for more fp32 arithmetic or to be stored.
+AVX512_BF16 inline __m512 round_bf16(__m512 x) {
+  __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  b = _mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(b);
+}
+
+// n <= 16 values rounded by round_bf16, stored as bf16.
+AVX512_BF16 inline void store_rounded(uint16_t* p, __m512 r, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
+}
+
+// 32 values rounded by round_bf16 (elements 0-15 in lo, 16-31 in hi), stored as bf16: one permute of
+// the high halves.
+AVX512_BF16 inline void store_rounded(uint16_t* p, __m512 lo, __m512 hi) {
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                       25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(p, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi)));
+}
+
+// A new dense bf16 CPU tensor. aoti_torch_empty_strided calls at::empty_strided directly; the stable
+// new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a small op's cost).
+Tensor empty_bf16(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
+                                                         strides.data(), aoti_torch_dtype_bfloat16(),
+                                                         aoti_torch_device_type_cpu(), 0, &handle));
+  return Tensor(handle);
+}
+
+// ------------------------------------------------------------------------------------------------ rms norm
+
+int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// sum(sq[0..n)) for n floats in the order of ATen's vectorized inner sum (SumKernel.cpp: vectorized_inner_sum
+// -> row_sum -> multi_row_sum, ilp 4, 4 cascade levels) as torch runs it on every x86 CPU: from its AVX2
+// build, 8 lanes (SumKernel.cpp registers no AVX512 sum: "slower with AVX512"). So the rms statistic is
+// torch's bit for bit.
+AVX512_BF16 float torch_order_sum(const float* sq, int64_t n) {
+  const int64_t vecs = n / 8, rows = vecs / 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / 4);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  __m256 acc[4][4];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + level_step <= rows;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
+    for (int64_t j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; k++) {
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
+  for (int64_t j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * 4; v < vecs; v++) acc[0][0] = _mm256_add_ps(acc[0][0], _mm256_loadu_ps(sq + v * 8));
+  for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t e = vecs * 8; e < n; e++) total += sq[e];
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0][0]);
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
+// One row: h = bf16(x + r) (when r), then out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))).
+// sq: n floats of scratch. 32 elements a step where it can (one permute stores them), then 16 masked.
+AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* r, const uint16_t* w, uint16_t* h_out,
+                              uint16_t* out, int64_t n, float eps, float* sq) {
+  const uint16_t* h = r != nullptr ? h_out : x;
+  int64_t c = 0;
+  if (r != nullptr) {
+    for (; c + 32 <= n; c += 32) {
+      const __m512 lo = round_bf16(_mm512_add_ps(load_bf16(x + c), load_bf16(r + c)));
+      const __m512 hi = round_bf16(_mm512_add_ps(load_bf16(x + c + 16), load_bf16(r + c + 16)));
+      store_rounded(h_out + c, lo, hi);
+      _mm512_storeu_ps(sq + c, _mm512_mul_ps(lo, lo));
+      _mm512_storeu_ps(sq + c + 16, _mm512_mul_ps(hi, hi));
+    }
+    for (; c < n; c += 16) {
+      const __mmask16 m = tail_mask(n - c);
+      const __m512 v = round_bf16(_mm512_add_ps(load_bf16(x + c, m), load_bf16(r + c, m)));
+      store_rounded(h_out + c, v, m);
+      _mm512_mask_storeu_ps(sq + c, m, _mm512_mul_ps(v, v));
+    }
+  } else {
+    for (; c < n; c += 16) {
+      const __mmask16 m = tail_mask(n - c);
+      const __m512 v = load_bf16(x + c, m);
+      _mm512_mask_storeu_ps(sq + c, m, _mm512_mul_ps(v, v));
+    }
+  }
+  // torch: sum(h^2).div_(n).add_(eps), then rsqrt as 1 / sqrt
+  const float mean = torch_order_sum(sq, n) / static_cast<float>(n);
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(_mm512_set1_ps(mean + eps)));
+  for (c = 0; c + 32 <= n; c += 32) {
+    const __m512 y0 = round_bf16(_mm512_mul_ps(load_bf16(h + c), inv));
+    const __m512 y1 = round_bf16(_mm512_mul_ps(load_bf16(h + c + 16), inv));
+    store_rounded(out + c, round_bf16(_mm512_mul_ps(load_bf16(w + c), y0)),
+                  round_bf16(_mm512_mul_ps(load_bf16(w + c + 16), y1)));
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    const __m512 y = round_bf16(_mm512_mul_ps(load_bf16(h + c, m), inv));
+    store_rounded(out + c, round_bf16(_mm512_mul_ps(load_bf16(w + c, m), y)), m);
+  }
+}
+
+void check_rows(const Tensor& t, const char* name, const char* op) {
+  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() >= 1, op, ": ", name,
+                  " must be a bfloat16 CPU tensor");
+}
+
+// t's leading dims as rows of one stride (returned), the last dim dense: t itself when it is laid out so
+// (a GEMM output, or a slice of rows of one), else a contiguous copy.
+int64_t as_rows(Tensor& t) {
+  const int64_t d = t.dim();
+  bool rows = t.stride(d - 1) == 1 || t.size(d - 1) == 1;
+  for (int64_t i = d - 3; i >= 0 && rows; i--)
+    rows = t.size(i + 1) == 1 || t.stride(i) == t.stride(i + 1) * t.size(i + 1);
+  if (!rows) t = torch::stable::contiguous(t);
+  return d >= 2 ? t.stride(d - 2) : t.size(d - 1);
+}
+
+int64_t rows_of(const Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < t.dim(); i++) rows *= t.size(i);
+  return rows;
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
+  STD_TORCH_CHECK(cpu_supported(), "add_rms_norm: this CPU lacks AVX512-BF16");
+  check_rows(x, "x", "add_rms_norm");
+  check_rows(weight, "weight", "add_rms_norm");
+  const int64_t n = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
+  if (weight.stride(0) != 1) weight = torch::stable::contiguous(weight);
+  const int64_t xs = as_rows(x);
+  int64_t rs = 0;
+  if (residual != nullptr) {
+    check_rows(*residual, "residual", "add_rms_norm");
+    STD_TORCH_CHECK(residual->dim() == x.dim(), "add_rms_norm: residual shape differs from x's");
+    for (int64_t i = 0; i < x.dim(); i++)
+      STD_TORCH_CHECK(residual->size(i) == x.size(i), "add_rms_norm: residual shape differs from x's");
+    rs = as_rows(*residual);
+  }
+  std::vector<int64_t> shape(x.dim());
+  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  Tensor out = empty_bf16(shape);
+  Tensor h = residual != nullptr ? empty_bf16(shape) : out;
+  const int64_t rows = rows_of(x);
+  if (rows == 0 || n == 0) return {out, h};
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* rp = residual != nullptr ? static_cast<const uint16_t*>(residual->const_data_ptr()) : nullptr;
+  const auto* wp = static_cast<const uint16_t*>(weight.const_data_ptr());
+  auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
+  auto* hp = static_cast<uint16_t*>(h.mutable_data_ptr());
+  const float feps = static_cast<float>(eps);
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sq(n + 16);
+    for (int64_t i = begin; i < end; i++)
+      rms_norm_row(xp + i * xs, rp != nullptr ? rp + i * rs : nullptr, wp, hp + i * n, op + i * n, n, feps,
+                   sq.data());
+  });
+  return {out, h};
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, double eps) { return std::get<0>(add_rms_norm_impl(x, nullptr, weight, eps)); }
+
+std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor weight, double eps) {
+  return add_rms_norm_impl(x, &residual, weight, eps);
+}
+
+// ------------------------------------------------------------------------------------------------ silu * up
+
+// Sleef's xexpf (sleefsimdsp.c, the AVX512F build torch's Vectorized<float>::exp calls), operation for
+// operation: FMAs where Sleef uses vmla, so the result is Sleef's to the bit.
+AVX512_BF16 inline __m512 sleef_expf(__m512 d) {
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  // ldexp2: u * 2^(q >> 1) * 2^(q - (q >> 1))
+  const __m512i q1 = _mm512_srai_epi32(q, 1), q2 = _mm512_sub_epi32(q, q1);
+  const __m512i bias = _mm512_set1_epi32(0x7f);
+  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q1, bias), 23)));
+  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q2, bias), 23)));
+  u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_NLT_US), u);
+  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
+}
+
+// silu(g) as torch computes it for bf16 gates: bf16(g / (1 + exp(-g))), fp32 inside.
+AVX512_BF16 inline __m512 silu_bf16(__m512 g) {
+  const __m512 e = sleef_expf(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
+  return round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+}
+
+// silu_bf16 of every bf16 value, by its bits: silu(gate) rounded to bf16 depends on the gate's 16 bits
+// alone, so one gather of 16 entries replaces ~25 vector ops and a divide per 16 gates (2x the op's speed;
+// the table is 128 KiB, the entries real activations use a few KiB). Same values by construction. One
+// padding entry: the gather reads 4 bytes at entry i.
+AVX512_BF16 std::vector<uint16_t> build_silu_table() {
+  std::vector<uint16_t> table(65536 + 2, 0);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int i = 0; i < 65536; i += 16) {
+    const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), lanes);
+    store_rounded(table.data() + i, silu_bf16(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))),
+                  static_cast<__mmask16>(0xFFFF));
+  }
+  return table;
+}
+
+const uint16_t* silu_table() {
+  static const std::vector<uint16_t> table = build_silu_table();  // built once, thread-safe
+  return table.data();
+}
+
+// bf16(silu(gate) * up) for n <= 16 gates (masked lanes look up entry 0).
+AVX512_BF16 inline __m512 silu_mul(const uint16_t* table, const uint16_t* gate, __m512 up, __mmask16 m) {
+  const __m512i idx = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate));
+  const __m512i act = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16);
+  return round_bf16(_mm512_mul_ps(_mm512_castsi512_ps(act), up));
+}
+
+AVX512_BF16 void silu_and_mul_row(const uint16_t* table, const uint16_t* x, uint16_t* out, int64_t inter) {
+  const uint16_t* up = x + inter;
+  const __mmask16 all = 0xFFFF;
+  int64_t c = 0;
+  for (; c + 32 <= inter; c += 32)
+    store_rounded(out + c, silu_mul(table, x + c, load_bf16(up + c), all),
+                  silu_mul(table, x + c + 16, load_bf16(up + c + 16), all));
+  for (; c < inter; c += 16) {
+    const __mmask16 m = tail_mask(inter - c);
+    store_rounded(out + c, silu_mul(table, x + c, load_bf16(up + c, m), m), m);
+  }
+}
+
+Tensor silu_and_mul(Tensor x) {
+  STD_TORCH_CHECK(cpu_supported(), "silu_and_mul: this CPU lacks AVX512-BF16");
+  check_rows(x, "x", "silu_and_mul");
+  const int64_t width = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be even (gate | up), got ", width);
+  const int64_t xs = as_rows(x);
+  const int64_t inter = width / 2, rows = rows_of(x);
+  std::vector<int64_t> shape(x.dim());
+  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  shape.back() = inter;
+  Tensor out = empty_bf16(shape);
+  if (rows == 0 || inter == 0) return out;
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
+  const uint16_t* table = silu_table();
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) silu_and_mul_row(table, xp + i * xs, op + i * inter, inter);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ rotary + KV
+
+struct Heads {
+  uint16_t* p;
+  int64_t st, sh, n;  // token stride, head stride, heads
+};
+
+// Rotates the first 2 * half features of each of the token's heads in place: (x1, x2) ->
+// (bf16(x1 c - x2 s), bf16(x2 c + x1 s)), each product rounded to fp32 on its own, as the reference does.
+AVX512_BF16 inline void rotate_heads(uint16_t* base, int64_t sh, int64_t heads, const float* cos, const float* sin,
+                                     int64_t half) {
+  for (int64_t h = 0; h < heads; h++) {
+    uint16_t* x = base + h * sh;
+    for (int64_t c = 0; c < half; c += 16) {
+      const __mmask16 m = tail_mask(half - c);
+      const __m512 x1 = load_bf16(x + c, m), x2 = load_bf16(x + half + c, m);
+      const __m512 cv = _mm512_maskz_loadu_ps(m, cos + c), sv = _mm512_maskz_loadu_ps(m, sin + c);
+      const __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+      const __m512 o2 = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+      store_rounded(x + c, round_bf16(o1), m);
+      store_rounded(x + half + c, round_bf16(o2), m);
+    }
+  }
+}
+
+AVX512_BF16 inline void copy_heads(uint16_t* dst, const uint16_t* src, int64_t src_sh, int64_t heads, int64_t d) {
+  for (int64_t h = 0; h < heads; h++)
+    for (int64_t c = 0; c < d; c += 32) {
+      const __mmask32 m = d - c >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (d - c)) - 1);
+      _mm512_mask_storeu_epi16(dst + h * d + c, m, _mm512_maskz_loadu_epi16(m, src + h * src_sh + c));
+    }
+}
+
+bool is_bf16_heads(const Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() == 3 && t.stride(2) == 1;
+}
+
+template <typename Index>
+void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  const int64_t half = cos_sin.size(1) / 2, max_pos = cos_sin.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; t++) {  // checked before anything is written
+    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_and_write_kv: position ", pos[t],
+                    " is outside the cos/sin cache [0, ", max_pos, ")");
+    STD_TORCH_CHECK(slot[t] < num_slots, "rotary_and_write_kv: slot ", slot[t], " is outside the cache (",
+                    num_slots, " slots)");
+  }
+  auto* qp = static_cast<uint16_t*>(q.mutable_data_ptr());
+  auto* kp = static_cast<uint16_t*>(k.mutable_data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
+  auto* kc = static_cast<uint16_t*>(k_cache.mutable_data_ptr());
+  auto* vc = static_cast<uint16_t*>(v_cache.mutable_data_ptr());
+  const float* cs = cos_sin.const_data_ptr<float>();
+  const int64_t cs_stride = cos_sin.stride(0);
+  const int64_t qst = q.stride(0), qsh = q.stride(1), kst = k.stride(0), ksh = k.stride(1);
+  const int64_t vst = v.stride(0), vsh = v.stride(1);
+  const int64_t per_token = (H + 2 * KVH) * D;
+  torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / per_token), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const float* cos = cs + static_cast<int64_t>(pos[t]) * cs_stride;
+      const float* sin = cos + half;
+      rotate_heads(qp + t * qst, qsh, H, cos, sin, half);
+      uint16_t* kt = kp + t * kst;
+      rotate_heads(kt, ksh, KVH, cos, sin, half);
+      const int64_t s = slot[t];
+      if (s >= 0) {
+        copy_heads(kc + s * KVH * D, kt, ksh, KVH, D);
+        copy_heads(vc + s * KVH * D, vp + t * vst, vsh, KVH, D);
+      }
+    }
+  });
+}
+
+// false (nothing done) for dtypes and layouts the op does not take: q, k, v, caches bf16 with a dense
+// head_dim, contiguous caches, an fp32 cos/sin cache, int64 or int32 positions and slots. The caller then
+// runs torch. Shapes that disagree or indices out of range are errors.
+bool rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
+                         Tensor v_cache, Tensor slots) {
+  STD_TORCH_CHECK(cpu_supported(), "rotary_and_write_kv: this CPU lacks AVX512-BF16");
+  const auto index_type = positions.scalar_type();
+  if (!is_bf16_heads(q) || !is_bf16_heads(k) || !is_bf16_heads(v) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
+      k_cache.scalar_type() != ScalarType::BFloat16 || v_cache.scalar_type() != ScalarType::BFloat16 ||
+      !k_cache.is_cpu() || !v_cache.is_cpu() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
+      cos_sin.scalar_type() != ScalarType::Float || !cos_sin.is_cpu() || cos_sin.dim() != 2 ||
+      cos_sin.stride(1) != 1 || (index_type != ScalarType::Long && index_type != ScalarType::Int) ||
+      slots.scalar_type() != index_type || positions.dim() != 1 || slots.dim() != 1 || positions.stride(0) != 1 ||
+      slots.stride(0) != 1 || !positions.is_cpu() || !slots.is_cpu())
+    return false;
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  (void)H;
+  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
+                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
+  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.size(0) == k_cache.size(0) &&
+                      v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == KVH && v_cache.size(3) == D,
+                  "rotary_and_write_kv: cache shapes [blocks, block_size, KVH, D] disagree with k");
+  const int64_t rd = cos_sin.size(1);
+  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
+                  " must be even, positive and <= head_dim ", D);
+  STD_TORCH_CHECK(positions.size(0) == T && slots.size(0) == T, "rotary_and_write_kv: positions and "
+                  "slot_mapping must be [", T, "]");
+  if (T == 0) return true;
+  if (index_type == ScalarType::Long)
+    rotate_and_write(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  else
+    rotate_and_write(positions.const_data_ptr<int32_t>(), slots.const_data_ptr<int32_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  return true;
+}
+
+bool supported() { return cpu_supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_layer_ops, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> bool");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&rms_norm));
+  m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
+  m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));
+  m.impl("rotary_and_write_kv", TORCH_BOX(&rotary_and_write_kv));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}
