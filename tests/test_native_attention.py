@@ -11,8 +11,6 @@ scores are off by up to 0.25 before the exp, so it is the less exact one).
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
@@ -20,32 +18,23 @@ import kernels
 import kernels.native as native
 from kernels import reference as ref
 from model_factory import make_model
+from native_ops import cpu_has_avx512_bf16, load_or_skip
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from runner_driver import run
 from workers.runner import ModelRunner
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    if platform.system() != "Linux":
-        return False
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-
 
 @pytest.fixture(scope="module")
 def ops():
     """The native ops: this test machine has AVX512-BF16, so they must load (compiled once per CI run)."""
-    loaded = native.load("decode_attention")
-    if loaded is None and not _cpu_has_avx512_bf16():
-        pytest.skip("this CPU lacks AVX512-BF16: the native op is never used here")
-    assert loaded is not None, "the native decode attention failed to load on a CPU that supports it"
-    return loaded
+    return load_or_skip("decode_attention")
 
 
 def test_this_machine_never_falls_back_silently(monkeypatch):
     """On a CPU with AVX512-BF16 a bf16 decode must run natively: fails if it would silently take torch."""
-    if not _cpu_has_avx512_bf16():
+    if not cpu_has_avx512_bf16():
         pytest.skip("not an AVX512-BF16 CPU")
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     assert native.load("decode_attention") is not None

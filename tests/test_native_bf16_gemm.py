@@ -11,8 +11,6 @@ and each rounding to bf16 moves a value by at most half a bf16 step (2^-8 relati
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 import kernels
 import kernels.native as native
 from kernels.native_bf16 import PackedBf16Weight, pack
+from native_ops import cpu_has_avx512_bf16, load_or_skip
 from workers.linear import Linear
 
 # the 200M llama's four linears (qkv, o, gate_up, down), SmolLM2-like widths, and odd ones: N not a multiple
@@ -29,20 +28,10 @@ SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (1040, 576), (
 MAX_ROWS = 40
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    if platform.system() != "Linux":
-        return False
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-
 
 @pytest.fixture(scope="module")
 def ops():
-    loaded = native.load("bf16_gemm")
-    if loaded is None and not _cpu_has_avx512_bf16():
-        pytest.skip("this CPU lacks AVX512-BF16: the native op is never used here")
-    assert loaded is not None, "the native bf16 GEMM failed to load on a CPU that supports it"
-    return loaded
+    return load_or_skip("bf16_gemm")
 
 
 def _case(n: int, k: int, rows: int = MAX_ROWS, seed: int = 0):
@@ -63,7 +52,7 @@ def _assert_close_to_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
 
 def test_this_machine_never_falls_back_silently(monkeypatch):
     """On a CPU with AVX512-BF16 a bf16 Linear must run the native GEMM: fails if it would take oneDNN."""
-    if not _cpu_has_avx512_bf16():
+    if not cpu_has_avx512_bf16():
         pytest.skip("not an AVX512-BF16 CPU")
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     x, w, b = _case(96, 64, rows=5)

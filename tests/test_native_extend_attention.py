@@ -18,17 +18,13 @@ import torch
 import kernels
 import kernels.native as native
 from kernels import reference as ref
-from test_native_attention import _cpu_has_avx512_bf16
+from native_ops import cpu_has_avx512_bf16, load_or_skip
 
 
 @pytest.fixture(scope="module")
 def ops():
     """The native ops: this test machine has AVX512-BF16, so they must load (compiled once per CI run)."""
-    loaded = native.load("extend_attention")
-    if loaded is None and not _cpu_has_avx512_bf16():
-        pytest.skip("this CPU lacks AVX512-BF16: the native op is never used here")
-    assert loaded is not None, "the native extend attention failed to load on a CPU that supports it"
-    return loaded
+    return load_or_skip("extend_attention")
 
 
 def _case(g, prefixes, chunks, hq, hkv, d, bs=16, pad_blocks=0, q_scale=1.0):
@@ -180,7 +176,7 @@ def test_native_rejects_bad_input_with_clear_errors(ops):
 def test_this_machine_never_falls_back_silently(monkeypatch):
     """On a CPU with AVX512-BF16 a bf16 prefill chunk must run natively: fails if it would silently take
     torch."""
-    if not _cpu_has_avx512_bf16():
+    if not cpu_has_avx512_bf16():
         pytest.skip("not an AVX512-BF16 CPU")
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     assert native.load("extend_attention") is not None

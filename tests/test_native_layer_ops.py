@@ -11,8 +11,6 @@ torch (asserted at the end).
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ import kernels
 import kernels.native as native
 from kernels import reference as ref
 from model_factory import make_model
+from native_ops import cpu_has_avx512_bf16, load_or_skip
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
@@ -28,21 +27,11 @@ HIDDEN = [64, 576, 1024, 2048]
 TOKENS = [1, 3, 16, 130]
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    if platform.system() != "Linux":
-        return False
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-
 
 @pytest.fixture(scope="module")
 def ops():
     """The native ops: this test machine has AVX512-BF16, so they must load."""
-    loaded = native.load("layer_ops")
-    if loaded is None and not _cpu_has_avx512_bf16():
-        pytest.skip("this CPU lacks AVX512-BF16: the native ops are never used here")
-    assert loaded is not None, "the native layer ops failed to load on a CPU that supports them"
-    return loaded
+    return load_or_skip("layer_ops")
 
 
 @pytest.fixture
@@ -294,7 +283,7 @@ def test_rotary_takes_int32_positions_and_slots(ops):
 
 def test_this_machine_never_falls_back_silently(monkeypatch, fresh_dispatch):
     """On a CPU with AVX512-BF16 the bf16 layer ops must run natively: fails if they would take torch."""
-    if not _cpu_has_avx512_bf16():
+    if not cpu_has_avx512_bf16():
         pytest.skip("not an AVX512-BF16 CPU")
     assert native.load("layer_ops") is not None
 
