@@ -122,6 +122,14 @@ def test_dockerfile_copies_every_package():
     for pkg in re.findall(r'"(\w+)\*"', include):
         assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
     assert "torch==2.13.0" in dockerfile
+    # the image compiles every native op at build time (kernels.native.names(): each .cpp file)
+    assert "n.names()" in dockerfile
+
+
+def test_native_names_are_the_op_sources():
+    import kernels.native as native
+
+    assert {"decode_attention", "extend_attention", "quant_gemm", "bf16_gemm", "layer_ops"} <= set(native.names())
 
 
 def test_compose_commands_serve_through_the_console_script(compose, redis_server, tmp_path):

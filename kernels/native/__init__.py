@@ -41,6 +41,12 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def names() -> list[str]:
+    """Every native op this folder builds (its .cpp files), for callers that compile them all ahead of use
+    (the Docker image)."""
+    return sorted(p.stem for p in SOURCE_DIR.glob("*.cpp"))
+
+
 def load(name: str):
     """torch.ops.phaseserve_<name> with kernels/native/<name>.cpp compiled and loaded, or None where it
     cannot run here (logged once). Cached per process; thread-safe."""
