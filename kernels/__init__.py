@@ -97,9 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.is_cuda:
         triton = _triton()
         return triton.rms_norm(x, weight, eps) if residual is None else triton.rms_norm(x, weight, eps, residual)
-    ops = _layer_ops_choice.get(x.dtype, False)
-    if ops is False:
-        ops = _native_layer_ops(x.dtype)
+    ops = _native_layer_ops(x.dtype)
     # few, cheap checks per call; the op takes any layout
     if ops is not None and weight.dtype == x.dtype:
         if residual is None:
@@ -115,9 +113,7 @@ rms_norm.__doc__ = reference.rms_norm.__doc__
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return _triton().silu_and_mul(x)
-    ops = _layer_ops_choice.get(x.dtype, False)
-    if ops is False:
-        ops = _native_layer_ops(x.dtype)
+    ops = _native_layer_ops(x.dtype)
     if ops is not None:
         return ops.silu_and_mul(x)
     return reference.silu_and_mul(x)
@@ -135,9 +131,7 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     q and k keeping their values."""
     if q.is_cuda:
         return _triton().rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    ops = _layer_ops_choice.get(q.dtype, False)
-    if ops is False:
-        ops = _native_layer_ops(q.dtype)
+    ops = _native_layer_ops(q.dtype)
     # the op checks dtypes and layouts itself (cheaper there) and returns False, untouched, for what it
     # does not take: then torch runs
     if ops is not None and ops.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,

@@ -75,4 +75,3 @@ def freeze_startup_heap() -> None:
     collected as before."""
     gc.collect()
     gc.freeze()
-
