@@ -11,7 +11,10 @@ Each server is started once (max-model-len: the largest context) and stopped bef
   to the level: TPOT p50 (prefill chunks of the others mixed in) and the decode step while every request
   decodes (the per-token gap of the stretch after the last first token and before the first finish: no
   prefill in it, the whole batch in every step; out grows with the context so that this stretch
-  outlasts the batch's chunked prefill);
+  outlasts the batch's chunked prefill). phaseserve runs with `--itl-target off` unless a --phaseserve-arg
+  sets one: the target (on by default) admits prompts over --long-prefill-threshold one after another
+  beside the streams, so no stretch would have the whole batch decoding; it changes which prompts run
+  together, not the cost of a decode step, and the concurrency sweep's prompts are under the threshold;
 - the engine (phaseserve only, in this process, after the servers stopped): the model runner's decode
   step at that batch and context, bench/bench_model.py's measurement (the fastest of --engine-repeats).
 vLLM runs at --vllm-threads (one mode per start; several, comma-separated, cost one start each and the
@@ -181,6 +184,8 @@ def sweep_server(args, server: str, model_dir: Path, contexts: list[int], out: P
                            kv_cache_gib=math.ceil(args.kv_gib), model_len=model_len)  # vLLM takes whole GiB
     else:
         extra = [f"--kv-cache-memory={int(args.kv_gib * 1024)}MiB", *args.phaseserve_arg]
+        if not any(a.startswith("--itl-target") for a in args.phaseserve_arg):
+            extra.append("--itl-target=off")  # module docstring: else no stretch has the whole batch decoding
         proc = phaseserve_server(model_dir, port, name, log_path, model_len=model_len, extra=extra)
     t0 = time.monotonic()
     proc.start(args.startup_timeout)
