@@ -42,7 +42,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[AttentionGroup]
-    logits_indices: torch.Tensor  # [R] int64: the packed rows whose next token is sampled
+    logits_indices: torch.Tensor  # [R] int64: the packed rows whose next token is sampled, ascending
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -112,12 +112,17 @@ class DecoderLayer:
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         q, k = kernels.rotary_and_write_kv(inp.positions, q, k, v, cos_sin, k_cache, v_cache, inp.slot_mapping)
-        outs = [
-            kernels.paged_attention(q[g.token_start:g.token_end], k_cache, v_cache, g.block_tables, g.seq_lens,
-                                    g.query_start_loc, self.scale, g.max_query_len)
-            for g in inp.groups
-        ]
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+        groups = inp.groups
+        if len(groups) == 1:  # one call over every token: no slice of q, no cat
+            g = groups[0]
+            attn = kernels.paged_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.query_start_loc,
+                                           self.scale, g.max_query_len)
+        else:
+            attn = torch.cat([
+                kernels.paged_attention(q[g.token_start:g.token_end], k_cache, v_cache, g.block_tables, g.seq_lens,
+                                        g.query_start_loc, self.scale, g.max_query_len)
+                for g in groups
+            ])
         h = self.o(attn.reshape(T, self.q_size))
 
         x, residual = kernels.rms_norm(h, self.post_attn_norm, cfg.rms_norm_eps, residual)
@@ -169,8 +174,11 @@ class LlamaFamilyModel:
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
-        # only the rows that sample need the final norm and the (large) lm_head GEMM
-        h = h[inp.logits_indices]
-        residual = residual[inp.logits_indices]
+        # only the rows that sample need the final norm and the (large) lm_head GEMM; when every row
+        # samples (a decode step) the indices are 0..T-1 and need no gather
+        rows = inp.logits_indices
+        if rows.shape[0] != h.shape[0]:
+            h = h.index_select(0, rows)
+            residual = residual.index_select(0, rows)
         h, _ = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
         return self.lm_head(h).float()
