@@ -229,6 +229,9 @@ paged_attention.__doc__ = reference.paged_attention.__doc__
 
 
 
+_quant_linear_op: list = []  # [quant_gemm.cpp's quant_linear overload], looked up on the first call
+
+
 def _native_quant_gemm():
     return native.load("quant_gemm")
 
@@ -260,7 +263,11 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
         raise TypeError(f"quant_linear: a natively packed weight takes bfloat16 activations, got {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _native_quant_gemm().quant_linear(x, weight.data, weight.bits)
+    if not _quant_linear_op:
+        # a packed weight exists only where the op loaded; held as its overload, as _LayerOps does: this runs
+        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
+        _quant_linear_op.append(_native_quant_gemm().quant_linear.default)
+    return _quant_linear_op[0](x, weight.data, weight.bits)
 
 
 _bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use
