@@ -168,8 +168,9 @@ class LlamaFamilyModel:
         self.cos_sin_cache = build_cos_sin_cache(cfg, max_positions, self.device)
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs, kv: KVCache) -> torch.Tensor:
-        """Logits [R, vocab] in fp32 for the rows in `inp.logits_indices`."""
+    def forward(self, inp: StepInputs, kv: KVCache, *, fp32: bool = True) -> torch.Tensor:
+        """Logits [R, vocab] for the rows in `inp.logits_indices`: in fp32, or with fp32=False as the lm_head
+        gives them (the activations' dtype; the sampler upcasts only what it needs, a greedy batch nothing)."""
         h = embed(self.embed, inp.input_ids, self.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -181,4 +182,5 @@ class LlamaFamilyModel:
             h = h.index_select(0, rows)
             residual = residual.index_select(0, rows)
         h, _ = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps, residual)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        return logits.float() if fp32 else logits

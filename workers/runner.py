@@ -287,7 +287,7 @@ class ModelRunner:
     def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
         inp, ordered = self._inputs(chunks)
         sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
-        logits = self.model.forward(inp, self.kv)
+        logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
         rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids) for s in sampling]
