@@ -94,7 +94,8 @@ class DecoderLayer:
                                     torch.cat(mlp_biases[:2]).contiguous() if cfg.mlp_bias else None)
         self.down = quant.linear([take("mlp.down_proj.weight")], mlp_biases[2])
         self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.head_split = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        self.qkv_heads = sum(self.head_split)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, h, residual, inp: StepInputs, cos_sin, k_cache, v_cache):
@@ -106,11 +107,9 @@ class DecoderLayer:
             x, residual = kernels.rms_norm(h, self.input_norm, cfg.rms_norm_eps, residual)
 
         qkv = self.qkv(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         T = qkv.shape[0]
-        q = q.view(T, cfg.num_heads, cfg.head_dim)
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        # heads of q, k and v as views of qkv: one view and one split (~2 us) instead of split + 3 views (~5)
+        q, k, v = qkv.view(T, self.qkv_heads, cfg.head_dim).split_with_sizes(self.head_split, 1)
         q, k = kernels.rotary_and_write_kv(inp.positions, q, k, v, cos_sin, k_cache, v_cache, inp.slot_mapping)
         groups = inp.groups
         if len(groups) == 1:  # one call over every token: no slice of q, no cat
