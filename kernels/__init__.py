@@ -215,11 +215,6 @@ def paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _cpu_paged_attention(q, *args, **kwargs)
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    # the runner builds these int32 once a step; .int() on them would still cost a dispatch per layer
-    return t if t.dtype == torch.int32 else t.int()
-
-
 def _cpu_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -233,9 +228,9 @@ def _cpu_paged_attention(
             if q.stride(2) != 1 or q.stride(1) != D:
                 q = q.contiguous()
             if decode:
-                return ops.decode_attention(q, k_cache, v_cache, _int32(block_tables), _int32(seq_lens), scale)
-            return ops.extend_attention(q, k_cache, v_cache, _int32(block_tables), _int32(seq_lens),
-                                        _int32(query_start_loc), scale)
+                return ops.decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale)
+            return ops.extend_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(),
+                                        query_start_loc.int(), scale)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 
