@@ -80,10 +80,9 @@ AVX512_BF16 inline void store_rounded(uint16_t* p, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(p, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi)));
 }
 
-// A new dense CPU tensor of `dtype` (an aoti_torch_dtype_*). aoti_torch_empty_strided calls
-// at::empty_strided directly; the stable new_empty goes through the boxed dispatcher by op name, ~1 us a
-// call (a third of a small op's cost).
-Tensor empty_cpu(const std::vector<int64_t>& shape, int32_t dtype) {
+// A new dense bf16 CPU tensor. aoti_torch_empty_strided calls at::empty_strided directly; the stable
+// new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a small op's cost).
+Tensor empty_bf16(const std::vector<int64_t>& shape) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -92,12 +91,10 @@ Tensor empty_cpu(const std::vector<int64_t>& shape, int32_t dtype) {
   }
   AtenTensorHandle handle = nullptr;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
-                                                         strides.data(), dtype, aoti_torch_device_type_cpu(), 0,
-                                                         &handle));
+                                                         strides.data(), aoti_torch_dtype_bfloat16(),
+                                                         aoti_torch_device_type_cpu(), 0, &handle));
   return Tensor(handle);
 }
-
-Tensor empty_bf16(const std::vector<int64_t>& shape) { return empty_cpu(shape, aoti_torch_dtype_bfloat16()); }
 
 // ------------------------------------------------------------------------------------------------ rms norm
 
@@ -468,7 +465,7 @@ AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int a = 0; a < ACC; a++) {
     best[a] = _mm512_set1_ps(-INFINITY);
-    at[a] = _mm512_set1_epi32(INT32_MAX);  // lanes that never see a value > -inf: ranked by the fallback below
+    at[a] = _mm512_set1_epi32(INT32_MAX);  // a lane that never sees a value above -inf never wins below
   }
   __mmask16 nan = 0;
   __m512i idx = lanes;
@@ -499,9 +496,7 @@ AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
   }
   float top = -INFINITY;
   for (int a = 0; a < ACC; a++) top = std::max(top, _mm512_reduce_max_ps(best[a]));
-  if (top == -INFINITY) {  // every value is -inf (no lane saw a strict >): torch returns the first
-    return 0;
-  }
+  if (top == -INFINITY) return 0;  // every value is -inf: torch returns the first
   int32_t first = INT32_MAX;
   for (int a = 0; a < ACC; a++) {
     const __mmask16 eq = _mm512_cmp_ps_mask(best[a], _mm512_set1_ps(top), _CMP_EQ_OQ);
@@ -510,14 +505,23 @@ AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
   return first;
 }
 
+// A new int64 CPU vector [n], allocated as empty_bf16 allocates.
+Tensor empty_int64(int64_t n) {
+  const int64_t stride = 1;
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(1, &n, &stride, aoti_torch_dtype_int64(),
+                                                         aoti_torch_device_type_cpu(), 0, &handle));
+  return Tensor(handle);
+}
+
 Tensor argmax(Tensor logits) {
   STD_TORCH_CHECK(cpu_supported(), "argmax: this CPU lacks AVX512-BF16");
   check_rows(logits, "logits", "argmax");
   STD_TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax: logits must be [rows, vocab > 0]");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  STD_TORCH_CHECK(n <= INT32_MAX, "argmax: vocab of ", n, " is too large");
+  STD_TORCH_CHECK(n <= (int64_t(1) << 30), "argmax: vocab of ", n, " is too large");  // int32 lane indices
   const int64_t stride = as_rows(logits);
-  Tensor out = empty_cpu({rows}, aoti_torch_dtype_int64());
+  Tensor out = empty_int64(rows);
   if (rows == 0) return out;
   const auto* xp = static_cast<const uint16_t*>(logits.const_data_ptr());
   auto* op = static_cast<int64_t*>(out.mutable_data_ptr());
