@@ -53,9 +53,10 @@ class QuantizedWeight:
         return w.reshape(out_f, in_f).to(dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized rows `index` only (an embedding lookup of a quantized table)."""
-        part = QuantizedWeight(self.kind, self.qdata[index], self.scales[index],
-                               None if self.mins is None else self.mins[index])
+        """Dequantized rows `index` only (an embedding lookup of a quantized table). index_select, not
+        table[index]: 1.6 against 6.5 us for 16 rows, 7 against 63 us for 512 (same rows)."""
+        part = QuantizedWeight(self.kind, self.qdata.index_select(0, index), self.scales.index_select(0, index),
+                               None if self.mins is None else self.mins.index_select(0, index))
         return part.dequantize(dtype)
 
 

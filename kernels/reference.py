@@ -301,6 +301,12 @@ def _decode_rows(
     return torch.matmul(probs, vv).view(B, H, D)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's greedy token, the first index of its maximum (NaN counts as the maximum). For
+    bf16 logits the same index as for their fp32 copy: the upcast is exact and keeps the order."""
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, noise: torch.Tensor,

@@ -90,3 +90,26 @@ def test_logprobs_match_transformers(tmp_path, runner):
         assert [lp for _, lp in top] == pytest.approx(row.topk(5).values.tolist(), abs=1e-4)
     (g,) = runner_driver.run(runner, [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2, logprobs=0))
     assert all(len(top) == 0 for _, top in g.logprobs)
+
+
+def test_bf16_logits_sample_exactly_as_their_fp32_copy():
+    """The runner hands the sampler the lm_head's bf16 logits: every path (greedy by argmax, penalties,
+    min_tokens, seeded and unseeded draws, logprobs) gives what the fp32 copy of those logits gives."""
+    V = 1000
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, V, generator=g) * 4).round().bfloat16()  # few values: ties for argmax
+    history = list(range(3, 40))
+    greedy = dict(temperature=0, max_tokens=50)
+    params = [
+        SamplingParams(**greedy), SamplingParams(**greedy, logprobs=3),
+        SamplingParams(**greedy, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(**greedy, min_tokens=5, stop_token_ids=[int(logits[3].float().argmax())]),
+        sampled(seed=11, top_k=50), sampled(seed=12, top_p=0.8, logprobs=2), sampled(min_p=0.1),
+    ]
+    rows = [SampleRow(p, 2, history, len(history) - 2, frozenset(p.stop_token_ids)) for p in params]
+    for batch in (rows[:2], rows[:4], rows):  # all-greedy batches (the argmax path) and a mixed one
+        n = len(batch)
+        got, want = Sampler(V, seed=0)(logits[:n], batch), Sampler(V, seed=0)(logits[:n].float(), batch)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    # the min_tokens row really had its top token masked, the penalised row still picks a real token
+    assert got.token_ids[3] != int(logits[3].float().argmax())

@@ -1,6 +1,6 @@
 """The native CPU layer ops (kernels/native/layer_ops.cpp: rms_norm with and without the residual add,
-silu_and_mul, rotary + KV-cache write) against the torch reference, their batch and thread invariance,
-their errors, and the dispatch that chooses them.
+silu_and_mul, rotary + KV-cache write, argmax of bf16 logits) against the torch reference, their batch and
+thread invariance, their errors, and the dispatch that chooses them.
 
 Tolerance: none. Every op is bit-identical to the reference: it rounds to bf16 exactly where torch does,
 keeps torch's separate fp32 products and sums, sums rms_norm's squares in the order of torch's vectorized
@@ -223,6 +223,64 @@ def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2_threads(ops):
         assert torch.equal(row[0], qkv[i])
 
 
+# --------------------------------------------------------------------------- argmax
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 64, 65, 1000, 32003, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_argmax_equals_torch_on_the_fp32_copy(ops, vocab, rows):
+    g = torch.Generator().manual_seed(vocab * 31 + rows)
+    # few distinct bf16 values (x8, rounded): many ties for the first index to settle
+    logits = (torch.randn(rows, vocab, generator=g) * 8).round().bfloat16()
+    got = ops.argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.float().argmax(dim=-1))
+
+
+def test_argmax_ties_infinities_zeros_and_nans(ops):
+    """First index on ties wherever the maxima sit (lanes, accumulators, the tail), -0 == +0, all -inf,
+    +inf, and NaN (the first NaN is torch's maximum)."""
+    V = 1000
+    rows = []
+    for positions in ([5, 40, 100], [999], [64, 65], [0, 999], [17, 81, 145, 209], [992, 995]):
+        r = torch.zeros(V)
+        r[positions] = 3.0
+        rows.append(r)
+    rows.append(torch.full((V,), -float("inf")))
+    rows.append(torch.full((V,), 2.5))
+    signed = torch.full((V,), -1.0)
+    signed[[300, 20]] = torch.tensor([0.0, -0.0])  # -0 at 20 comes first: tied with +0
+    rows.append(signed)
+    inf = torch.zeros(V)
+    inf[[700, 7]] = float("inf")
+    rows.append(inf)
+    late_finite = torch.full((V,), -float("inf"))
+    late_finite[998] = -1e30
+    rows.append(late_finite)
+    for nan_at in ([500], [980, 3], [999]):
+        r = torch.randn(V)
+        r[10] = float("inf")
+        r[nan_at] = float("nan")
+        rows.append(r)
+    logits = torch.stack(rows).bfloat16()
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(ops.argmax(logits), expected)
+    assert expected.tolist()[:6] == [5, 999, 64, 0, 17, 992]  # the cases are what they say
+    assert expected.tolist()[6:] == [0, 0, 20, 7, 998, 500, 3, 999]
+
+
+def test_argmax_strided_rows_alone_and_at_1_and_2_threads(ops):
+    g = torch.Generator().manual_seed(12)
+    wide = (torch.randn(16, 49200, generator=g) * 4).bfloat16()
+    logits = wide[:, :49152]  # rows with a stride
+    expected = logits.float().argmax(dim=-1)
+    for n in (1, 2):
+        with _threads(n):
+            assert torch.equal(ops.argmax(logits), expected)
+    for i in (0, 9, 15):
+        assert ops.argmax(logits[i:i + 1]).item() == expected[i].item()
+    assert ops.argmax(logits[:0]).shape == (0,)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -237,6 +295,10 @@ def test_bad_input_gets_clear_errors(ops):
         ops.add_rms_norm(x, residual[:2], weight, 1e-5)
     with pytest.raises(RuntimeError, match="even"):
         ops.silu_and_mul(x[:, :63])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.argmax(x.float())
+    with pytest.raises(RuntimeError, match="rows, vocab"):
+        ops.argmax(x[0])
     _, q, k, v, positions, cos_sin, k_cache, v_cache, slots = _rotary_case(g, 4, 4, 2, 64)
     with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
         ops.rotary_and_write_kv(positions + 4096, q, k, v, cos_sin, k_cache, v_cache, slots)
@@ -290,7 +352,7 @@ def test_this_machine_never_falls_back_silently(monkeypatch, fresh_dispatch):
     def torch_path(*args, **kwargs):
         raise AssertionError("the torch layer op ran")
 
-    for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache", "rotary_and_write_kv"):
+    for name in ("rms_norm", "silu_and_mul", "rotary_embedding", "write_kv_cache", "rotary_and_write_kv", "argmax"):
         monkeypatch.setattr(ref, name, torch_path)
     g = torch.Generator().manual_seed(1)
     x, residual, weight = _norm_case(g, 4, 576)
@@ -301,6 +363,7 @@ def test_this_machine_never_falls_back_silently(monkeypatch, fresh_dispatch):
     before = qkv.clone()
     qo, ko = kernels.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
     assert qo is q and ko is k and not torch.equal(qkv, before)  # rotated in place
+    assert torch.equal(kernels.argmax(x), x.float().argmax(dim=-1))
 
 
 def test_dispatch_keeps_fp32_on_the_reference_exactly(fresh_dispatch):
@@ -317,6 +380,7 @@ def test_dispatch_keeps_fp32_on_the_reference_exactly(fresh_dispatch):
     eq, ek = ref.rotary_and_write_kv(positions, q, k, v, cos_sin, ekc, evc, slots)
     assert torch.equal(qo, eq) and torch.equal(ko, ek) and torch.equal(k_cache, ekc) and torch.equal(v_cache, evc)
     assert torch.equal(qkv, before)  # the reference leaves its inputs alone
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
 def test_dispatch_off_switch_runs_torch(monkeypatch, fresh_dispatch):

@@ -58,7 +58,8 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Repetition (prompt + output tokens, vLLM/HF rule), frequency and presence (output tokens)
-        penalties, and min_tokens masking, for the rows that ask for them."""
+        penalties, and min_tokens masking, for the rows that ask for them: fp32 logits then, else `logits`
+        itself (any dtype)."""
         idx = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
                or r.params.presence_penalty != 0.0]
@@ -72,6 +73,7 @@ class Sampler:
             freq = torch.tensor([r.params.frequency_penalty for r in sub], device=dev).unsqueeze(1)
             pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev).unsqueeze(1)
             sel = torch.tensor(idx, device=dev)
+            logits = logits.float()
             x = logits[sel]
             seen = prompt_seen | (out_counts > 0)
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
@@ -81,7 +83,7 @@ class Sampler:
                   if t < self.vocab_size]
         if banned:
             ri, ti = torch.tensor(banned, device=logits.device).T
-            logits = logits.index_put((ri, ti), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.float().index_put((ri, ti), torch.tensor(float("-inf"), device=logits.device))
         return logits
 
     def _noise(self, rows: list[SampleRow], V: int, device) -> torch.Tensor:
@@ -101,19 +103,23 @@ class Sampler:
         return noise.log_().neg_().to(device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """logits [B, V] in fp32 or the model's dtype (bf16 logits upcast to fp32 exactly, so every result
+        is the one of their fp32 copy)."""
         B, V = logits.shape
         dev = logits.device
         raw = logits
         logits = self._penalize(logits, rows)
         p = [r.params for r in rows]
-        temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
         if all(x.greedy for x in p):
-            tokens = logits.argmax(dim=1)  # greedy rows need neither noise nor the sort in sample()
+            # greedy rows need neither noise nor the sort in sample(); the argmax of bf16 logits is the
+            # argmax of their fp32 copy, without making that copy
+            tokens = kernels.argmax(logits)
         else:
+            temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
             top_k = torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev)
             top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
             min_p = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
-            tokens = kernels.sample(logits, temperature, top_k, top_p, min_p, self._noise(rows, V, dev))
+            tokens = kernels.sample(logits.float(), temperature, top_k, top_p, min_p, self._noise(rows, V, dev))
         token_list = tokens.tolist()
         return SampleOutput(token_list, self._logprobs(raw, rows, tokens, token_list))
 

@@ -5,6 +5,7 @@
 //   rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots): rotates q and k in place
 //     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped); returns
 //     false, doing nothing, for dtypes and layouts it does not take (the caller runs torch)
+//   argmax(logits [R, V]) -> int64 [R]: torch.argmax(logits.float(), dim=-1), without the fp32 copy
 // Each replaces 5-10 small aten ops (dtype copies, temporaries) whose per-op overhead dominated at the few
 // rows of a decode step.
 //
@@ -451,6 +452,85 @@ bool rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor 
   return true;
 }
 
+// ------------------------------------------------------------------------------------------------ argmax
+
+// The first index of the row's maximum, as torch's argmax finds it in the fp32 upcast (exact, order kept):
+// a NaN is the maximum (the first NaN wins), equal values (+0 and -0 too) go to the lowest index. Four
+// accumulators of 16 lanes, each seeing its indices in increasing order and keeping its first maximum on
+// a strict >; the lowest index among the lanes holding the overall maximum is then the row's first.
+AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
+  constexpr int ACC = 4;
+  __m512 best[ACC];
+  __m512i at[ACC];
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int a = 0; a < ACC; a++) {
+    best[a] = _mm512_set1_ps(-INFINITY);
+    at[a] = _mm512_set1_epi32(INT32_MAX);  // a lane that never sees a value above -inf never wins below
+  }
+  __mmask16 nan = 0;
+  __m512i idx = lanes;
+  const __m512i step = _mm512_set1_epi32(16);
+  int64_t c = 0;
+  for (; c + 16 * ACC <= n; c += 16 * ACC) {
+    for (int a = 0; a < ACC; a++) {
+      const __m512 v = load_bf16(x + c + 16 * a);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, best[a], _CMP_GT_OQ);
+      best[a] = _mm512_mask_mov_ps(best[a], gt, v);
+      at[a] = _mm512_mask_mov_epi32(at[a], gt, idx);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      idx = _mm512_add_epi32(idx, step);
+    }
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 m = tail_mask(n - c);
+    const __m512 v = load_bf16(x + c, m);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best[0], _CMP_GT_OQ);
+    best[0] = _mm512_mask_mov_ps(best[0], gt, v);
+    at[0] = _mm512_mask_mov_epi32(at[0], gt, idx);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (nan) {  // rare: find the first NaN (exponent all ones, mantissa not zero)
+    for (int64_t i = 0; i < n; i++)
+      if ((x[i] & 0x7fff) > 0x7f80) return i;
+  }
+  float top = -INFINITY;
+  for (int a = 0; a < ACC; a++) top = std::max(top, _mm512_reduce_max_ps(best[a]));
+  if (top == -INFINITY) return 0;  // every value is -inf: torch returns the first
+  int32_t first = INT32_MAX;
+  for (int a = 0; a < ACC; a++) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(best[a], _mm512_set1_ps(top), _CMP_EQ_OQ);
+    first = std::min(first, _mm512_mask_reduce_min_epi32(eq, at[a]));
+  }
+  return first;
+}
+
+// A new int64 CPU vector [n], allocated as empty_bf16 allocates.
+Tensor empty_int64(int64_t n) {
+  const int64_t stride = 1;
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(1, &n, &stride, aoti_torch_dtype_int64(),
+                                                         aoti_torch_device_type_cpu(), 0, &handle));
+  return Tensor(handle);
+}
+
+Tensor argmax(Tensor logits) {
+  STD_TORCH_CHECK(cpu_supported(), "argmax: this CPU lacks AVX512-BF16");
+  check_rows(logits, "logits", "argmax");
+  STD_TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax: logits must be [rows, vocab > 0]");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  STD_TORCH_CHECK(n <= (int64_t(1) << 30), "argmax: vocab of ", n, " is too large");  // int32 lane indices
+  const int64_t stride = as_rows(logits);
+  Tensor out = empty_int64(rows);
+  if (rows == 0) return out;
+  const auto* xp = static_cast<const uint16_t*>(logits.const_data_ptr());
+  auto* op = static_cast<int64_t*>(out.mutable_data_ptr());
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) op[i] = argmax_row(xp + i * stride, n);
+  });
+  return out;
+}
+
 bool supported() { return cpu_supported(); }
 
 }  // namespace
@@ -461,6 +541,7 @@ STABLE_TORCH_LIBRARY(phaseserve_layer_ops, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> bool");
+  m.def("argmax(Tensor logits) -> Tensor");
   m.def("supported() -> bool");
 }
 
@@ -469,6 +550,7 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CPU, m) {
   m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
   m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));
   m.impl("rotary_and_write_kv", TORCH_BOX(&rotary_and_write_kv));
+  m.impl("argmax", TORCH_BOX(&argmax));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CompositeExplicitAutograd, m) {
