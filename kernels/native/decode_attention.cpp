@@ -43,17 +43,12 @@ using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
 constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
-constexpr int64_t PARTITION_TILES = PARTITION_TOKENS / TILE;
-#ifndef PHASESERVE_PREFETCH_TILES
-#define PHASESERVE_PREFETCH_TILES 2
-#endif
-constexpr int PREFETCH_TILES = PHASESERVE_PREFETCH_TILES;  // software prefetch distance
+// software prefetch distance (measured, 1 thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
+// prefetching only each block's first lines for the hardware prefetcher to follow: no better)
+constexpr int PREFETCH_TILES = 2;
 constexpr int MAX_GROUP = 16;  // query heads per KV head
-#ifndef PHASESERVE_ITEMS_PER_THREAD
-#define PHASESERVE_ITEMS_PER_THREAD 4
-#endif
 // fewer (sequence, partition) items than this per thread: one KV head an item
-constexpr int ITEMS_PER_THREAD = PHASESERVE_ITEMS_PER_THREAD;
+constexpr int ITEMS_PER_THREAD = 4;
 constexpr float LOG2E = 1.4426950408889634f;
 
 // 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes.
@@ -182,6 +177,52 @@ struct Scratch {
   }
 };
 
+// Query heads one p.V block serves at once (their accumulators, 16 vectors, stay in registers).
+template <int D>
+constexpr int PV_HEADS = 256 / D;
+
+// acc[i] (fp32 [D] each, i < NB: consecutive query heads of one KV head) += the sum over the tile's token
+// pairs t of (p_2t, p_2t+1) . (V_2t, V_2t+1): p as bf16 pairs (row stride PARTITION_TOKENS / 2), V from
+// vpairs. The heads share each V load and keep NB x D/16 independent vdpbf16ps chains in flight (one head
+// at a time: 1-6% slower, K/V in cache).
+template <int D, int NB, int PAIRS>
+AVX512_BF16 inline void pv_block(const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  __m512 o[NB][D / 16];
+  for (int i = 0; i < NB; i++)
+    for (int c = 0; c < D / 16; c++) o[i][c] = _mm512_load_ps(acc + i * D + c * 16);
+  const int np = PAIRS ? PAIRS : pairs;
+  for (int t = 0; t < np; t++) {
+    __m512bh vv[D / 16];
+    for (int c = 0; c < D / 16; c++) vv[c] = (__m512bh)_mm512_load_si512(vpairs + t * 2 * D + c * 32);
+    for (int i = 0; i < NB; i++) {
+      const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[i * (PARTITION_TOKENS / 2) + t]));
+      for (int c = 0; c < D / 16; c++) o[i][c] = _mm512_dpbf16_ps(o[i][c], vv[c], pt);
+    }
+  }
+  for (int i = 0; i < NB; i++)
+    for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + i * D + c * 16, o[i][c]);
+}
+
+template <int D, int NB>
+AVX512_BF16 inline void pv_block_tile(const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  if (pairs == TILE / 2) pv_block<D, NB, TILE / 2>(vpairs, p, acc, pairs);  // whole tiles: fully unrolled
+  else pv_block<D, NB, 0>(vpairs, p, acc, pairs);
+}
+
+template <int D>
+AVX512_BF16 inline void pv_heads(int nb, const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  switch (nb) {
+    case 1: return pv_block_tile<D, 1>(vpairs, p, acc, pairs);
+    case 2: return pv_block_tile<D, 2>(vpairs, p, acc, pairs);
+    case 3: return pv_block_tile<D, (PV_HEADS<D> >= 3 ? 3 : 1)>(vpairs, p, acc, pairs);
+    case 4: return pv_block_tile<D, (PV_HEADS<D> >= 4 ? 4 : 1)>(vpairs, p, acc, pairs);
+    case 5: return pv_block_tile<D, (PV_HEADS<D> >= 5 ? 5 : 1)>(vpairs, p, acc, pairs);
+    case 6: return pv_block_tile<D, (PV_HEADS<D> >= 6 ? 6 : 1)>(vpairs, p, acc, pairs);
+    case 7: return pv_block_tile<D, (PV_HEADS<D> >= 7 ? 7 : 1)>(vpairs, p, acc, pairs);
+    default: return pv_block_tile<D, (PV_HEADS<D> >= 8 ? 8 : 1)>(vpairs, p, acc, pairs);
+  }
+}
+
 template <int D>
 AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, float* acc, float* m, float* l) {
   const int64_t G = P.hq / P.hkv;
@@ -261,19 +302,12 @@ AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, fl
           _mm512_store_si512(vpairs + t * D + c * 64, _mm512_unpacklo_epi16(x, y));
           _mm512_store_si512(vpairs + t * D + c * 64 + 32, _mm512_unpackhi_epi16(x, y));
         }
-      for (int64_t g = 0; g < G; g++) {
-        pf.issue((kh - kh0) * G + g, heads);
+      for (int64_t g = 0; g < G; g += PV_HEADS<D>) {
+        const int64_t nb = std::min<int64_t>(PV_HEADS<D>, G - g);
+        pf.issue((kh - kh0) * G + g + nb - 1, heads);
         const int64_t h = kh * G + g;
-        float* ah = acc + h * D;
-        const uint32_t* ph = Pp + (h - h0) * (PARTITION_TOKENS / 2) + j * (TILE / 2);
-        __m512 o[D / 16];
-        for (int c = 0; c < D / 16; c++) o[c] = _mm512_load_ps(ah + c * 16);
-        for (int t = 0; t < n; t += 2) {
-          const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(ph[t / 2]));
-          for (int c = 0; c < D / 16; c++)
-            o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)_mm512_load_si512(vpairs + t * D + c * 32), pt);
-        }
-        for (int c = 0; c < D / 16; c++) _mm512_store_ps(ah + c * 16, o[c]);
+        pv_heads<D>(static_cast<int>(nb), vpairs, Pp + (h - h0) * (PARTITION_TOKENS / 2) + j * (TILE / 2),
+                    acc + h * D, (n + 1) / 2);
       }
     }
   }
