@@ -353,7 +353,7 @@ void run(const Problem& P, int64_t B, uint16_t* out) {
   const int64_t per_slot = P.hq * D + (2 * P.hq + 15) / 16 * 16;
   // the item split over KV heads changes which thread does a head's work, never its arithmetic
   const int64_t threads = torch::stable::get_num_threads();
-  const int64_t per_item = slots >= ITEMS_PER_THREAD * threads ? P.hkv : 1;  // KV heads an item
+  const int64_t per_item = threads == 1 || slots >= ITEMS_PER_THREAD * threads ? P.hkv : 1;  // KV heads an item
   const int64_t groups = P.hkv / per_item;
   std::vector<Item> items;
   items.reserve(slots * groups);
