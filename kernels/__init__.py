@@ -219,9 +219,8 @@ def _cpu_paged_attention(
             # the runner's step tensors are int32 already: .int() would still cost a dispatch per layer
             block_tables, seq_lens = _int32(block_tables), _int32(seq_lens)
             if decode:
-                return ops.decode_attention.default(q, k_cache, v_cache, block_tables, seq_lens, scale)
-            return ops.extend_attention.default(q, k_cache, v_cache, block_tables, seq_lens,
-                                                _int32(query_start_loc), scale)
+                return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return ops.extend_attention(q, k_cache, v_cache, block_tables, seq_lens, _int32(query_start_loc), scale)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 
