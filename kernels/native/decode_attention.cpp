@@ -13,8 +13,8 @@
 // several partitions is combined in partition order by whichever thread finishes its last one.
 //
 // Work items are (sequence, partition, KV heads): all the KV heads at once (a tile of one block is one
-// contiguous range in the [blocks, block_size, kv_heads, head_dim] layout) when the batch gives every
-// thread several items, else one KV head each, so that a small batch still fills the threads. A head's
+// contiguous range in the [blocks, block_size, kv_heads, head_dim] layout) on one thread or when the batch
+// gives every thread several items, else one KV head each, so that a small batch still fills the threads. A head's
 // arithmetic is the same in either form: a sequence's result is bit-identical alone or batched, on any
 // number of threads.
 
