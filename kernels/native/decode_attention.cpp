@@ -43,7 +43,7 @@ using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
 constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
-// software prefetch distance (measured, 1 thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
+// software prefetch distance (measured on one thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
 // prefetching only each block's first lines for the hardware prefetcher to follow: no better)
 constexpr int PREFETCH_TILES = 2;
 constexpr int MAX_GROUP = 16;  // query heads per KV head
