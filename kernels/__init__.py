@@ -215,6 +215,10 @@ def paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _cpu_paged_attention(q, *args, **kwargs)
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.int()
+
+
 def _cpu_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -227,10 +231,11 @@ def _cpu_paged_attention(
         if ops is not None:
             if q.stride(2) != 1 or q.stride(1) != D:
                 q = q.contiguous()
+            # the runner's step tensors are int32 already: .int() would still cost a dispatch per layer
+            block_tables, seq_lens = _int32(block_tables), _int32(seq_lens)
             if decode:
-                return ops.decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale)
-            return ops.extend_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(),
-                                        query_start_loc.int(), scale)
+                return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return ops.extend_attention(q, k_cache, v_cache, block_tables, seq_lens, _int32(query_start_loc), scale)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 

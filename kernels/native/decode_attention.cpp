@@ -3,13 +3,20 @@
 // Built against torch's stable ABI (torch/csrc/stable): a few seconds to compile, no ATen headers.
 // Registered as torch.ops.phaseserve_decode_attention.{decode_attention, supported}.
 //
-// Work items are (sequence, partition): a partition is PARTITION_TOKENS consecutive positions of one
-// sequence, so how a sequence is split depends only on its own length, never on the batch or the thread
-// count, and a sequence's result is bit-identical alone or batched. An item reads each 16-token tile of
-// K and V once for all its KV heads (a tile of one block is contiguous in the [blocks, block_size,
-// kv_heads, head_dim] layout), scores 16 tokens at a time with vdpbf16ps and a 16x16 transpose-reduce,
-// and keeps an online softmax (base 2: log2(e) folded into the scale) with fp32 accumulators per query
-// head. A sequence of several partitions is combined afterwards in partition order.
+// A sequence is cut into partitions of PARTITION_TOKENS consecutive positions, so how it is split depends
+// only on its own length, never on the batch or the thread count. A partition is attended in two passes
+// over its 16-token tiles: the first reads K and stores every query head's scores (vdpbf16ps and a 16x16
+// transpose-reduce, base 2: log2(e) folded into the scale); then each head's softmax is taken once over the
+// whole partition (one max, one exp per score, one sum), and the second pass reads V and accumulates p.V
+// (probabilities rounded to bf16, fp32 accumulators). No running max and no rescale per tile: the passes are
+// free of the serial max -> exp -> rescale chain, so the core overlaps heads and tiles. A sequence of
+// several partitions is combined in partition order by whichever thread finishes its last one.
+//
+// Work items are (sequence, partition, KV heads): all the KV heads at once (a tile of one block is one
+// contiguous range in the [blocks, block_size, kv_heads, head_dim] layout) on one thread or when the batch
+// gives every thread several items, else one KV head each, so that a small batch still fills the threads. A head's
+// arithmetic is the same in either form: a sequence's result is bit-identical alone or batched, on any
+// number of threads.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -20,11 +27,13 @@
 
 #include "attention_math.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -34,8 +43,12 @@ using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
 constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
-constexpr int PREFETCH_TILES = 2;  // software prefetch distance (1: 5-10% slower, 3-4: no better)
+// software prefetch distance (measured on one thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
+// prefetching only each block's first lines for the hardware prefetcher to follow: no better)
+constexpr int PREFETCH_TILES = 2;
 constexpr int MAX_GROUP = 16;  // query heads per KV head
+// fewer (sequence, partition) items than this per thread: one KV head an item
+constexpr int ITEMS_PER_THREAD = 4;
 constexpr float LOG2E = 1.4426950408889634f;
 
 // 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes.
@@ -53,11 +66,6 @@ AVX512_BF16 inline __m512 transpose_reduce(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
 
-AVX512_BF16 inline __m512 bf16_to_fp32(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 struct Problem {
   const uint16_t* q;  // [B, Hq, D], row stride q_stride
   int64_t q_stride;
@@ -70,145 +78,255 @@ struct Problem {
   float scale_log2;  // softmax scale * log2(e)
 };
 
+// What a work item attends: sequence b's positions [t0, t1) for KV heads [kh0, kh1); its partition's
+// state (acc [Hq, D], then m [Hq] and l [Hq]) is slot `slot` of the call's state.
+struct Item {
+  int64_t b, t0, t1, kh0, kh1, slot;
+};
+
 // Row pointers (elements) of the tile's n tokens starting at position `tile`; rows past n repeat the first
 // (their scores are masked).
 inline void tile_rows(const Problem& P, const int32_t* table, int64_t tile, int n, int64_t row,
-                      const uint16_t** krow, const uint16_t** vrow) {
+                      const uint16_t* base, const uint16_t** rows) {
   int64_t blk = tile / P.bs, in = tile % P.bs;
   for (int t = 0; t < n; t++) {
-    const int64_t off = (static_cast<int64_t>(table[blk]) * P.bs + in) * row;
-    krow[t] = P.k + off;
-    vrow[t] = P.v + off;
+    rows[t] = base + (static_cast<int64_t>(table[blk]) * P.bs + in) * row;
     if (++in == P.bs) in = 0, blk++;
   }
-  for (int t = n; t < TILE; t++) krow[t] = krow[0], vrow[t] = vrow[0];
+  for (int t = n; t < TILE; t++) rows[t] = rows[0];
 }
 
-// One partition [t0, t1) of sequence b: per query head, the running max m (base 2), the sum l of
-// 2^(s - m) and the unnormalized output acc [D], written to state (acc at h * D, then m and l at the end).
-// The range of positions a work item attends: sequence b's [t0, t1).
-struct Span {
-  int64_t b, t0, t1;
+// Software prefetch of the tiles an item reads PREFETCH_TILES ahead: its K tiles, then its V tiles, then
+// the first tiles of the item this thread runs next. Blocks are scattered, so the hardware cannot guess
+// them. A tile's lines are planned at the start of a tile and issued a share at a time (`issue`) while
+// the tile computes, never all at once: a burst fills the core's miss buffers and stalls its loads.
+template <int D>
+struct Prefetcher {
+  const Problem& P;
+  const char* start[TILE];  // ranges to prefetch: start, bytes
+  int64_t bytes[TILE];
+  int ranges = 0;
+  int64_t total = 0, done = 0;  // lines planned, lines issued
+  int range = 0;  // where the next line to issue is: range and byte offset in it
+  int64_t offset = 0;
+
+  explicit Prefetcher(const Problem& P) : P(P) {}
+
+  // Plan the tile at stream position `j` of `item` (j < tiles: K tile j; then V tile j - tiles), or of
+  // `next` past the item's end.
+  void plan(const Item& item, int64_t j, const Item* next) {
+    ranges = 0, total = 0, done = 0, range = 0, offset = 0;
+    int64_t tiles = (item.t1 - item.t0 + TILE - 1) / TILE;
+    const Item* it = &item;
+    if (j >= 2 * tiles) {
+      if (next == nullptr) return;
+      j -= 2 * tiles;
+      it = next;
+      tiles = (it->t1 - it->t0 + TILE - 1) / TILE;
+      if (j >= 2 * tiles) return;
+    }
+    const bool is_v = j >= tiles;
+    const int64_t tile = it->t0 + (is_v ? j - tiles : j) * TILE;
+    const int n = static_cast<int>(std::min<int64_t>(TILE, it->t1 - tile));
+    const int64_t row = P.hkv * D;
+    const uint16_t* rows[TILE];
+    tile_rows(P, P.tables + it->b * P.table_stride, tile, n, row, is_v ? P.v : P.k, rows);
+    const int64_t seg = (it->kh1 - it->kh0) * D * 2;  // bytes of a token's row this item reads
+    const int64_t head = it->kh0 * D * 2;
+    if (rows[n - 1] == rows[0] + (n - 1) * row && seg == row * 2) {  // one contiguous range
+      start[0] = reinterpret_cast<const char*>(rows[0]);
+      bytes[0] = n * row * 2;
+      ranges = 1;
+    } else {
+      for (int t = 0; t < n; t++) start[t] = reinterpret_cast<const char*>(rows[t]) + head, bytes[t] = seg;
+      ranges = n;
+    }
+    for (int r = 0; r < ranges; r++) {  // whole lines: from the line holding the start
+      const int64_t off = reinterpret_cast<uintptr_t>(start[r]) & 63;
+      start[r] -= off;
+      bytes[r] += off;
+      total += (bytes[r] + 63) / 64;
+    }
+  }
+
+  // Issue the planned lines up to the end of share `part` of `parts`.
+  void issue(int64_t part, int64_t parts) {
+    const int64_t until = (total * (part + 1) + parts - 1) / parts;
+    for (; done < until; done++) {
+      _mm_prefetch(start[range] + offset, _MM_HINT_T0);
+      offset += 64;
+      if (offset >= bytes[range]) range++, offset = 0;
+    }
+  }
 };
 
+// Per-thread scratch of an item: scores [heads][PARTITION_TOKENS] fp32, probabilities as bf16 pairs
+// [heads][PARTITION_TOKENS / 2].
+struct Scratch {
+  float* scores = nullptr;
+  uint32_t* probs = nullptr;
+  int64_t heads = 0;
+  ~Scratch() { std::free(scores), std::free(probs); }
+  void reserve(int64_t h) {
+    if (h <= heads) return;
+    std::free(scores), std::free(probs);
+    scores = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * h * PARTITION_TOKENS));
+    probs = static_cast<uint32_t*>(std::aligned_alloc(64, sizeof(uint32_t) * h * PARTITION_TOKENS / 2));
+    STD_TORCH_CHECK(scores != nullptr && probs != nullptr, "decode_attention: out of memory");
+    heads = h;
+  }
+};
+
+// Query heads one p.V block serves at once (their accumulators, 16 vectors, stay in registers).
 template <int D>
-AVX512_BF16 void attend_partition(const Problem& P, int64_t b, int64_t t0, int64_t t1, float* acc,
-                                  float* m, float* l, const Span* following) {
+constexpr int PV_HEADS = 256 / D;
+
+// acc[i] (fp32 [D] each, i < NB: consecutive query heads of one KV head) += the sum over the tile's token
+// pairs t of (p_2t, p_2t+1) . (V_2t, V_2t+1): p as bf16 pairs (row stride PARTITION_TOKENS / 2), V from
+// vpairs. The heads share each V load and keep NB x D/16 independent vdpbf16ps chains in flight (one head
+// at a time: 1-6% slower, K/V in cache).
+template <int D, int NB, int PAIRS>
+AVX512_BF16 inline void pv_block(const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  __m512 o[NB][D / 16];
+  for (int i = 0; i < NB; i++)
+    for (int c = 0; c < D / 16; c++) o[i][c] = _mm512_load_ps(acc + i * D + c * 16);
+  const int np = PAIRS ? PAIRS : pairs;
+  for (int t = 0; t < np; t++) {
+    __m512bh vv[D / 16];
+    for (int c = 0; c < D / 16; c++) vv[c] = (__m512bh)_mm512_load_si512(vpairs + t * 2 * D + c * 32);
+    for (int i = 0; i < NB; i++) {
+      const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[i * (PARTITION_TOKENS / 2) + t]));
+      for (int c = 0; c < D / 16; c++) o[i][c] = _mm512_dpbf16_ps(o[i][c], vv[c], pt);
+    }
+  }
+  for (int i = 0; i < NB; i++)
+    for (int c = 0; c < D / 16; c++) _mm512_store_ps(acc + i * D + c * 16, o[i][c]);
+}
+
+template <int D, int NB>
+AVX512_BF16 inline void pv_block_tile(const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  if (pairs == TILE / 2) pv_block<D, NB, TILE / 2>(vpairs, p, acc, pairs);  // whole tiles: fully unrolled
+  else pv_block<D, NB, 0>(vpairs, p, acc, pairs);
+}
+
+template <int D>
+AVX512_BF16 inline void pv_heads(int nb, const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
+  switch (nb) {
+    case 1: return pv_block_tile<D, 1>(vpairs, p, acc, pairs);
+    case 2: return pv_block_tile<D, 2>(vpairs, p, acc, pairs);
+    case 3: return pv_block_tile<D, (PV_HEADS<D> >= 3 ? 3 : 1)>(vpairs, p, acc, pairs);
+    case 4: return pv_block_tile<D, (PV_HEADS<D> >= 4 ? 4 : 1)>(vpairs, p, acc, pairs);
+    case 5: return pv_block_tile<D, (PV_HEADS<D> >= 5 ? 5 : 1)>(vpairs, p, acc, pairs);
+    case 6: return pv_block_tile<D, (PV_HEADS<D> >= 6 ? 6 : 1)>(vpairs, p, acc, pairs);
+    case 7: return pv_block_tile<D, (PV_HEADS<D> >= 7 ? 7 : 1)>(vpairs, p, acc, pairs);
+    default: return pv_block_tile<D, (PV_HEADS<D> >= 8 ? 8 : 1)>(vpairs, p, acc, pairs);
+  }
+}
+
+template <int D>
+AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, float* acc, float* m, float* l) {
   const int64_t G = P.hq / P.hkv;
   const int64_t row = P.hkv * D;  // elements per token in a block
+  const int64_t b = item.b, t0 = item.t0, t1 = item.t1, kh0 = item.kh0, kh1 = item.kh1;
+  const int64_t h0 = kh0 * G, heads = (kh1 - kh0) * G;
   const int32_t* table = P.tables + b * P.table_stride;
-  for (int64_t h = 0; h < P.hq; h++) {
-    m[h] = -INFINITY;
-    l[h] = 0.0f;
-  }
-  std::memset(acc, 0, sizeof(float) * P.hq * D);
-  alignas(64) uint16_t vpairs[TILE * D];  // one KV head's V tile, tokens (2i, 2i+1) interleaved per feature
-  alignas(64) uint32_t ppairs[MAX_GROUP][TILE / 2];  // per query head: (p_2i, p_2i+1) as bf16 pairs
-  alignas(64) float scores[MAX_GROUP][TILE];  // per query head of a KV head, base-2 scaled
-  float corr[MAX_GROUP];
-  const uint16_t* rows[2][2][TILE];  // [this / next tile][K / V][token]
-  int cur = 0;
-  tile_rows(P, table, t0, static_cast<int>(std::min<int64_t>(TILE, t1 - t0)), row, rows[0][0], rows[0][1]);
-  for (int64_t tile = t0; tile < t1; tile += TILE, cur ^= 1) {
-    const int n = static_cast<int>(t1 - tile < TILE ? t1 - tile : TILE);
-    const uint16_t* const* krow = rows[cur][0];
-    const uint16_t* const* vrow = rows[cur][1];
-    const int64_t next = tile + TILE;
-    const int n_next = static_cast<int>(next < t1 ? std::min<int64_t>(TILE, t1 - next) : 0);
-    if (n_next > 0) tile_rows(P, table, next, n_next, row, rows[cur ^ 1][0], rows[cur ^ 1][1]);
-    // blocks are scattered, so the hardware cannot guess the rows PREFETCH_TILES tiles ahead: prefetch them,
-    // each KV head's share while that head computes
-    const uint16_t* ahead[2][TILE];
-    // near the end, the first tiles of the item this thread runs next (`following`)
-    int64_t at = tile + PREFETCH_TILES * TILE, end = t1;
-    const int32_t* at_table = table;
-    if (at >= t1 && following != nullptr) {
-      at = following->t0 + (at - t0 - (t1 - t0 + TILE - 1) / TILE * TILE);
-      end = following->t1;
-      at_table = P.tables + following->b * P.table_stride;
-    }
-    const int n_ahead = static_cast<int>(at < end ? std::min<int64_t>(TILE, end - at) : 0);
-    if (n_ahead > 0) tile_rows(P, at_table, at, n_ahead, row, ahead[0], ahead[1]);
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    // a whole tile inside one block is one contiguous range: prefetched in address order
-    const bool contiguous = n_ahead == TILE && ahead[0][TILE - 1] == ahead[0][0] + (TILE - 1) * row &&
-                            ahead[1][TILE - 1] == ahead[1][0] + (TILE - 1) * row;
-    const int64_t share = (TILE * row * 2 / P.hkv + 63) / 64 * 64;  // bytes of the tile prefetched per KV head
-    for (int64_t kh = 0; kh < P.hkv; kh++) {
-      if (contiguous) {
-        const int64_t end = std::min<int64_t>((kh + 1) * share, TILE * row * 2);
-        for (int64_t byte = kh * share; byte < end; byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(ahead[0][0]) + byte, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(ahead[1][0]) + byte, _MM_HINT_T0);
-        }
-      } else {
-        for (int t = 0; t < n_ahead; t++)
-          for (int64_t byte = 0; byte < D * 2; byte += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead[0][t] + kh * D) + byte, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(ahead[1][t] + kh * D) + byte, _MM_HINT_T0);
-          }
-      }
-      for (int t = 0; t < n; t += 2)
-        for (int c = 0; c < D / 32; c++) {
-          const __m512i x = _mm512_loadu_si512(vrow[t] + kh * D + c * 32);
-          const __m512i y = t + 1 < n ? _mm512_loadu_si512(vrow[t + 1] + kh * D + c * 32) : _mm512_setzero_si512();
-          _mm512_store_si512(vpairs + t * D + c * 64, _mm512_unpacklo_epi16(x, y));
-          _mm512_store_si512(vpairs + t * D + c * 64 + 32, _mm512_unpackhi_epi16(x, y));
-        }
-      // three passes over this KV head's query heads, each free of dependencies between heads so that the
-      // out-of-order core overlaps the heads' latency chains (dot, transpose, max, exp, accumulate)
+  const int64_t tiles = (t1 - t0 + TILE - 1) / TILE;
+  const int last = static_cast<int>(t1 - t0 - (tiles - 1) * TILE);  // tokens in the last tile
+  thread_local Scratch scratch;
+  scratch.reserve(heads);
+  float* const S = scratch.scores;  // [heads][PARTITION_TOKENS]
+  uint32_t* const Pp = scratch.probs;  // [heads][PARTITION_TOKENS / 2]
+  Prefetcher<D> pf(P);
+  const uint16_t* rows[TILE];
+
+  // pass 1: scores, K read once
+  for (int64_t j = 0; j < tiles; j++) {
+    const int64_t tile = t0 + j * TILE;
+    const int n = j + 1 < tiles ? TILE : last;
+    tile_rows(P, table, tile, n, row, P.k, rows);
+    pf.plan(item, j + PREFETCH_TILES, next);
+    for (int64_t kh = kh0; kh < kh1; kh++) {
       for (int64_t g = 0; g < G; g++) {
-        const uint16_t* qh = P.q + b * P.q_stride + (kh * G + g) * D;
+        pf.issue((kh - kh0) * G + g, heads);
+        const int64_t h = kh * G + g;
+        const uint16_t* qh = P.q + b * P.q_stride + h * D;
         __m512bh qv[D / 32];
         for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
         __m512 dots[TILE];
         for (int t = 0; t < TILE; t++) {
           __m512 a = _mm512_setzero_ps();
           for (int c = 0; c < D / 32; c++)
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krow[t] + kh * D + c * 32), qv[c]);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(rows[t] + kh * D + c * 32), qv[c]);
           dots[t] = a;
         }
-        _mm512_store_ps(scores[g], _mm512_mul_ps(transpose_reduce(dots), _mm512_set1_ps(P.scale_log2)));
+        _mm512_store_ps(S + (h - h0) * PARTITION_TOKENS + j * TILE,
+                        _mm512_mul_ps(transpose_reduce(dots), _mm512_set1_ps(P.scale_log2)));
       }
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t h = kh * G + g;
-        const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_load_ps(scores[g]));
-        const float m_new = std::fmax(m[h], _mm512_reduce_max_ps(s));
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        corr[g] = std::exp2(m[h] - m_new);  // 0 on the first tile (m = -inf)
-        l[h] = l[h] * corr[g] + _mm512_reduce_add_ps(p);
-        m[h] = m_new;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(ppairs[g]), (__m256i)_mm512_cvtneps_pbh(p));
-      }
-      for (int64_t g = 0; g < G; g++) {
-        float* ah = acc + (kh * G + g) * D;
-        __m512 o[D / 16];
-        const __m512 cv = _mm512_set1_ps(corr[g]);
-        for (int c = 0; c < D / 16; c++) o[c] = _mm512_mul_ps(_mm512_load_ps(ah + c * 16), cv);
-        for (int t = 0; t < n; t += 2) {
-          const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(ppairs[g][t / 2]));
-          for (int c = 0; c < D / 16; c++)
-            o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)_mm512_load_si512(vpairs + t * D + c * 32), pt);
+    }
+  }
+
+  // each head's softmax over the partition: max, then p = 2^(s - max) (bf16 pairs for p.V) and their sum
+  const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1);
+  for (int64_t i = 0; i < heads; i++) {
+    const float* s = S + i * PARTITION_TOKENS;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j + 1 < tiles; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(s + j * TILE));
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(s + (tiles - 1) * TILE));
+    const float mh = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(mh);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < tiles; j++) {
+      __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s + j * TILE), mv));
+      if (j + 1 == tiles) p = _mm512_maskz_mov_ps(tail, p);
+      sum = _mm512_add_ps(sum, p);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(Pp + i * (PARTITION_TOKENS / 2) + j * (TILE / 2)),
+                         (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    m[h0 + i] = mh;
+    l[h0 + i] = _mm512_reduce_add_ps(sum);
+  }
+
+  // pass 2: acc = p.V, V read once (each KV head's tile with tokens (2i, 2i+1) interleaved per feature)
+  for (int64_t i = 0; i < heads; i++) std::memset(acc + (h0 + i) * D, 0, sizeof(float) * D);
+  alignas(64) uint16_t vpairs[TILE * D];
+  for (int64_t j = 0; j < tiles; j++) {
+    const int64_t tile = t0 + j * TILE;
+    const int n = j + 1 < tiles ? TILE : last;
+    tile_rows(P, table, tile, n, row, P.v, rows);
+    pf.plan(item, tiles + j + PREFETCH_TILES, next);
+    for (int64_t kh = kh0; kh < kh1; kh++) {
+      for (int t = 0; t < n; t += 2)
+        for (int c = 0; c < D / 32; c++) {
+          const __m512i x = _mm512_loadu_si512(rows[t] + kh * D + c * 32);
+          const __m512i y = t + 1 < n ? _mm512_loadu_si512(rows[t + 1] + kh * D + c * 32) : _mm512_setzero_si512();
+          _mm512_store_si512(vpairs + t * D + c * 64, _mm512_unpacklo_epi16(x, y));
+          _mm512_store_si512(vpairs + t * D + c * 64 + 32, _mm512_unpackhi_epi16(x, y));
         }
-        for (int c = 0; c < D / 16; c++) _mm512_store_ps(ah + c * 16, o[c]);
+      for (int64_t g = 0; g < G; g += PV_HEADS<D>) {
+        const int64_t nb = std::min<int64_t>(PV_HEADS<D>, G - g);
+        pf.issue((kh - kh0) * G + g + nb - 1, heads);
+        const int64_t h = kh * G + g;
+        pv_heads<D>(static_cast<int>(nb), vpairs, Pp + (h - h0) * (PARTITION_TOKENS / 2) + j * (TILE / 2),
+                    acc + h * D, (n + 1) / 2);
       }
     }
   }
 }
 
-// Sequence b's partitions [first, last) combined in partition order (deterministic) into out [Hq, D].
+// Sequence b's partitions (state slots [first, last)) combined in partition order (deterministic) into
+// out [Hq, D].
 template <int D>
-AVX512_BF16 void combine_partitions(const float* state, int64_t per_item, int64_t hq, int64_t first, int64_t last,
+AVX512_BF16 void combine_partitions(const float* state, int64_t per_slot, int64_t hq, int64_t first, int64_t last,
                                     uint16_t* out) {
   alignas(64) float total[D];
   for (int64_t h = 0; h < hq; h++) {
     float mx = -INFINITY;
-    for (int64_t i = first; i < last; i++) mx = std::fmax(mx, state[i * per_item + hq * D + h]);
+    for (int64_t i = first; i < last; i++) mx = std::fmax(mx, state[i * per_slot + hq * D + h]);
     float sum = 0.0f;
     __m512 o[D / 16];
     for (int c = 0; c < D / 16; c++) o[c] = _mm512_setzero_ps();
     for (int64_t i = first; i < last; i++) {
-      const float* st = state + i * per_item;
+      const float* st = state + i * per_slot;
       const float w = std::exp2(st[hq * D + h] - mx);
       sum += st[hq * D + hq + h] * w;
       const __m512 wv = _mm512_set1_ps(w);
@@ -220,47 +338,55 @@ AVX512_BF16 void combine_partitions(const float* state, int64_t per_item, int64_
 }
 
 template <int D>
-void run(const Problem& P, int64_t B, uint16_t* out) {
-  // (sequence, partition) items; state per item: acc [Hq, D], then m [Hq] and l [Hq] padded to 64 bytes so
-  // every item's accumulators stay 64-byte aligned
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t b = 0; b < B; b++) {
-    int64_t len = P.lens[b];
-    first[b + 1] = first[b] + (len + PARTITION_TOKENS - 1) / PARTITION_TOKENS;
-  }
-  const int64_t items = first[B];
-  const int64_t per_item = P.hq * D + (2 * P.hq + 15) / 16 * 16;
-  std::vector<int64_t> item_seq(items);
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t i = first[b]; i < first[b + 1]; i++) item_seq[i] = b;
-  float* state = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * per_item * items));
-  STD_TORCH_CHECK(state != nullptr, "decode_attention: out of memory");
+AVX512_BF16 void finish_alone(const float* acc, const float* l, int64_t h0, int64_t h1, uint16_t* out) {
+  for (int64_t h = h0; h < h1; h++) store_normalized(out + h * D, acc + h * D, 1.0f / l[h], D);
+}
 
-  torch::stable::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) {
-      const int64_t b = item_seq[i];
-      const int64_t t0 = (i - first[b]) * PARTITION_TOKENS;
+template <int D>
+void run(const Problem& P, int64_t B, uint16_t* out) {
+  // state slots (sequence, partition): acc [Hq, D], then m [Hq] and l [Hq] padded to 64 bytes so every
+  // slot's accumulators stay 64-byte aligned
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; b++)
+    first[b + 1] = first[b] + (P.lens[b] + PARTITION_TOKENS - 1) / PARTITION_TOKENS;
+  const int64_t slots = first[B];
+  const int64_t per_slot = P.hq * D + (2 * P.hq + 15) / 16 * 16;
+  // the item split over KV heads changes which thread does a head's work, never its arithmetic
+  const int64_t threads = torch::stable::get_num_threads();
+  const int64_t per_item = threads == 1 || slots >= ITEMS_PER_THREAD * threads ? P.hkv : 1;  // KV heads an item
+  const int64_t groups = P.hkv / per_item;
+  std::vector<Item> items;
+  items.reserve(slots * groups);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t s = first[b]; s < first[b + 1]; s++) {
+      const int64_t t0 = (s - first[b]) * PARTITION_TOKENS;
       const int64_t t1 = std::min<int64_t>(t0 + PARTITION_TOKENS, P.lens[b]);
-      float* acc = state + i * per_item;
+      for (int64_t k = 0; k < groups; k++) items.push_back({b, t0, t1, k * per_item, (k + 1) * per_item, s});
+    }
+  float* state = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * per_slot * slots));
+  STD_TORCH_CHECK(state != nullptr, "decode_attention: out of memory");
+  // per sequence of several partitions: its items still running; the thread that ends the last combines
+  std::unique_ptr<std::atomic<int64_t>[]> pending;
+  if (slots > B) {
+    pending.reset(new std::atomic<int64_t>[B]);
+    for (int64_t b = 0; b < B; b++) pending[b].store((first[b + 1] - first[b]) * groups, std::memory_order_relaxed);
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  torch::stable::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const Item& it = items[i];
+      float* acc = state + it.slot * per_slot;
       float* m = acc + P.hq * D;
       float* l = m + P.hq;
-      Span next{0, 0, 0};
-      if (i + 1 < end) {
-        next.b = item_seq[i + 1];
-        next.t0 = (i + 1 - first[next.b]) * PARTITION_TOKENS;
-        next.t1 = std::min<int64_t>(next.t0 + PARTITION_TOKENS, P.lens[next.b]);
-      }
-      attend_partition<D>(P, b, t0, t1, acc, m, l, i + 1 < end ? &next : nullptr);
+      attend<D>(P, it, i + 1 < end ? &items[i + 1] : nullptr, acc, m, l);
+      const int64_t b = it.b;
+      const int64_t G = P.hq / P.hkv;
       if (first[b + 1] - first[b] == 1)
-        for (int64_t h = 0; h < P.hq; h++) store_normalized(out + (b * P.hq + h) * D, acc + h * D, 1.0f / l[h], D);
+        finish_alone<D>(acc, l, it.kh0 * G, it.kh1 * G, out + b * P.hq * D);
+      else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        combine_partitions<D>(state, per_slot, P.hq, first[b], first[b + 1], out + b * P.hq * D);
     }
   });
-  if (items > B)  // some sequence has several partitions
-    torch::stable::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; b++)
-        if (first[b + 1] - first[b] > 1)
-          combine_partitions<D>(state, per_item, P.hq, first[b], first[b + 1], out + b * P.hq * D);
-    });
   std::free(state);
 }
 
