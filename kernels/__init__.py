@@ -55,6 +55,15 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
+def _load_native(name: str) -> tuple[object | None, str | None]:
+    """native.load(name) and, when it gave None, why (for the one log line saying which implementation runs)."""
+    ops = native.load(name)
+    if ops is not None:
+        return ops, None
+    return None, ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
+                  else "native op unavailable (see the log line above)")
+
+
 class _LayerOps:
     """kernels/native/layer_ops.cpp's ops, held as their overloads: a call skips the packet's overload
     lookup (these run four times a layer every step, where ~0.5 us a call shows)."""
@@ -81,12 +90,8 @@ def _native_layer_ops(dtype: torch.dtype) -> _LayerOps | None:
     reason = None if dtype == torch.bfloat16 else f"dtype {dtype} (native layer ops are bf16 only)"
     ops = None
     if reason is None:
-        loaded = native.load("layer_ops")
-        if loaded is None:
-            reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
-                      else "native op unavailable (see the log line above)")
-        else:
-            ops = _LayerOps(loaded)
+        loaded, reason = _load_native("layer_ops")
+        ops = _LayerOps(loaded) if loaded is not None else None
     log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
              implementation="native avx512-bf16" if ops is not None else "torch", reason=reason,
              dtype=str(dtype).removeprefix("torch."))
@@ -180,10 +185,7 @@ def _native_attention(op: str, dtype: torch.dtype, num_heads: int, num_kv_heads:
         reason = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
         ops = None
         if reason is None:
-            ops = native.load(op)
-            if ops is None:
-                reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
-                          else "native op unavailable (see the log line above)")
+            ops, reason = _load_native(op)
         log.info(_ATTENTION_LOG[op], implementation="native avx512-bf16" if ops is not None else "torch",
                  reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
                  head_dim=head_dim)
@@ -290,11 +292,7 @@ _bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and lo
 
 def _native_bf16_gemm():
     if not _bf16_gemm_choice:
-        ops = native.load("bf16_gemm")
-        reason = None
-        if ops is None:
-            reason = ("turned off (PHASESERVE_NATIVE=0)" if not native.enabled()
-                      else "native op unavailable (see the log line above)")
+        ops, reason = _load_native("bf16_gemm")
         log.info("CPU bf16 linear", implementation="native avx512-bf16" if ops is not None else "torch (oneDNN)",
                  reason=reason)
         _bf16_gemm_choice.append(ops)
