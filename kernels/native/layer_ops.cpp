@@ -80,9 +80,9 @@ AVX512_BF16 inline void store_rounded(uint16_t* p, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(p, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi)));
 }
 
-// A new dense bf16 CPU tensor. aoti_torch_empty_strided calls at::empty_strided directly; the stable
+// A new dense CPU tensor (bf16 unless told). aoti_torch_empty_strided calls at::empty_strided directly; the stable
 // new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a small op's cost).
-Tensor empty_bf16(const std::vector<int64_t>& shape) {
+Tensor empty(const std::vector<int64_t>& shape, int32_t dtype = aoti_torch_dtype_bfloat16()) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -91,8 +91,8 @@ Tensor empty_bf16(const std::vector<int64_t>& shape) {
   }
   AtenTensorHandle handle = nullptr;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
-                                                         strides.data(), aoti_torch_dtype_bfloat16(),
-                                                         aoti_torch_device_type_cpu(), 0, &handle));
+                                                         strides.data(), dtype, aoti_torch_device_type_cpu(), 0,
+                                                         &handle));
   return Tensor(handle);
 }
 
@@ -223,8 +223,8 @@ std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor 
   }
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
-  Tensor out = empty_bf16(shape);
-  Tensor h = residual != nullptr ? empty_bf16(shape) : out;
+  Tensor out = empty(shape);
+  Tensor h = residual != nullptr ? empty(shape) : out;
   const int64_t rows = rows_of(x);
   if (rows == 0 || n == 0) return {out, h};
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
@@ -329,7 +329,7 @@ Tensor silu_and_mul(Tensor x) {
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
   shape.back() = inter;
-  Tensor out = empty_bf16(shape);
+  Tensor out = empty(shape);
   if (rows == 0 || inter == 0) return out;
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());
@@ -505,15 +505,6 @@ AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
   return first;
 }
 
-// A new int64 CPU vector [n], allocated as empty_bf16 allocates.
-Tensor empty_int64(int64_t n) {
-  const int64_t stride = 1;
-  AtenTensorHandle handle = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(1, &n, &stride, aoti_torch_dtype_int64(),
-                                                         aoti_torch_device_type_cpu(), 0, &handle));
-  return Tensor(handle);
-}
-
 Tensor argmax(Tensor logits) {
   STD_TORCH_CHECK(cpu_supported(), "argmax: this CPU lacks AVX512-BF16");
   check_rows(logits, "logits", "argmax");
@@ -521,7 +512,7 @@ Tensor argmax(Tensor logits) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   STD_TORCH_CHECK(n <= (int64_t(1) << 30), "argmax: vocab of ", n, " is too large");  // int32 lane indices
   const int64_t stride = as_rows(logits);
-  Tensor out = empty_int64(rows);
+  Tensor out = empty({rows}, aoti_torch_dtype_int64());
   if (rows == 0) return out;
   const auto* xp = static_cast<const uint16_t*>(logits.const_data_ptr());
   auto* op = static_cast<int64_t*>(out.mutable_data_ptr());
