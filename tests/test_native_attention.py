@@ -214,6 +214,7 @@ def test_a_native_op_that_fails_to_build_leaves_the_torch_path(monkeypatch, tmp_
     """A compiler error is logged and load() returns None (no exception): callers fall back to torch."""
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    monkeypatch.setitem(native.REQUIRES, "broken", "baseline")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     monkeypatch.setattr(native, "_loaded", {})
