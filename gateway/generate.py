@@ -36,15 +36,17 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_model(gw: Gateway, model: str | None) -> None:
-    if model is not None and model != gw.model_name:
-        raise model_not_found(model)
+def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+    """What the request schema alone cannot check: the model's name and vocabulary."""
+    if req.model is not None and req.model != gw.model_name:
+        raise model_not_found(req.model)
+    req.check_token_ids(gw.tokenizer.vocab_size)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     if not req.prompt:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if isinstance(req.prompt, str):
@@ -64,7 +66,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
         prompt_ids = gw.tokenizer.encode_chat(messages, req.add_generation_prompt,

@@ -8,10 +8,13 @@ generation_config.json / config.json / tokenizer_config.json.
 `IncrementalDetokenizer` turns a stream of token ids into text deltas that are
 always valid UTF-8: vLLM's prefix/read-offset method, holding text back while
 the decoded tail ends in U+FFFD (a multi-byte character split across tokens).
+At the end, a character still incomplete (cut by max_tokens) is dropped, not
+shown as U+FFFD.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from datetime import datetime
@@ -284,8 +287,20 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
+        held = self.ids[self.read_offset:]
         self.prefix_offset = self.read_offset = len(self.ids)
         self._prefix_text = None
         delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        cut = _incomplete_tail_bytes(b"".join(self.tokenizer.token_bytes(t) for t in held))
+        while cut and delta.endswith(REPLACEMENT_CHAR):  # one U+FFFD (byte-level) or one a byte (byte fallback)
+            delta = delta[:-1]
+            cut -= 1
         self.text += delta
         return delta
+
+
+def _incomplete_tail_bytes(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character that the bytes after would complete."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data, final=False)
+    return len(decoder.getstate()[0])
