@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     """Add the flags of `service`; defaults come from the environment, then the table."""
     for s in settings_for(service):
         default = s.type(os.environ[s.env]) if s.env in os.environ else s.default
-        kwargs: dict[str, Any] = dict(default=default, help=f"{s.help} [env {s.env}]")
+        kwargs: dict[str, Any] = dict(default=default, help=help_text(s, default))
         if s.type is parse_bool:
             kwargs.update(type=parse_bool, nargs="?", const=True, metavar="BOOL")
         else:
@@ -226,6 +226,18 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         if s.choices:
             kwargs["choices"] = s.choices
         parser.add_argument(s.flag, dest=s.name, **kwargs)
+
+
+def help_text(s: Setting, default: Any) -> str:
+    """A flag's --help: what it does, its environment variable, its default (argparse formats help with %)."""
+    shown = f"; default: {_shown_default(default)}" if default is not None else ""
+    return f"{s.help} [env {s.env}{shown}]".replace("%", "%%")
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def parse(service: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
