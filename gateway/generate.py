@@ -50,7 +50,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if not req.prompt:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if isinstance(req.prompt, str):
-        prompt_ids = gw.tokenizer.encode(req.prompt)
+        prompt_ids = await gw.prompts.encode(req.prompt, gw.max_model_len(await gw.backend.alive_workers()))
         prompt_text = req.prompt
     else:
         out_of_vocab = [t for t in req.prompt if t >= gw.tokenizer.vocab_size]
@@ -68,9 +68,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
     _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
-        prompt_ids = gw.tokenizer.encode_chat(messages, req.add_generation_prompt,
-                                              **(req.chat_template_kwargs or {}))
+        prompt_ids = await gw.prompts.encode_chat(messages, req.add_generation_prompt,
+                                                  req.chat_template_kwargs or {}, max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return await Generation(request, gw, req, "chat", prompt_ids, "").run()

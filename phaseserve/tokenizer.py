@@ -174,14 +174,19 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- encode / decode
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: only it releases the GIL while it works, so a long prompt tokenized on
+        # another thread does not stop the gateway's event loop
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(text, add_special_tokens)
         if add_special_tokens and self.bos_token_id is not None:
             # tokenizer_config's add_bos_token overrides what tokenizer.json's post-processor does
             if self.add_bos_token is True and (not ids or ids[0] != self.bos_token_id):
                 ids = [self.bos_token_id] + ids
             elif self.add_bos_token is False and ids and ids[0] == self.bos_token_id:
-                plain = self.hf.encode(text, add_special_tokens=False).ids
+                plain = self._encode(text, add_special_tokens=False)
                 if not plain or plain[0] != self.bos_token_id:
                     ids = ids[1:]
         return ids

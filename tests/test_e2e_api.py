@@ -150,6 +150,9 @@ def _bad_requests(model: str, long_prompt: str) -> list[tuple[str, str, bytes, i
         ("prompt longer than the context", "/v1/completions", j({"model": model, "prompt": long_prompt}),
          400, None),
         ("unknown model", "/v1/completions", j({"model": "no-such-model", "prompt": "hi"}), 404, "model"),
+        # refused by its length in characters, before it is tokenized
+        ("prompt longer in characters than the context can hold", "/v1/completions",
+         j({"model": model, "prompt": "x" * 900_000}), 400, "prompt"),
         # integers wider than 64 bits, named (not a 500 when the request is packed for the wire)
         ("seed beyond 64 bits", "/v1/completions", j({"model": model, "prompt": "hi", "seed": 1 << 70}),
          400, "seed"),

@@ -464,3 +464,85 @@ async def test_a_streams_end_last_event_usage_and_done(gw):
     last_event, usage, done = tail.index('"finish_reason":"length"'), tail.index('"usage":{'), tail.index("[DONE]")
     assert last_event < usage < done and tail.endswith("data: [DONE]\n\n")
     assert f"id: {sub.request_id.rsplit('-', 1)[0]}:4\n" in tail  # 3 tokens consumed, plus 1: finished
+
+
+# ----------------------------------------------------------------------------- abuse: huge prompts
+
+
+async def _time_stream_chunks(g, sub_request_id: str, resp: aiohttp.ClientResponse, arrivals: list[float]):
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            arrivals.append(time.monotonic())
+
+
+async def test_huge_prompts_are_refused_without_stalling_other_streams(redis_server, text_model):
+    """Tokenizing a huge prompt runs off the event loop: while four are tokenized and refused (400), a
+    running stream's chunks keep coming; on the loop, the stream stalled for every one of them."""
+    runner, url = await start_gateway(redis_server, text_model, "--max-body-bytes", "8MiB",
+                                      "--max-waiting-requests", "16", "--max-queued-prompt-tokens", "100000000")
+    g = SimpleNamespace(url=url, redis=aioredis.Redis.from_url(redis_server), keys=Keys("t"),
+                        tok=Tokenizer(str(text_model)))
+    huge = ("hello wörld 🙂 " * 20000)[:250_000]
+    t0 = time.perf_counter()
+    g.tok.encode(huge)
+    tokenize_s = time.perf_counter() - t0  # one huge prompt, on this machine, now
+    # a context the prompts fit by characters (so they are tokenized), a KV cache they do not (so 400)
+    await add_worker(g, max_model_len=10_000_000, num_blocks=100)
+    reader = RequestsReader(g)
+    stop = asyncio.Event()
+    token = g.tok.encode("a", add_special_tokens=False)[0]
+    arrivals: list[float] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True,
+                                                                  "max_tokens": 1000})
+            sub = await reader.next()
+
+            async def play():  # a token every 10 ms until told to stop
+                for off in range(1000):
+                    if stop.is_set():
+                        break
+                    await publish(g, TokenEvent(sub.request_id, off, [token]))
+                    await asyncio.sleep(0.01)
+
+            player = asyncio.create_task(play())
+            timing = asyncio.create_task(_time_stream_chunks(g, sub.request_id, resp, arrivals))
+            await asyncio.sleep(1.0)
+            baseline = list(arrivals)
+            start = time.monotonic()
+
+            async def refused() -> tuple[int, dict]:
+                async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": huge}) as r:
+                    return r.status, await r.json()
+
+            answers = await asyncio.gather(*[refused() for _ in range(4)])
+            end = time.monotonic()
+            await asyncio.sleep(0.3)
+            stop.set()
+            await player
+            timing.cancel()
+            resp.close()
+    finally:
+        await runner.cleanup()
+        await g.redis.aclose()
+    for status, body in answers:
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    during = [t for t in arrivals if start <= t <= end + 0.3]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    base_gaps = sorted(b - a for a, b in zip(baseline, baseline[1:]))
+    assert len(during) > 10 and gaps
+    # before: one gap of about four tokenizations; now about the baseline's
+    assert max(gaps) < tokenize_s / 2, (max(gaps), tokenize_s, base_gaps[len(base_gaps) // 2], max(base_gaps))
+
+
+async def test_a_prompt_longer_in_characters_than_the_context_can_hold_is_400_untokenized(gw):
+    await add_worker(gw, max_model_len=256)
+    await asyncio.sleep(0.6)  # the worker list is cached for 0.5 s
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "x" * 60_000})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert "characters" in body["error"]["message"]
+    status, body = await post(gw, "/v1/chat/completions",
+                              {"model": MODEL, "messages": [{"role": "user", "content": "x" * 60_000}]})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "messages", "context_length_exceeded")
