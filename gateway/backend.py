@@ -36,6 +36,7 @@ import redis.exceptions
 import structlog
 
 from phaseserve import token_log
+from phaseserve.redis_client import blocking_pool_async
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WireError, WorkerInfo)
 
@@ -145,12 +146,13 @@ class Backend:
         self.delivery = delivery or DeliveryConfig()
         # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
         # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
-        # 503s). A dead Redis still fails fast (connect/read timeouts -> 503). from_url honours a password
+        # 503s). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
+        # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
+        # timeouts (-> 503). from_url honours a password
         # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
         # its own connection.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max(1, max_connections), timeout=pool_timeout,
-            socket_connect_timeout=2.0, socket_timeout=5.0)
+        pool = blocking_pool_async(redis_url, max(1, max_connections), pool_timeout,
+                                   socket_connect_timeout=2.0, socket_timeout=5.0)
         self.redis = aioredis.Redis(connection_pool=pool)
         self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)

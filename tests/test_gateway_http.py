@@ -546,3 +546,34 @@ async def test_a_prompt_longer_in_characters_than_the_context_can_hold_is_400_un
                               {"model": MODEL, "messages": [{"role": "user", "content": "x" * 60_000}]})
     assert status == 400
     assert_openai_error(body, "invalid_request_error", "messages", "context_length_exceeded")
+
+
+# ----------------------------------------------------------------------------- Redis restarted
+
+
+async def test_after_redis_restarts_with_its_data_the_next_requests_succeed(text_model, tmp_path):
+    """Redis stopped and started again with its data (AOF) under a live gateway: the pooled connections are
+    dead, and each command on one is retried on a new connection instead of answering 503."""
+    server = EmbeddedRedis(data_dir=str(tmp_path)).start()
+    runner, url = await start_gateway(server.url, text_model, "--max-waiting-requests", "64")
+    g = SimpleNamespace(redis=aioredis.Redis.from_url(server.url), keys=Keys("t"))
+    try:
+        await add_worker(g, max_model_len=200)
+        async with aiohttp.ClientSession() as http:
+            async def models() -> tuple[int, dict]:
+                async with http.get(url + "/v1/models") as r:
+                    return r.status, await r.json()
+
+            # concurrent requests: the gateway's pool opens a connection for each
+            assert [s for s, _ in await asyncio.gather(*[models() for _ in range(20)])] == [200] * 20
+            server.stop()
+            server.start()
+            await asyncio.sleep(0.6)  # the gateway's worker list (cached 0.5 s) is read from Redis again
+            answers = await asyncio.gather(*[models() for _ in range(20)])
+            assert [s for s, _ in answers] == [200] * 20, answers
+            # the data came back: the worker is still known
+            assert all(body["data"][0]["max_model_len"] == 200 for _, body in answers)
+    finally:
+        await runner.cleanup()
+        await g.redis.aclose()
+        server.stop()
