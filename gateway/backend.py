@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
 
+from gateway.slow_client import SlowClient
 from phaseserve import token_log
 from phaseserve.redis_client import blocking_pool_async
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
@@ -68,6 +69,9 @@ class RequestStream:
         self.held: dict[str, list[TokenEvent]] = {}  # events after a gap, until the log fills it
         self.follow = follow  # read from the token log only (a resume: not on this gateway's channel)
         self.last_message = self.last_progress = time.monotonic()
+        self.max_events = 0  # events waiting for the handler, at most (0: no cap); then overflowed
+        self.overflowed = False
+        self.on_overflow = lambda: None
 
     @property
     def open_seqs(self) -> list[str]:
@@ -100,6 +104,11 @@ class RequestStream:
             self.expected.pop(ev.seq_id, None)
             self.held.pop(ev.seq_id, None)
             self.backend._routes.pop(ev.seq_id, None)
+        if self.max_events and self.queue.qsize() >= self.max_events:
+            if not self.overflowed:
+                self.overflowed = True
+                self.on_overflow()
+            return
         self.queue.put_nowait(ev)
 
     def release_held(self) -> None:
@@ -117,6 +126,8 @@ class RequestStream:
                          from_log=True)
 
     async def get(self) -> TokenEvent:
+        if self.overflowed:
+            raise SlowClient(f"more than {self.max_events} token events waited for the client")
         return await self.queue.get()
 
     def forget(self, seq_id: str) -> None:

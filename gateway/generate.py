@@ -22,6 +22,7 @@ from gateway import protocol as P
 from gateway.backend import ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, too_many_requests, unavailable)
+from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import event_id, parse_last_event_id
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
@@ -230,7 +231,7 @@ class Generation:
             await (self._resume() if self.resume_offsets is not None else self._submit())
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
-            self._client_gone = True
+            self._client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
             raise
         finally:
             gw.in_flight -= 1
@@ -360,6 +361,9 @@ class Generation:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": self.request_id})
         await resp.prepare(self.request)
+        settings = self.gw.settings
+        self.stream.max_events = settings.stream_buffer_events
+        self.stream.on_overflow = lambda: drop(self.request)
         include_usage = self.req.include_usage
         model = self.gw.model_name
         chat = self.kind == "chat"
@@ -369,8 +373,11 @@ class Generation:
             head = f"id: {self._event_id()}\n".encode() if with_id else b""
             return head + b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
 
+        async def write(data: bytes, eof: bool = False) -> None:
+            await write_within(resp, self.request, data, settings.client_write_timeout, eof)
+
         async def send(obj: dict, with_id: bool = False) -> None:
-            await resp.write(event(obj, with_id))
+            await write(event(obj, with_id))
 
         def make(choices: list[dict]) -> dict:
             return chunk(self.response_id, self.created, model, choices, None, include_usage)
@@ -402,13 +409,18 @@ class Generation:
                 if all(o.finished for o in self.outputs):
                     tail = data
                 else:
-                    await resp.write(data)
+                    await write(data)
             if include_usage:
                 tail += event(chunk(self.response_id, self.created, model, [], self._usage(), True))
-            await resp.write_eof(tail + b"data: [DONE]\n\n")
+            await write(tail + b"data: [DONE]\n\n", eof=True)
+        except SlowClient as e:  # dropped: cancelled now, not after a resume grace
+            log.info("slow client dropped", reason=str(e))
         except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
-            self._client_gone = True
-            log.info("client disconnected")
+            if self.stream.overflowed:  # or was dropped, blocked in a write, for its pile of events
+                log.info("slow client dropped", reason=f"more than {self.stream.max_events} events waited")
+            else:
+                self._client_gone = True
+                log.info("client disconnected")
         except APIError as e:  # headers are sent: the error goes in the stream
             await self._try_send_error(send, e)
         except Exception:
@@ -420,5 +432,5 @@ class Generation:
     async def _try_send_error(send, err: APIError) -> None:
         try:
             await send(P.error_chunk(err))
-        except ConnectionError:
+        except (ConnectionError, SlowClient):
             pass

@@ -116,6 +116,13 @@ SETTINGS: list[Setting] = [
     Setting("request_progress_timeout", "PHASESERVE_REQUEST_PROGRESS_TIMEOUT", 60.0, float,
             "a request with no new token for this many seconds (queueing included) ends with an error "
             "(504, or an error event in a stream) and is cancelled", ("gateway", "up")),
+    Setting("client_write_timeout", "PHASESERVE_CLIENT_WRITE_TIMEOUT", 30.0, float,
+            "seconds a streaming client may leave a write unread (its connection's buffers full); a slower "
+            "client is disconnected and its request cancelled, freeing its slot; 0 = no deadline",
+            ("gateway", "up")),
+    Setting("stream_buffer_events", "PHASESERVE_STREAM_BUFFER_EVENTS", 4096, int,
+            "token events a streaming request may have waiting for its client to take them; beyond, the "
+            "client is disconnected and its request cancelled; 0 = no cap", ("gateway", "up")),
     Setting("resume_grace", "PHASESERVE_RESUME_GRACE", 10.0, float,
             "seconds a request whose client went away keeps generating, waiting for the client to resume it "
             "(Last-Event-ID) on any gateway, before it is cancelled", ("gateway", "scheduler", "up")),

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +24,10 @@ import redis.asyncio as aioredis
 from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
-from gateway_client import serve_gateway
+from gateway_client import read_sse, serve_gateway
 from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WorkerInfo, peek_kind)
+from gateway import protocol as P
 from text_model_factory import make_text_model
 
 MODEL = "tiny-text"
@@ -577,3 +579,91 @@ async def test_after_redis_restarts_with_its_data_the_next_requests_succeed(text
         await runner.cleanup()
         await g.redis.aclose()
         server.stop()
+
+
+# ----------------------------------------------------------------------------- clients that never read
+
+
+def _never_reading_client(url: str, body: dict) -> socket.socket:
+    """A raw HTTP client that sends a request and then never reads (a small receive buffer fills fast)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return s
+
+
+async def _slow_reader_stack(redis_server, text_model, *flags):
+    runner, url = await start_gateway(redis_server, text_model, "--max-body-bytes", "8MiB",
+                                      "--max-queued-prompt-tokens", "100000000", *flags)
+    g = SimpleNamespace(url=url, redis=aioredis.Redis.from_url(redis_server), keys=Keys("t"),
+                        tok=Tokenizer(str(text_model)))
+    await add_worker(g, max_model_len=10_000_000, num_blocks=20_000)
+    # each of the n choices opens with the echoed prompt: megabytes, more than any socket buffer holds
+    longest = max(range(g.tok.vocab_size), key=lambda t: len(g.tok.decode([t])))
+    echo = {"model": MODEL, "prompt": [longest] * 100_000, "echo": True, "n": P.MAX_N, "stream": True,
+            "max_tokens": 1}
+    assert len(g.tok.decode(echo["prompt"])) * P.MAX_N > 5_000_000
+    return runner, g, echo
+
+
+async def _cancelled_within(reader: RequestsReader, seq_ids: set[str], timeout: float) -> float:
+    start = time.monotonic()
+    while seq_ids:
+        msg = await reader.next(timeout=max(0.1, timeout - (time.monotonic() - start)))
+        if isinstance(msg, CancelRequest):
+            seq_ids.discard(msg.request_id)
+    return time.monotonic() - start
+
+
+async def test_clients_that_never_read_are_dropped_within_the_write_deadline(redis_server, text_model):
+    """Three streams that never read fill --max-waiting-requests 3: each is dropped when a write waits past
+    --client-write-timeout, its request cancelled at once, and a normal client is served (not 429)."""
+    runner, g, echo = await _slow_reader_stack(redis_server, text_model, "--max-waiting-requests", "3",
+                                               "--client-write-timeout", "1", "--resume-grace", "30")
+    reader = RequestsReader(g)
+    slow = []
+    try:
+        for _ in range(3):
+            slow.append(await asyncio.to_thread(_never_reading_client, g.url, echo))
+        subs = {(await reader.next(timeout=30)).request_id for _ in range(3 * P.MAX_N)}
+        # each echo is written at once and blocks: cancelled within the deadline (plus this busy machine's slack)
+        assert await _cancelled_within(reader, subs, timeout=10.0) < 10.0
+        async with aiohttp.ClientSession() as http:
+            async with http.post(g.url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 5}) as r:
+                assert r.status == 200
+                sub = await reader.next()
+                await play_text(g, sub.request_id, "Hello there")
+                text = "".join(d["choices"][0]["text"] for d in (await read_sse(r))[1])
+        assert text == "Hello there"
+    finally:
+        for s in slow:
+            s.close()
+        await runner.cleanup()
+        await g.redis.aclose()
+
+
+async def test_a_stream_whose_events_pile_up_past_the_cap_is_dropped(redis_server, text_model):
+    """The write deadline is long here; what ends the stream is its events waiting beyond
+    --stream-buffer-events while the client does not read."""
+    runner, g, echo = await _slow_reader_stack(redis_server, text_model, "--client-write-timeout", "600",
+                                               "--stream-buffer-events", "16", "--resume-grace", "30")
+    reader = RequestsReader(g)
+    client = None
+    try:
+        client = await asyncio.to_thread(_never_reading_client, g.url, {**echo, "max_tokens": 100})
+        subs = {(await reader.next(timeout=30)).request_id for _ in range(P.MAX_N)}
+        token = g.tok.encode("a", add_special_tokens=False)[0]
+        for off in range(40):
+            await publish(g, TokenEvent(min(subs), off, [token]))
+            await asyncio.sleep(0.01)
+        assert await _cancelled_within(reader, subs, timeout=10.0) < 10.0
+    finally:
+        if client is not None:
+            client.close()
+        await runner.cleanup()
+        await g.redis.aclose()
