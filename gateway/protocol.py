@@ -63,7 +63,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="below 1e-5 (0 included): greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -72,7 +72,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"at most {MAX_STOP_TOKEN_IDS} ids, each in the model's vocabulary")
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
