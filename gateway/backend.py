@@ -35,7 +35,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
 
+from gateway.slow_client import SlowClient
 from phaseserve import token_log
+from phaseserve.redis_client import blocking_pool_async
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WireError, WorkerInfo)
 
@@ -67,6 +69,9 @@ class RequestStream:
         self.held: dict[str, list[TokenEvent]] = {}  # events after a gap, until the log fills it
         self.follow = follow  # read from the token log only (a resume: not on this gateway's channel)
         self.last_message = self.last_progress = time.monotonic()
+        self.max_events = 0  # events waiting for the handler, at most (0: no cap); then overflowed
+        self.overflowed = False
+        self.on_overflow = lambda: None
 
     @property
     def open_seqs(self) -> list[str]:
@@ -99,6 +104,11 @@ class RequestStream:
             self.expected.pop(ev.seq_id, None)
             self.held.pop(ev.seq_id, None)
             self.backend._routes.pop(ev.seq_id, None)
+        if self.max_events and self.queue.qsize() >= self.max_events:
+            if not self.overflowed:
+                self.overflowed = True
+                self.on_overflow()
+            return
         self.queue.put_nowait(ev)
 
     def release_held(self) -> None:
@@ -116,6 +126,8 @@ class RequestStream:
                          from_log=True)
 
     async def get(self) -> TokenEvent:
+        if self.overflowed:
+            raise SlowClient(f"more than {self.max_events} token events waited for the client")
         return await self.queue.get()
 
     def forget(self, seq_id: str) -> None:
@@ -145,12 +157,13 @@ class Backend:
         self.delivery = delivery or DeliveryConfig()
         # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
         # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
-        # 503s). A dead Redis still fails fast (connect/read timeouts -> 503). from_url honours a password
+        # 503s). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
+        # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
+        # timeouts (-> 503). from_url honours a password
         # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
         # its own connection.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max(1, max_connections), timeout=pool_timeout,
-            socket_connect_timeout=2.0, socket_timeout=5.0)
+        pool = blocking_pool_async(redis_url, max(1, max_connections), pool_timeout,
+                                   socket_connect_timeout=2.0, socket_timeout=5.0)
         self.redis = aioredis.Redis(connection_pool=pool)
         self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)

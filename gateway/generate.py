@@ -22,6 +22,7 @@ from gateway import protocol as P
 from gateway.backend import ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, too_many_requests, unavailable)
+from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import event_id, parse_last_event_id
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
@@ -36,19 +37,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_model(gw: Gateway, model: str | None) -> None:
-    if model is not None and model != gw.model_name:
-        raise model_not_found(model)
+def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+    """What the request schema alone cannot check: the model's name and vocabulary."""
+    if req.model is not None and req.model != gw.model_name:
+        raise model_not_found(req.model)
+    req.check_token_ids(gw.tokenizer.vocab_size)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     if not req.prompt:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if isinstance(req.prompt, str):
-        prompt_ids = gw.tokenizer.encode(req.prompt)
+        prompt_ids = await gw.prompts.encode(req.prompt, gw.max_model_len(await gw.backend.alive_workers()))
         prompt_text = req.prompt
     else:
         out_of_vocab = [t for t in req.prompt if t >= gw.tokenizer.vocab_size]
@@ -64,11 +67,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
-        prompt_ids = gw.tokenizer.encode_chat(messages, req.add_generation_prompt,
-                                              **(req.chat_template_kwargs or {}))
+        prompt_ids = await gw.prompts.encode_chat(messages, req.add_generation_prompt,
+                                                  req.chat_template_kwargs or {}, max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return await Generation(request, gw, req, "chat", prompt_ids, "").run()
@@ -227,7 +231,7 @@ class Generation:
             await (self._resume() if self.resume_offsets is not None else self._submit())
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
-            self._client_gone = True
+            self._client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
             raise
         finally:
             gw.in_flight -= 1
@@ -357,6 +361,9 @@ class Generation:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": self.request_id})
         await resp.prepare(self.request)
+        settings = self.gw.settings
+        self.stream.max_events = settings.stream_buffer_events
+        self.stream.on_overflow = lambda: drop(self.request)
         include_usage = self.req.include_usage
         model = self.gw.model_name
         chat = self.kind == "chat"
@@ -366,8 +373,11 @@ class Generation:
             head = f"id: {self._event_id()}\n".encode() if with_id else b""
             return head + b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
 
+        async def write(data: bytes, eof: bool = False) -> None:
+            await write_within(resp, self.request, data, settings.client_write_timeout, eof)
+
         async def send(obj: dict, with_id: bool = False) -> None:
-            await resp.write(event(obj, with_id))
+            await write(event(obj, with_id))
 
         def make(choices: list[dict]) -> dict:
             return chunk(self.response_id, self.created, model, choices, None, include_usage)
@@ -399,13 +409,18 @@ class Generation:
                 if all(o.finished for o in self.outputs):
                     tail = data
                 else:
-                    await resp.write(data)
+                    await write(data)
             if include_usage:
                 tail += event(chunk(self.response_id, self.created, model, [], self._usage(), True))
-            await resp.write_eof(tail + b"data: [DONE]\n\n")
+            await write(tail + b"data: [DONE]\n\n", eof=True)
+        except SlowClient as e:  # dropped: cancelled now, not after a resume grace
+            log.info("slow client dropped", reason=str(e))
         except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
-            self._client_gone = True
-            log.info("client disconnected")
+            if self.stream.overflowed:  # or was dropped, blocked in a write, for its pile of events
+                log.info("slow client dropped", reason=f"more than {self.stream.max_events} events waited")
+            else:
+                self._client_gone = True
+                log.info("client disconnected")
         except APIError as e:  # headers are sent: the error goes in the stream
             await self._try_send_error(send, e)
         except Exception:
@@ -417,5 +432,5 @@ class Generation:
     async def _try_send_error(send, err: APIError) -> None:
         try:
             await send(P.error_chunk(err))
-        except ConnectionError:
+        except (ConnectionError, SlowClient):
             pass

@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="phaseserve up", description="Run the whole stack on this machine.")
     settings.add_arguments(parser, "up")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds to wait for /health before giving up")
+                        help="seconds to wait for /health before giving up [default: %(default)s]")
     return parser.parse_args(argv)
 
 

@@ -43,6 +43,15 @@ def connect_async(url: str, name: str | None = None) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **_kwargs(retry, name))
 
 
+def blocking_pool_async(url: str, max_connections: int, timeout: float, **connection_kwargs) -> aioredis.BlockingConnectionPool:
+    """A bounded asyncio pool whose connections retry a command on connection errors: after a Redis restart
+    every pooled connection is dead, and its next command reconnects instead of failing once."""
+    retry = AsyncRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), COMMAND_RETRIES)
+    return aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout, retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError], **connection_kwargs)
+
+
 class Backoff:
     """Waits that double from `base` to `cap` (with jitter) while Redis stays away; `reset()` once it is back."""
 

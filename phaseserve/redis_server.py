@@ -52,8 +52,11 @@ class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` -- a private redis-server, stopped on exit."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0,
-                 cpus: list[int] | None = None, requirepass: str | None = None):
+                 cpus: list[int] | None = None, requirepass: str | None = None, data_dir: str | None = None):
         self.host = host
+        # None: a throwaway server that writes nothing; a folder: its data persists there (AOF), so a
+        # stop() and start() is a restart with the data
+        self.data_dir = data_dir
         self.requirepass = requirepass  # clients must AUTH with it (the url carries it)
         self.cpus = cpus  # run the server on these CPUs (None: anywhere)
         self.port = port or free_port(host)
@@ -68,13 +71,14 @@ class EmbeddedRedis:
 
     def start(self) -> "EmbeddedRedis":
         binary = find_redis_server()
-        self._dir = tempfile.TemporaryDirectory(prefix="phaseserve-redis-")
+        self._dir = None if self.data_dir else tempfile.TemporaryDirectory(prefix="phaseserve-redis-")
+        folder = self.data_dir or self._dir.name
         args = [
-            binary, "--bind", self.host, "--port", str(self.port), "--dir", self._dir.name,
-            # a private, throwaway server: no snapshots, no AOF, nothing written to disk
-            "--save", "", "--appendonly", "no",
+            binary, "--bind", self.host, "--port", str(self.port), "--dir", folder,
+            # a private, throwaway server writes nothing to disk; one with a data dir keeps an AOF there
+            "--save", "", "--appendonly", "yes" if self.data_dir else "no",
             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
-            "--logfile", os.path.join(self._dir.name, "redis.log"),
+            "--logfile", os.path.join(folder, "redis.log"),
         ]
         if self.requirepass:
             args += ["--requirepass", self.requirepass]
@@ -106,7 +110,7 @@ class EmbeddedRedis:
 
     def _log_tail(self) -> str:
         try:
-            with open(os.path.join(self._dir.name, "redis.log")) as f:
+            with open(os.path.join(self.data_dir or self._dir.name, "redis.log")) as f:
                 return f.read()[-2000:]
         except (OSError, AttributeError):
             return ""
