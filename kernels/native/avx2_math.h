@@ -100,9 +100,17 @@ inline int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
 
 // sum(x[0..n)) for n floats in the order of ATen's vectorized inner sum (SumKernel.cpp: vectorized_inner_sum
 // -> row_sum -> multi_row_sum, ilp 4, 4 cascade levels) as torch runs it on every x86 CPU: from its AVX2
-// build, 8 lanes (SumKernel.cpp registers no AVX512 sum: "slower with AVX512"). So a mean over a row (the rms
-// statistic) is torch's bit for bit.
+// build, 8 lanes (SumKernel.cpp registers no AVX512 sum: "slower with AVX512"); rows shorter than a vector take
+// its scalar row_sum (4 partial sums, the rest onto the first). So a mean over a row (the rms statistic) is
+// torch's bit for bit.
 AVX2_FMA inline float torch_order_sum(const float* sq, int64_t n) {
+  if (n < 8) {
+    float partial[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t whole = n / 4 * 4;
+    for (int64_t k = 0; k < whole; k++) partial[k] += sq[k];
+    for (int64_t k = whole; k < n; k++) partial[0] += sq[k];
+    return ((partial[0] + partial[1]) + partial[2]) + partial[3];
+  }
   const int64_t vecs = n / 8, rows = vecs / 4;
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / 4);
   const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
