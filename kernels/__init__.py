@@ -25,7 +25,7 @@ _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotar
         "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
-NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
+NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
 NATIVE_ATTENTION_MAX_GROUP = 16  # query heads per KV head
 
 
@@ -192,8 +192,8 @@ def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_hea
     """Why the native attention ops (decode and prefill) cannot take these shapes, or None when they can."""
     if dtype not in _ATTENTION_SOURCE:
         return f"dtype {dtype} (native attention: bfloat16, float32)"
-    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS:
-        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS))})"
+    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS[dtype]:
+        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS[dtype]))})"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_ATTENTION_MAX_GROUP:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
     return None

@@ -19,7 +19,8 @@ from kernels import cpu_isa
 from kernels import reference as ref
 from native_ops import load_or_skip
 
-SHAPES = [(9, 3, 64), (8, 8, 32), (4, 1, 128), (32, 2, 128)]  # query heads, KV heads, head_dim (group 3/1/4/16)
+# query heads, KV heads, head_dim (groups 3, 1, 4, 16, 2)
+SHAPES = [(9, 3, 64), (8, 8, 32), (4, 1, 128), (32, 2, 128), (4, 2, 16)]
 LENGTHS = [1, 15, 16, 17, 511, 512, 513, 1500]
 
 
@@ -152,7 +153,7 @@ def test_errors_are_clear(ops):
     lens = torch.tensor([20], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32"):
         ops.decode_attention(q.bfloat16(), k, v, tables, lens, 0.1)
-    with pytest.raises(RuntimeError, match="head_dim"):
+    with pytest.raises(RuntimeError, match="head_dim must be 16, 32, 64 or 128"):
         ops.decode_attention(q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), tables,
                              lens, 0.1)
     with pytest.raises(RuntimeError, match="outside"):

@@ -1,6 +1,6 @@
 // Float32 attention over the paged KV cache (fp32 caches), for CPUs with AVX2 + FMA: decode (one query per
 // sequence) and extend (chunks of queries, causal over the cached prefix and the chunk itself), GQA,
-// head_dim 32/64/128, up to 16 query heads per KV head.
+// head_dim 16/32/64/128, up to 16 query heads per KV head.
 //
 // Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
 // Registered as torch.ops.phaseserve_attention_f32.{decode_attention, extend_attention, supported}, with the
@@ -423,7 +423,7 @@ void check_common(const char* op, const Tensor& q, const Tensor& k_cache, const 
                   op, ": cache shapes disagree with q");
   STD_TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0 && q.size(1) / hkv <= MAX_GROUP, op,
                   ": query heads must be 1 to 16 times the KV heads");
-  STD_TORCH_CHECK(D == 32 || D == 64 || D == 128, op, ": head_dim must be 32, 64 or 128");
+  STD_TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, op, ": head_dim must be 16, 32, 64 or 128");
   STD_TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": caches must be contiguous");
   STD_TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, op, ": q's heads must be dense rows");
   STD_TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && block_tables.stride(1) == 1 && seq_lens.stride(0) == 1,
@@ -461,7 +461,8 @@ Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_t
   Tensor out = torch::stable::new_empty(q, {B, q.size(1), q.size(2)});
   if (B == 0) return out;
   const Problem P = problem(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  if (P.d == 32) run_decode<32>(P, B);
+  if (P.d == 16) run_decode<16>(P, B);
+  else if (P.d == 32) run_decode<32>(P, B);
   else if (P.d == 64) run_decode<64>(P, B);
   else run_decode<128>(P, B);
   return out;
@@ -491,7 +492,8 @@ Tensor extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_t
   Tensor out = torch::stable::new_empty(q, {T, q.size(1), q.size(2)});
   if (T == 0) return out;
   const Problem P = problem(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  if (P.d == 32) run_extend<32>(P, starts, B);
+  if (P.d == 16) run_extend<16>(P, starts, B);
+  else if (P.d == 32) run_extend<32>(P, starts, B);
   else if (P.d == 64) run_extend<64>(P, starts, B);
   else run_extend<128>(P, starts, B);
   return out;
