@@ -51,6 +51,7 @@ using torch::headeronly::ScalarType;
 constexpr int64_t PARTITION_TOKENS = 512;
 constexpr int KEY_TILE = 16;  // keys per transposed K tile: two vectors of scores per row
 constexpr int PV_TILE = 32;   // keys per p.V step (accumulators loaded and stored once a step)
+constexpr int PREFETCH_KEYS = 32;  // how far ahead of the keys (and values) in use their rows are prefetched
 constexpr int SCORE_ROWS = 6;  // rows per score block: 12 accumulators + 2 K vectors + a broadcast
 constexpr int PV_ROWS = 4;     // rows per p.V block, over PV_VECS feature vectors: 8 accumulators
 constexpr int PV_VECS = 2;
@@ -59,15 +60,38 @@ constexpr int64_t MAX_ROWS = 64;  // rows attend_partition takes at once: an ext
 constexpr int ITEMS_PER_THREAD = 4;  // decode: fewer (sequence, partition) items per thread: one KV head an item
 constexpr float LOG2E = 1.4426950408889634f;
 
-// The paged cache of one sequence and one KV head: where key t's D features are.
+// The paged cache of one sequence and one KV head: where its keys' and values' D features are.
 struct SeqCache {
   const float* k;  // [blocks, bs, Hkv, D]
   const float* v;
   const int32_t* table;
   int64_t bs, token_stride, head_offset;  // token_stride = Hkv * D, head_offset = kh * D
 
-  const float* key(int64_t t) const { return k + (table[t / bs] * bs + t % bs) * token_stride + head_offset; }
-  const float* value(int64_t t) const { return v + (table[t / bs] * bs + t % bs) * token_stride + head_offset; }
+  // rows[i] = the features of position t0 + i of `base` (k or v), i < n: one division for the lot
+  void rows(const float* base, int64_t t0, int n, const float** out) const {
+    int64_t blk = t0 / bs, in = t0 % bs;
+    const float* row = base + (table[blk] * bs + in) * token_stride + head_offset;
+    for (int i = 0; i < n; i++) {
+      out[i] = row;
+      if (++in == bs) {
+        in = 0, blk++;
+        if (i + 1 < n) row = base + table[blk] * bs * token_stride + head_offset;
+      } else {
+        row += token_stride;
+      }
+    }
+  }
+
+  // Software prefetch of positions [t0, t0 + n) of base (clipped to `end`): a sequence's blocks are scattered,
+  // so the hardware cannot guess them.
+  void prefetch(const float* base, int64_t t0, int64_t n, int64_t end, int64_t d) const {
+    n = std::min<int64_t>(n, end - t0);
+    if (n <= 0) return;
+    const float* r[PV_TILE];
+    rows(base, t0, static_cast<int>(n), r);
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t b = 0; b < d * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(r[i]) + b, _MM_HINT_T0);
+  }
 };
 
 // A query row and how many keys of the partition it sees (1..PARTITION_TOKENS).
@@ -97,19 +121,18 @@ struct Scratch {
 // Keys [t0, t0 + n) (n <= KEY_TILE) as out[d][key], zeros past n.
 template <int D>
 AVX2_FMA void transpose_keys(const SeqCache& c, int64_t t0, int n, float* out) {
-  for (int half = 0; half < KEY_TILE / 8; half++) {
-    const float* rows[8];
-    for (int i = 0; i < 8; i++) {
-      const int t = half * 8 + i;
-      rows[i] = t < n ? c.key(t0 + t) : nullptr;
-    }
+  const float* keys[KEY_TILE];
+  c.rows(c.k, t0, n, keys);
+  for (int half = 0; half < KEY_TILE / 8; half++)
     for (int d0 = 0; d0 < D; d0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; i++) r[i] = rows[i] != nullptr ? _mm256_loadu_ps(rows[i] + d0) : _mm256_setzero_ps();
+      for (int i = 0; i < 8; i++) {
+        const int t = half * 8 + i;
+        r[i] = t < n ? _mm256_loadu_ps(keys[t] + d0) : _mm256_setzero_ps();
+      }
       transpose8x8(r);
       for (int i = 0; i < 8; i++) _mm256_store_ps(out + (d0 + i) * KEY_TILE + half * 8, r[i]);
     }
-  }
 }
 
 // scores[r][0..KEY_TILE) = (q_r . key) * scale_log2 for the tile's keys: per score one FMA chain over d.
@@ -211,6 +234,9 @@ AVX2_FMA void attend_partition(const SeqCache& c, int64_t t0, const Row* rows, i
   int64_t first = 0;  // rows [first, n_rows) see the tile
   for (int64_t a = 0; a < most; a += KEY_TILE) {
     while (rows[first].visible <= a) first++;
+    // K rows PREFETCH_KEYS ahead; past the last tile the first values, which pass 2 reads next
+    c.prefetch(c.k, t0 + a + PREFETCH_KEYS, KEY_TILE, t0 + most, D);
+    if (a + PREFETCH_KEYS >= most) c.prefetch(c.v, t0 + a + PREFETCH_KEYS - most, KEY_TILE, t0 + most, D);
     transpose_keys<D>(c, t0 + a, static_cast<int>(std::min<int64_t>(KEY_TILE, most - a)), S.key_tile);
     for (int64_t r = first; r < n_rows; r++) score_ptr[r] = S.scores + r * PARTITION_TOKENS + a;
     score_rows<D>(static_cast<int>(n_rows - first), S.key_tile, rows + first, scale_log2, score_ptr + first);
@@ -225,7 +251,8 @@ AVX2_FMA void attend_partition(const SeqCache& c, int64_t t0, const Row* rows, i
   for (int64_t a = 0; a < most; a += PV_TILE) {
     while (rows[first].visible <= a) first++;
     const int n = static_cast<int>(std::min<int64_t>(PV_TILE, most - a));
-    for (int t = 0; t < n; t++) values[t] = c.value(t0 + a + t);
+    c.rows(c.v, t0 + a, n, values);
+    c.prefetch(c.v, t0 + a + PREFETCH_KEYS, PV_TILE, t0 + most, D);
     for (int64_t r0 = first; r0 < n_rows; r0 += PV_ROWS) {
       const int nr = static_cast<int>(std::min<int64_t>(PV_ROWS, n_rows - r0));
       for (int i = 0; i < nr; i++) p[i] = S.scores + (r0 + i) * PARTITION_TOKENS + a, out[i] = acc + (r0 + i) * D;
