@@ -49,12 +49,13 @@ using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
 constexpr int64_t PARTITION_TOKENS = 512;
-constexpr int KEY_TILE = 16;  // keys per transposed K tile: two vectors of scores per row
-constexpr int PV_TILE = 32;   // keys per p.V step (accumulators loaded and stored once a step)
-constexpr int PREFETCH_KEYS = 32;  // how far ahead of the keys (and values) in use their rows are prefetched
-constexpr int SCORE_ROWS = 6;  // rows per score block: 12 accumulators + 2 K vectors + a broadcast
-constexpr int PV_ROWS = 4;     // rows per p.V block, over PV_VECS feature vectors: 8 accumulators
-constexpr int PV_VECS = 2;
+constexpr int KEY_TILE = 32;  // keys per transposed K tile: four vectors of scores per row
+constexpr int PV_TILE = 16;   // keys per p.V step (accumulators loaded and stored once a step)
+constexpr int PREFETCH_KEYS = 64;  // how far ahead of the keys (and values) in use their rows are prefetched
+// Register blocks (12 or 8 accumulators, enough independent FMA chains to hide their latency). How rows
+// and keys are blocked never changes a row's arithmetic: each block only runs more chains side by side.
+constexpr int SCORE_ROWS = 6;  // score blocks: 6 rows x 16 keys, or (few rows, as in decode) 3 rows x 32 keys
+constexpr int PV_ROWS = 4;     // p.V blocks: 4 rows x 16 features, or (1-2 rows) 2 rows x 32 features
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr int64_t MAX_ROWS = 64;  // rows attend_partition takes at once: an extend item's (position, head) rows
 constexpr int ITEMS_PER_THREAD = 4;  // decode: fewer (sequence, partition) items per thread: one KV head an item
@@ -82,15 +83,12 @@ struct SeqCache {
     }
   }
 
-  // Software prefetch of positions [t0, t0 + n) of base (clipped to `end`): a sequence's blocks are scattered,
-  // so the hardware cannot guess them.
-  void prefetch(const float* base, int64_t t0, int64_t n, int64_t end, int64_t d) const {
-    n = std::min<int64_t>(n, end - t0);
-    if (n <= 0) return;
-    const float* r[PV_TILE];
-    rows(base, t0, static_cast<int>(n), r);
-    for (int64_t i = 0; i < n; i++)
-      for (int64_t b = 0; b < d * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(r[i]) + b, _MM_HINT_T0);
+  // The rows of positions [t0, t0 + n) of base clipped to `end` (their count returned): the rows to prefetch
+  // next (a sequence's blocks are scattered, so the hardware cannot guess them).
+  int ahead(const float* base, int64_t t0, int64_t n, int64_t end, const float** out) const {
+    n = std::max<int64_t>(0, std::min<int64_t>(n, end - t0));
+    if (n > 0) rows(base, t0, static_cast<int>(n), out);
+    return static_cast<int>(n);
   }
 };
 
@@ -119,58 +117,78 @@ struct Scratch {
 };
 
 // Keys [t0, t0 + n) (n <= KEY_TILE) as out[d][key], zeros past n.
+// Prefetches `ahead` (its rows and their count) a group of 8 at a time, spread over the work: a burst
+// of them fills the core's miss buffers and stalls its loads.
 template <int D>
-AVX2_FMA void transpose_keys(const SeqCache& c, int64_t t0, int n, float* out) {
+AVX2_FMA void transpose_keys(const SeqCache& c, int64_t t0, int n, float* out, const float* const* ahead,
+                             int n_ahead) {
   const float* keys[KEY_TILE];
   c.rows(c.k, t0, n, keys);
-  for (int half = 0; half < KEY_TILE / 8; half++)
+  for (int group = 0; group < KEY_TILE / 8; group++) {
+    for (int i = group * 8; i < std::min(n_ahead, group * 8 + 8); i++)
+      for (int b = 0; b < D * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead[i]) + b, _MM_HINT_T0);
     for (int d0 = 0; d0 < D; d0 += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; i++) {
-        const int t = half * 8 + i;
+        const int t = group * 8 + i;
         r[i] = t < n ? _mm256_loadu_ps(keys[t] + d0) : _mm256_setzero_ps();
       }
       transpose8x8(r);
-      for (int i = 0; i < 8; i++) _mm256_store_ps(out + (d0 + i) * KEY_TILE + half * 8, r[i]);
+      for (int i = 0; i < 8; i++) _mm256_store_ps(out + (d0 + i) * KEY_TILE + group * 8, r[i]);
     }
+  }
 }
 
-// scores[r][0..KEY_TILE) = (q_r . key) * scale_log2 for the tile's keys: per score one FMA chain over d.
-template <int D, int R>
+// scores[r][0..8 NV) = (q_r . key) * scale_log2 for NV vectors of the tile's keys from key_tile (row stride
+// KEY_TILE): per score one FMA chain over d.
+template <int D, int R, int NV>
 AVX2_FMA inline void score_block(const float* key_tile, const Row* rows, float scale_log2, float* const* scores) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; r++) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
+  __m256 a[R][NV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < NV; v++) a[r][v] = _mm256_setzero_ps();
   for (int d = 0; d < D; d++) {
-    const __m256 k0 = _mm256_load_ps(key_tile + d * KEY_TILE), k1 = _mm256_load_ps(key_tile + d * KEY_TILE + 8);
+    __m256 k[NV];
+    for (int v = 0; v < NV; v++) k[v] = _mm256_load_ps(key_tile + d * KEY_TILE + v * 8);
     for (int r = 0; r < R; r++) {
       const __m256 qd = _mm256_broadcast_ss(rows[r].q + d);
-      a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
+      for (int v = 0; v < NV; v++) a[r][v] = _mm256_fmadd_ps(qd, k[v], a[r][v]);
     }
   }
   const __m256 sc = _mm256_set1_ps(scale_log2);
-  for (int r = 0; r < R; r++) {
-    _mm256_store_ps(scores[r], _mm256_mul_ps(a0[r], sc));
-    _mm256_store_ps(scores[r] + 8, _mm256_mul_ps(a1[r], sc));
-  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < NV; v++) _mm256_store_ps(scores[r] + v * 8, _mm256_mul_ps(a[r][v], sc));
 }
 
+// Scores of n rows for the whole tile.
 template <int D>
 AVX2_FMA void score_rows(int n, const float* key_tile, const Row* rows, float scale_log2, float* const* scores) {
-  int r = 0;
-  for (; r + SCORE_ROWS <= n; r += SCORE_ROWS) score_block<D, SCORE_ROWS>(key_tile, rows + r, scale_log2, scores + r);
-  switch (n - r) {
-    case 1: return score_block<D, 1>(key_tile, rows + r, scale_log2, scores + r);
-    case 2: return score_block<D, 2>(key_tile, rows + r, scale_log2, scores + r);
-    case 3: return score_block<D, 3>(key_tile, rows + r, scale_log2, scores + r);
-    case 4: return score_block<D, 4>(key_tile, rows + r, scale_log2, scores + r);
-    case 5: return score_block<D, 5>(key_tile, rows + r, scale_log2, scores + r);
-    default: return;
+  switch (n) {  // decode's rows (a KV head's query heads) and short remainders: all 32 keys at once
+    case 1: return score_block<D, 1, 4>(key_tile, rows, scale_log2, scores);
+    case 2: return score_block<D, 2, 4>(key_tile, rows, scale_log2, scores);
+    case 3: return score_block<D, 3, 4>(key_tile, rows, scale_log2, scores);
+    default: break;
+  }
+  float* right[SCORE_ROWS];
+  for (int half = 0; half < 2; half++) {
+    int r = 0;
+    for (; r < n; r += SCORE_ROWS) {
+      const int m = std::min(SCORE_ROWS, n - r);
+      for (int i = 0; i < m; i++) right[i] = scores[r + i] + half * 16;
+      const float* kt = key_tile + half * 16;
+      switch (m) {
+        case 1: score_block<D, 1, 2>(kt, rows + r, scale_log2, right); break;
+        case 2: score_block<D, 2, 2>(kt, rows + r, scale_log2, right); break;
+        case 3: score_block<D, 3, 2>(kt, rows + r, scale_log2, right); break;
+        case 4: score_block<D, 4, 2>(kt, rows + r, scale_log2, right); break;
+        case 5: score_block<D, 5, 2>(kt, rows + r, scale_log2, right); break;
+        default: score_block<D, SCORE_ROWS, 2>(kt, rows + r, scale_log2, right); break;
+      }
+    }
   }
 }
 
 // acc[r] += sum over keys t in [0, n) of p[r][t] * values[t], each feature one FMA chain over t in order.
-template <int D, int R>
+template <int D, int R, int PV_VECS = (R <= 2 && D >= 32 ? 4 : 2)>
 AVX2_FMA inline void pv_block(const float* const* values, int n, const float* const* p, float* const* acc) {
   for (int d0 = 0; d0 < D; d0 += 8 * PV_VECS) {
     __m256 o[R][PV_VECS];
@@ -234,10 +252,11 @@ AVX2_FMA void attend_partition(const SeqCache& c, int64_t t0, const Row* rows, i
   int64_t first = 0;  // rows [first, n_rows) see the tile
   for (int64_t a = 0; a < most; a += KEY_TILE) {
     while (rows[first].visible <= a) first++;
-    // K rows PREFETCH_KEYS ahead; past the last tile the first values, which pass 2 reads next
-    c.prefetch(c.k, t0 + a + PREFETCH_KEYS, KEY_TILE, t0 + most, D);
-    if (a + PREFETCH_KEYS >= most) c.prefetch(c.v, t0 + a + PREFETCH_KEYS - most, KEY_TILE, t0 + most, D);
-    transpose_keys<D>(c, t0 + a, static_cast<int>(std::min<int64_t>(KEY_TILE, most - a)), S.key_tile);
+    // prefetched: K rows PREFETCH_KEYS ahead; near the end the first values, which pass 2 reads next
+    const float* ahead[KEY_TILE];
+    const int n_ahead = a + PREFETCH_KEYS < most ? c.ahead(c.k, t0 + a + PREFETCH_KEYS, KEY_TILE, t0 + most, ahead)
+                                                 : c.ahead(c.v, t0 + a + PREFETCH_KEYS - most, KEY_TILE, t0 + most, ahead);
+    transpose_keys<D>(c, t0 + a, static_cast<int>(std::min<int64_t>(KEY_TILE, most - a)), S.key_tile, ahead, n_ahead);
     for (int64_t r = first; r < n_rows; r++) score_ptr[r] = S.scores + r * PARTITION_TOKENS + a;
     score_rows<D>(static_cast<int>(n_rows - first), S.key_tile, rows + first, scale_log2, score_ptr + first);
   }
@@ -252,7 +271,10 @@ AVX2_FMA void attend_partition(const SeqCache& c, int64_t t0, const Row* rows, i
     while (rows[first].visible <= a) first++;
     const int n = static_cast<int>(std::min<int64_t>(PV_TILE, most - a));
     c.rows(c.v, t0 + a, n, values);
-    c.prefetch(c.v, t0 + a + PREFETCH_KEYS, PV_TILE, t0 + most, D);
+    const float* ahead[PV_TILE];
+    const int n_ahead = c.ahead(c.v, t0 + a + PREFETCH_KEYS, PV_TILE, t0 + most, ahead);
+    for (int i = 0; i < n_ahead; i++)
+      for (int b = 0; b < D * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead[i]) + b, _MM_HINT_T0);
     for (int64_t r0 = first; r0 < n_rows; r0 += PV_ROWS) {
       const int nr = static_cast<int>(std::min<int64_t>(PV_ROWS, n_rows - r0));
       for (int i = 0; i < nr; i++) p[i] = S.scores + (r0 + i) * PARTITION_TOKENS + a, out[i] = acc + (r0 + i) * D;
