@@ -2,10 +2,12 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for a layer's
-elementwise work in bf16 (rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax of bf16 logits
-(kernels/native/layer_ops.cpp), for bf16 linears (kernels/native/bf16_gemm.cpp) and for matmuls with
-quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run on CPU for attention (decode and prefill chunks), a layer's elementwise work
+(rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax: in bf16 where the CPU has AVX512-BF16
+(decode_attention.cpp, extend_attention.cpp, layer_ops.cpp), in float32 where it has AVX2 + FMA
+(attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp) and matmuls
+with quantized weights. kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
+PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotar
         "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
-NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
+NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
 NATIVE_ATTENTION_MAX_GROUP = 16  # query heads per KV head
 
 
@@ -64,16 +66,40 @@ def _load_native(name: str) -> tuple[object | None, str | None]:
                   else "native op unavailable (see the log line above)")
 
 
-class _LayerOps:
-    """kernels/native/layer_ops.cpp's ops, held as their overloads: a call skips the packet's overload
-    lookup (these run four times a layer every step, where ~0.5 us a call shows)."""
+# the native files of the dtype-specific CPU ops, per activation dtype
+_LAYER_OPS_SOURCE = {torch.bfloat16: "layer_ops", torch.float32: "layer_ops_f32"}
+_ATTENTION_SOURCE = {torch.bfloat16: {"decode_attention": "decode_attention", "extend_attention": "extend_attention"},
+                     torch.float32: {"decode_attention": "attention_f32", "extend_attention": "attention_f32"}}
 
-    def __init__(self, ops):
+
+def _implementation(source: str | None) -> str:
+    """What a log line calls the implementation: "native <the CPU level the file needs>", or "torch"."""
+    return "torch" if source is None else f"native {native.REQUIRES[source]}"
+
+
+def _torch_vector_floats() -> int:
+    """Floats per step of torch's vectorized CPU loops (two vectors of the capability its kernels run at): its
+    fp32 silu computes exp with Sleef inside those steps and with the C library's expf past the last whole
+    one, and layer_ops_f32's silu_and_mul does the same to stay bit-identical."""
+    return {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
+class _LayerOps:
+    """The native layer ops of one dtype (kernels/native/layer_ops.cpp for bf16, layer_ops_f32.cpp for fp32),
+    held as their overloads: a call skips the packet's overload lookup (these run four times a layer every
+    step, where ~0.5 us a call shows)."""
+
+    def __init__(self, ops, dtype: torch.dtype):
         self.rms_norm = ops.rms_norm.default
         self.add_rms_norm = ops.add_rms_norm.default
-        self.silu_and_mul = ops.silu_and_mul.default
         self.rotary_and_write_kv = ops.rotary_and_write_kv.default
         self.argmax = ops.argmax.default
+        silu = ops.silu_and_mul.default
+        if dtype == torch.float32:
+            block = _torch_vector_floats()
+            self.silu_and_mul = lambda x: silu(x, block)
+        else:
+            self.silu_and_mul = silu
 
 
 # dtype -> the native layer ops for CPU tensors of that dtype, or None for torch
@@ -82,18 +108,19 @@ _layer_ops_choice: dict[torch.dtype, _LayerOps | None] = {}
 
 def _native_layer_ops(dtype: torch.dtype) -> _LayerOps | None:
     """The native layer ops (rms_norm, silu_and_mul, rotary_and_write_kv, argmax) for CPU tensors of `dtype`,
-    or None (torch). Decided once per dtype and logged then. bf16 only: fp32 runs keep the torch reference
-    exactly (the fp32 tests compare it for equality)."""
+    or None (torch). Decided once per dtype and logged then. Both dtypes' ops give torch's bits (their tests
+    assert it), so a test comparing with the torch reference for equality holds either way."""
     ops = _layer_ops_choice.get(dtype, False)
     if ops is not False:
         return ops
-    reason = None if dtype == torch.bfloat16 else f"dtype {dtype} (native layer ops are bf16 only)"
+    source = _LAYER_OPS_SOURCE.get(dtype)
+    reason = None if source is not None else f"dtype {dtype} (native layer ops: bfloat16, float32)"
     ops = None
-    if reason is None:
-        loaded, reason = _load_native("layer_ops")
-        ops = _LayerOps(loaded) if loaded is not None else None
+    if source is not None:
+        loaded, reason = _load_native(source)
+        ops = _LayerOps(loaded, dtype) if loaded is not None else None
     log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
-             implementation="native avx512-bf16" if ops is not None else "torch", reason=reason,
+             implementation=_implementation(source if ops is not None else None), reason=reason,
              dtype=str(dtype).removeprefix("torch."))
     _layer_ops_choice[dtype] = ops
     return ops
@@ -150,8 +177,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
         return reference.argmax(logits)
     ops = _native_layer_ops(logits.dtype)
-    # bf16 logits straight from the lm_head: one pass over them, instead of an fp32 copy and torch's argmax
-    # over it (~0.3 ms for 16 rows of a 49k vocab)
+    # logits straight from the lm_head: one pass over them (bf16: instead of an fp32 copy and torch's argmax
+    # over it, ~0.3 ms for 16 rows of a 49k vocab)
     if ops is not None and logits.dim() == 2:
         return ops.argmax(logits)
     return reference.argmax(logits)
@@ -163,10 +190,10 @@ argmax.__doc__ = reference.argmax.__doc__
 def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                                   head_dim: int) -> str | None:
     """Why the native attention ops (decode and prefill) cannot take these shapes, or None when they can."""
-    if dtype != torch.bfloat16:
-        return f"dtype {dtype} (native attention is bf16 only)"
-    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS:
-        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS))})"
+    if dtype not in _ATTENTION_SOURCE:
+        return f"dtype {dtype} (native attention: bfloat16, float32)"
+    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS[dtype]:
+        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS[dtype]))})"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_ATTENTION_MAX_GROUP:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
     return None
@@ -178,15 +205,16 @@ _ATTENTION_LOG = {"decode_attention": "CPU decode attention", "extend_attention"
 
 
 def _native_attention(op: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
-    """The native ops of kernels/native/<op>.cpp for CPU attention at these shapes, or None (torch). Decided
-    once per op and shape, and logged then."""
+    """The loaded native ops serving `op` (decode_attention or extend_attention) for CPU attention in `dtype`
+    at these shapes, or None (torch). Decided once per op and shape, and logged then."""
     key = (op, dtype, num_heads, num_kv_heads, head_dim)
     if key not in _attention_choice:
         reason = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
-        ops = None
+        ops = source = None
         if reason is None:
-            ops, reason = _load_native(op)
-        log.info(_ATTENTION_LOG[op], implementation="native avx512-bf16" if ops is not None else "torch",
+            source = _ATTENTION_SOURCE[dtype][op]
+            ops, reason = _load_native(source)
+        log.info(_ATTENTION_LOG[op], implementation=_implementation(source if ops is not None else None),
                  reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
                  head_dim=head_dim)
         _attention_choice[key] = ops

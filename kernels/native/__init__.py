@@ -36,10 +36,12 @@ CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
 
 # the CPU level (kernels/cpu_isa.py) each op's file is written for; its `supported()` op checks the same
 REQUIRES = {
+    "attention_f32": "avx2",
     "bf16_gemm": "avx512-bf16",
     "decode_attention": "avx512-bf16",
     "extend_attention": "avx512-bf16",
     "layer_ops": "avx512-bf16",
+    "layer_ops_f32": "avx2",
     "quant_gemm": "avx512-bf16",
 }
 
