@@ -38,6 +38,7 @@ import redis.exceptions
 import structlog
 
 from phaseserve import token_log
+from phaseserve.redis_client import redacted
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WireError, WorkerInfo)
 
@@ -189,7 +190,7 @@ class Backend:
         try:
             await asyncio.wait_for(self.subscribed.wait(), wait_s)
         except asyncio.TimeoutError:
-            log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=self.redis_url)
+            log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=redacted(self.redis_url))
 
     async def close(self) -> None:
         # shutting down: requests waiting for a resume are decided now (cancelled unless another gateway took them)
