@@ -49,6 +49,7 @@ SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged at
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
 STEP_TIMEOUT_S = 2.0
 LEASE_TTL_S = 2.0
+CLIENT_LEASE_TTL_S = 1.0
 
 
 class Service:
@@ -120,8 +121,10 @@ class Stack:
             self.services[w] = self.worker(w).start()
         for name, port in (("gw", self.port), ("gw2", self.second_port)):
             if port is not None:
+                # a short client lease: a resume after a gateway's kill -9 waits for its leases to lapse
                 self.services[name] = Service(name, [sys.executable, "-m", "gateway", "--model", self.model,
-                                                     "--redis-url", self.redis_url, "--port", str(port)],
+                                                     "--redis-url", self.redis_url, "--port", str(port),
+                                                     "--client-lease-ttl", str(CLIENT_LEASE_TTL_S)],
                                               self.log_dir).start()
         self.wait(lambda: self._stats().get("num_workers") == 2 and self._health(self.port)
                   and (self.second_port is None or self._health(self.second_port)), 120, "the stack")
