@@ -31,6 +31,7 @@ import structlog
 from phaseserve import logs, settings
 from phaseserve.cpus import usable_cores, worker_threads
 from phaseserve.procs import child_setup
+from phaseserve.redis_client import redacted
 from phaseserve.redis_server import EmbeddedRedis
 
 log = structlog.get_logger("phaseserve.up")
@@ -59,7 +60,7 @@ def child_argv(service: str, values: dict) -> list[str]:
 
 
 def child_env(service: str, values: dict) -> dict[str, str]:
-    """The child's environment: ours, plus the secret settings `up` knows (an API key)."""
+    """The child's environment: ours, plus the secret settings `up` knows (an API key, the Redis URL)."""
     env = dict(os.environ)
     for s in settings.settings_for(service):
         if s.secret and values.get(s.name) is not None:
@@ -171,7 +172,7 @@ class Stack:
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url
-            log.info("embedded redis started", url=self.redis.url)
+            log.info("embedded redis started", url=redacted(self.redis.url))
         for service in SERVICES:
             for name in names if service == "worker" else [service]:
                 cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         if not stop.is_set():
             print(f"phaseserve: serving {values['served_model_name']} at {url}/v1 (OpenAI API; /health, /metrics)",
                   flush=True)
-            print(f"phaseserve: model folder {values['model']}; redis {values['redis_url']}; "
+            print(f"phaseserve: model folder {values['model']}; redis {redacted(values['redis_url'])}; "
                   "Ctrl-C to stop", flush=True)
         while not stop.is_set():
             dead = stack.dead_child()

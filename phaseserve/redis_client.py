@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -21,6 +22,15 @@ COMMAND_RETRIES = 3
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+
+
+def redacted(url: str | None) -> str | None:
+    """A Redis URL fit for a log line or a banner: its password replaced by ***."""
+    parts = urlsplit(url) if url else None
+    if parts is None or parts.password is None:
+        return url
+    host = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=host))
 
 
 def _kwargs(retry, name: str | None) -> dict:

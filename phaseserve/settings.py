@@ -69,7 +69,8 @@ ALL = ("gateway", "scheduler", "worker", "up")
 
 SETTINGS: list[Setting] = [
     Setting("redis_url", "REDIS_URL", None, str,
-            "Redis to use; `up` starts an embedded private server when unset", ALL),
+            "Redis to use (a password goes in the URL: `redis://:PASSWORD@host:port/0`); `up` starts an "
+            "embedded private server, with a generated password, when unset", ALL, secret=True),
     Setting("key_prefix", "PHASESERVE_KEY_PREFIX", "ps", str,
             "prefix of every Redis key, stream and channel (lets stacks share a Redis)", ALL),
     Setting("model", "PHASESERVE_MODEL", None, str,
@@ -124,8 +125,9 @@ SETTINGS: list[Setting] = [
             "token events a streaming request may have waiting for its client to take them; beyond, the "
             "client is disconnected and its request cancelled; 0 = no cap", ("gateway", "up")),
     Setting("resume_grace", "PHASESERVE_RESUME_GRACE", 10.0, float,
-            "seconds a request whose client went away keeps generating, waiting for the client to resume it "
-            "(Last-Event-ID) on any gateway, before it is cancelled", ("gateway", "scheduler", "up")),
+            "seconds a resumable request (X-Resume: 1) whose client went away keeps generating, waiting for "
+            "the client to resume it (Last-Event-ID) on any gateway, before it is cancelled",
+            ("gateway", "scheduler", "up")),
     Setting("client_lease_ttl", "PHASESERVE_CLIENT_LEASE_TTL", 5.0, float,
             "a gateway serving a client refreshes the request's lease key every third of this; a lease gone "
             "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
