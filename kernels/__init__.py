@@ -6,7 +6,8 @@ Callers import the ops from here and never choose an implementation themselves. 
 (rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax: in bf16 where the CPU has AVX512-BF16
 (decode_attention.cpp, extend_attention.cpp, layer_ops.cpp), in float32 where it has AVX2 + FMA
 (attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp) and matmuls
-with quantized weights. kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
+with quantized weights (bf16 activations on AVX512-BF16: quant_gemm.cpp; float32 on AVX2 + FMA:
+quant_gemm_f32.cpp). kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
 PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from kernels import native, reference
 from kernels.native_bf16 import PackedBf16Weight
+from kernels.native_quant_f32 import PackedQuantF32Weight
 from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
@@ -274,45 +276,79 @@ paged_attention.__doc__ = reference.paged_attention.__doc__
 
 
 
-_quant_linear_op: list = []  # [quant_gemm.cpp's quant_linear overload], looked up on the first call
+# activation dtype -> (the native op file of quantized matmuls for it, the name its log lines give)
+_NATIVE_QUANT = {torch.bfloat16: ("quant_gemm", "native avx512-bf16"),
+                 torch.float32: ("quant_gemm_f32", "native avx2-fp32")}
+_quant_choice: dict[torch.dtype, object | None] = {}  # dtype -> the loaded op, or None; decided on first use
+# the packed form's class -> the op's quant_linear overload, looked up on its first call
+_quant_linear_ops: dict[type, object] = {}
 
 
-def _native_quant_gemm():
-    return native.load("quant_gemm")
+def _native_quant_gemm(dtype: torch.dtype):
+    """The native quantized-matmul ops for CPU activations of `dtype`, or None. Decided once per dtype and
+    logged then."""
+    if dtype not in _quant_choice:
+        ops, reason = None, f"dtype {dtype} (native: bfloat16, float32)"
+        if dtype in _NATIVE_QUANT:
+            ops, reason = _load_native(_NATIVE_QUANT[dtype][0])
+        log.info("CPU quantized linear", implementation=_NATIVE_QUANT[dtype][1] if ops is not None
+                 else "torch reference (dequantize, then F.linear)", reason=reason,
+                 dtype=str(dtype).removeprefix("torch."))
+        _quant_choice[dtype] = ops
+    return _quant_choice[dtype]
 
 
-def native_quant_available() -> bool:
-    """True when this CPU runs quant_linear natively (AVX512-BF16, the op compiled)."""
-    return _native_quant_gemm() is not None
+def native_quant_kernel(dtype: torch.dtype) -> str | None:
+    """The native op that runs quant_linear on this CPU for activations of `dtype` (for log lines:
+    "native avx512-bf16" for bf16 on AVX512-BF16, "native avx2-fp32" for float32 on AVX2 + FMA), or None
+    where only the torch reference runs."""
+    return _NATIVE_QUANT[dtype][1] if _native_quant_gemm(dtype) is not None else None
+
+
+def native_quant_available(dtype: torch.dtype) -> bool:
+    """True when this CPU runs quant_linear natively for activations of `dtype`."""
+    return native_quant_kernel(dtype) is not None
 
 
 def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype):
     """The form of `weight` that quant_linear reads fastest for activations of `dtype`: on a CPU with the
-    native op and bf16 activations, the native layout (kernels/native_quant.py, same bytes, reshuffled;
-    the QuantizedWeight is not kept); else the QuantizedWeight itself."""
-    from kernels import native_quant
+    native op for that dtype, its layout (bf16: kernels/native_quant.py; float32: kernels/native_quant_f32.py;
+    same bytes, reshuffled; the QuantizedWeight is not kept); else the QuantizedWeight itself."""
+    from kernels import native_quant, native_quant_f32
 
-    if (weight.qdata.device.type == "cpu" and dtype == torch.bfloat16 and native_quant.can_pack(weight)
-            and native_quant_available()):
-        return native_quant.pack(weight)
-    return weight
+    if weight.qdata.device.type != "cpu" or not native_quant_available(dtype):
+        return weight
+    if dtype == torch.float32:
+        return native_quant_f32.pack(weight)
+    return native_quant.pack(weight) if native_quant.can_pack(weight) else weight
+
+
+def _quant_linear_op(weight) -> object:
+    op = _quant_linear_ops.get(type(weight))
+    if op is None:
+        # a packed weight exists only where its op loaded; held as its overload, as _LayerOps does: this runs
+        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
+        dtype = torch.float32 if isinstance(weight, PackedQuantF32Weight) else torch.bfloat16
+        op = _quant_linear_ops[type(weight)] = _native_quant_gemm(dtype).quant_linear.default
+    return op
 
 
 def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x [T, in] @ W.T for W from pack_quantized: [T, out] in x's dtype."""
+    """x [T, in] @ W.T for W from pack_quantized: [T, out] in x's dtype. The native ops sum each output in
+    one fixed order, so a row's result does not depend on the other rows or the thread count."""
     if isinstance(weight, QuantizedWeight):
         if x.is_cuda:
             return _triton().quant_linear(x, weight)
         return reference.quant_linear(x, weight)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"quant_linear: a natively packed weight takes bfloat16 activations, got {x.dtype}")
+    f32 = isinstance(weight, PackedQuantF32Weight)
+    if x.dtype != (torch.float32 if f32 else torch.bfloat16):
+        raise TypeError(f"quant_linear: a weight packed for {'float32' if f32 else 'bfloat16'} activations "
+                        f"got {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not _quant_linear_op:
-        # a packed weight exists only where the op loaded; held as its overload, as _LayerOps does: this runs
-        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
-        _quant_linear_op.append(_native_quant_gemm().quant_linear.default)
-    return _quant_linear_op[0](x, weight.data, weight.bits)
+    if f32:
+        return _quant_linear_op(weight)(x, weight.data, weight.bits, weight.shape[0])
+    return _quant_linear_op(weight)(x, weight.data, weight.bits)
 
 
 _bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use
@@ -348,4 +384,4 @@ def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | 
     return _native_bf16_gemm().bf16_linear(x, weight.data, bias, weight.shape[0])
 
 
-__all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available"]
+__all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available", "native_quant_kernel"]

@@ -43,6 +43,7 @@ REQUIRES = {
     "layer_ops": "avx512-bf16",
     "layer_ops_f32": "avx2",
     "quant_gemm": "avx512-bf16",
+    "quant_gemm_f32": "avx2",
 }
 
 _loaded: dict[str, object | None] = {}

@@ -1,0 +1,283 @@
+// y = x @ W^T for a block-quantized W (blocks of 32 weights along K with an fp16 scale d, and for int4 an
+// fp16 offset m: w = d*q (int8), w = d*q + m (int4)), float32 activations, for CPUs with AVX2 + FMA.
+//
+// Built against torch's stable ABI (torch/csrc/stable). Registered as
+// torch.ops.phaseserve_quant_gemm_f32.{quant_linear, supported}.
+//
+// Layout (kernels/native_quant_f32.py packs it at load): outputs in groups of 8 (one ymm of fp32, lane i =
+// output i, so the activation is a broadcast and no horizontal sums are needed); for each group and block,
+// the block's quantized values k by k (int8: 8 bytes a k; int4: 16 bytes per 4 k, k and k+1 in the low and
+// high nibbles of bytes 0..7, k+2 and k+3 of bytes 8..15), then the group's 8 fp16 scales (and offsets).
+// A group is one contiguous stream, prefetched ahead; the last group is padded with zero weights.
+//
+// Numerics: every output is ONE fp32 chain over k ascending, acc = fma(w_k, x_k, acc), from acc = 0, with
+// w_k = q*d (int8) or fma(q, d, m) (int4: one rounding, so Q4_0's m = -8d gives d*(q-8) rounded once) in
+// fp32. Both paths below compute exactly that chain, so a row's result is bit-identical whatever the
+// other rows of the call, the row tile it lands in, the path, and the thread count (threads split
+// the outputs, never k):
+// - few rows (decode): weights unpacked to fp32 in registers and used at once by a tile of rows;
+// - from DEQUANT_ROWS rows (prefill): a chunk of groups dequantized once into an fp32 buffer that stays
+//   in cache, and a 6-row x 16-output fp32 kernel runs every row over it (compute-bound).
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include "cpu_features.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int BLOCK = 32;
+constexpr int LANES = 8;  // outputs per group (one ymm of fp32)
+
+template <bool INT4>
+constexpr int64_t quant_bytes() { return INT4 ? BLOCK * LANES / 2 : BLOCK * LANES; }
+
+// a block of one group: its quantized values, 8 fp16 scales, (int4) 8 fp16 offsets
+template <bool INT4>
+constexpr int64_t block_bytes() { return quant_bytes<INT4>() + (INT4 ? 32 : 16); }
+
+constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
+constexpr int64_t CHUNK_GROUPS = 4;     // groups dequantized at once (prefill) / taken by a thread at a time
+constexpr int64_t DEQUANT_ROWS = 16;    // from this many rows on, dequantize once per chunk (same results)
+
+struct Packed {
+  const uint8_t* data;  // [groups, blocks, block_bytes<INT4>()]
+  int64_t nblocks, groups, n;  // n: real outputs (the last group may be partly padding)
+};
+
+// The block's 8 scales (and offsets) as fp32.
+template <bool INT4>
+AVX2_FMA inline void block_scales(const uint8_t* blk, __m256& d, __m256& m) {
+  const uint8_t* s = blk + quant_bytes<INT4>();
+  d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+  m = INT4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16))) : _mm256_setzero_ps();
+}
+
+// The weights of k = 4j .. 4j+3 of a block for the group's 8 outputs, as fp32: w[i] for k = 4j + i.
+template <bool INT4>
+AVX2_FMA inline void dequantize_quad(const uint8_t* blk, int j, __m256 d, __m256 m, __m256 w[4]) {
+  if constexpr (INT4) {
+    const uint8_t* p = blk + j * 16;
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d, m);
+  } else {
+    const uint8_t* p = blk + j * 4 * LANES;
+    for (int i = 0; i < 4; i++)
+      w[i] = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + i * LANES)))), d);
+  }
+}
+
+// Outputs of group g from acc: a masked store for the padded last group.
+AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 acc) {
+  const int64_t valid = W.n - g * LANES;
+  if (valid >= LANES) {
+    _mm256_storeu_ps(out + g * LANES, acc);
+  } else {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(out + g * LANES, mask, acc);
+  }
+}
+
+// ---- few rows (decode): NW groups x TT rows over the whole K, weights unpacked in registers
+
+template <bool INT4, int NW, int TT>
+AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int64_t BB = block_bytes<INT4>();
+  __m256 acc[TT][NW];
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) acc[t][w] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < W.nblocks; b++) {
+    const uint8_t* blk[NW];
+    __m256 d[NW], m[NW];
+    for (int w = 0; w < NW; w++) {
+      blk[w] = W.data + ((g0 + w) * W.nblocks + b) * BB;
+      block_scales<INT4>(blk[w], d[w], m[w]);
+      // PREFETCH_BLOCKS ahead in each group's stream; near its end, the start of the next tile's groups
+      // (each tile's first blocks would otherwise wait on DRAM)
+      const int64_t ahead = b + PREFETCH_BLOCKS;
+      const int64_t g = ahead < W.nblocks ? g0 + w : g0 + NW + w;
+      if (g < W.groups) {
+        const uint8_t* next = W.data + (g * W.nblocks + (ahead < W.nblocks ? ahead : ahead - W.nblocks)) * BB;
+        for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
+      }
+    }
+    const float* xb = x + b * BLOCK;
+    for (int j = 0; j < BLOCK / 4; j++) {
+      for (int w = 0; w < NW; w++) {
+        __m256 wv[4];
+        dequantize_quad<INT4>(blk[w], j, d[w], m[w], wv);
+        for (int i = 0; i < 4; i++)
+          for (int t = 0; t < TT; t++)
+            acc[t][w] = _mm256_fmadd_ps(wv[i], _mm256_broadcast_ss(xb + t * ldx + 4 * j + i), acc[t][w]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) store_group(W, g0 + w, out + t * ldo, acc[t][w]);
+}
+
+// Rows [0, TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
+template <bool INT4, int NW, int TT>
+AVX2_FMA void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const float* x, int64_t ldx, float* out,
+                       int64_t ldo) {
+  int64_t g = g_begin;
+  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, out, ldo);
+  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, out, ldo);
+}
+
+// ---- many rows (prefill): a chunk of groups dequantized once to fp32, then a plain fp32 kernel
+
+// Groups [g0, g0 + ng) as fp32 [ng][K][8]: the very values the register path computes.
+template <bool INT4>
+AVX2_FMA void dequantize_groups(const Packed& W, int64_t g0, int64_t ng, float* buf) {
+  constexpr int64_t BB = block_bytes<INT4>();
+  for (int64_t g = 0; g < ng; g++)
+    for (int64_t b = 0; b < W.nblocks; b++) {
+      const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
+      __m256 d, m;
+      block_scales<INT4>(blk, d, m);
+      float* dst = buf + ((g * W.nblocks + b) * BLOCK) * LANES;
+      for (int j = 0; j < BLOCK / 4; j++) {
+        __m256 wv[4];
+        dequantize_quad<INT4>(blk, j, d, m, wv);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + (4 * j + i) * LANES, wv[i]);
+      }
+    }
+}
+
+// NW groups (from chunk-local group w0) x TT rows over the whole K, weights from the fp32 buffer.
+template <int NW, int TT>
+AVX2_FMA void tile_f32(const Packed& W, const float* buf, int64_t K, int64_t w0, int64_t g0, const float* x,
+                       int64_t ldx, float* out, int64_t ldo) {
+  __m256 acc[TT][NW];
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) acc[t][w] = _mm256_setzero_ps();
+  const float* wp = buf + w0 * K * LANES;
+  for (int64_t k = 0; k < K; k++) {
+    __m256 wv[NW];
+    for (int w = 0; w < NW; w++) wv[w] = _mm256_loadu_ps(wp + (w * K + k) * LANES);
+    for (int t = 0; t < TT; t++) {
+      const __m256 xv = _mm256_broadcast_ss(x + t * ldx + k);
+      for (int w = 0; w < NW; w++) acc[t][w] = _mm256_fmadd_ps(wv[w], xv, acc[t][w]);
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) store_group(W, g0 + w0 + w, out + t * ldo, acc[t][w]);
+}
+
+template <int TT>
+AVX2_FMA void rows_f32(const Packed& W, const float* buf, int64_t K, int64_t g0, int64_t ng, const float* x,
+                       int64_t ldx, float* out, int64_t ldo) {
+  int64_t w = 0;
+  for (; w + 2 <= ng; w += 2) tile_f32<2, TT>(W, buf, K, w, g0, x, ldx, out, ldo);
+  for (; w < ng; w++) tile_f32<1, TT>(W, buf, K, w, g0, x, ldx, out, ldo);
+}
+
+template <int TT>
+AVX2_FMA void rows_f32_remainder(const Packed& W, const float* buf, int64_t K, int64_t g0, int64_t ng,
+                                 const float* x, int64_t ldx, float* out, int64_t ldo, int64_t rows) {
+  if constexpr (TT > 0) {
+    if (rows == TT) rows_f32<TT>(W, buf, K, g0, ng, x, ldx, out, ldo);
+    else rows_f32_remainder<TT - 1>(W, buf, K, g0, ng, x, ldx, out, ldo, rows);
+  }
+}
+
+template <bool INT4, int TT>
+AVX2_FMA void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const float* x, int64_t ldx, float* out,
+                             int64_t ldo, int64_t rows) {
+  if constexpr (TT > 0) {
+    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, out, ldo);
+    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, out, ldo, rows);
+  }
+}
+
+template <bool INT4>
+AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo) {
+  const int64_t K = W.nblocks * BLOCK;
+  if (T >= DEQUANT_ROWS) {
+    torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(CHUNK_GROUPS * K * LANES);
+      for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
+        const int64_t ng = std::min(c + CHUNK_GROUPS, end) - c;
+        dequantize_groups<INT4>(W, c, ng, buf.data());
+        int64_t t0 = 0;
+        for (; t0 + 6 <= T; t0 += 6) rows_f32<6>(W, buf.data(), K, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo);
+        if (t0 < T) rows_f32_remainder<5>(W, buf.data(), K, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo, T - t0);
+      }
+    });
+    return;
+  }
+  torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
+      const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
+      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, out, ldo);
+      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, out, ldo);
+      else {
+        int64_t t0 = 0;
+        for (; t0 + 4 <= T; t0 += 4) row_tile<INT4, 2, 4>(W, c, c_end, x + t0 * ldx, ldx, out + t0 * ldo, ldo);
+        if (t0 < T) rows_remainder<INT4, 3>(W, c, c_end, x + t0 * ldx, ldx, out + t0 * ldo, ldo, T - t0);
+      }
+    }
+  });
+}
+
+// x [T, K] float32 (dense rows); packed uint8 [ceil(N / 8), K / 32, block bytes] as
+// kernels/native_quant_f32.py packs it; returns [T, N] float32.
+Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t n) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "quant_linear: this CPU lacks AVX2 + FMA");
+  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.stride(1) == 1,
+                  "quant_linear: x must be float32 [T, K] with dense rows");
+  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), "quant_linear: CPU tensors only");
+  const int64_t bb = bits == 4 ? block_bytes<true>() : block_bytes<false>();
+  STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
+                      packed.size(2) == bb,
+                  "quant_linear: packed must be contiguous uint8 [ceil(N / 8), K / 32, ", bb, "]");
+  const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
+  STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
+  STD_TORCH_CHECK(n > (groups - 1) * LANES && n <= groups * LANES, "quant_linear: ", n,
+                  " outputs do not fill ", groups, " groups of ", LANES);
+  Tensor out = torch::stable::new_empty(x, {T, n});
+  if (T == 0 || n == 0) return out;
+  Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups, n};
+  const float* xp = static_cast<const float*>(x.const_data_ptr());
+  float* o = static_cast<float*>(out.mutable_data_ptr());
+  if (bits == 4) gemm<true>(W, xp, x.stride(0), T, o, n);
+  else gemm<false>(W, xp, x.stride(0), T, o, n);
+  return out;
+}
+
+bool supported() { return cpu_supports_avx2_fma(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_quant_gemm_f32, m) {
+  m.def("quant_linear(Tensor x, Tensor packed, int bits, int n) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CPU, m) {
+  m.impl("quant_linear", TORCH_BOX(&quant_linear));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}
