@@ -10,14 +10,17 @@
 // high nibbles of bytes 0..7, k+2 and k+3 of bytes 8..15), then the group's 8 fp16 scales (and offsets).
 // A group is one contiguous stream, prefetched ahead; the last group is padded with zero weights.
 //
-// Numerics: every output is ONE fp32 chain over k ascending, acc = fma(w_k, x_k, acc), from acc = 0, with
-// w_k = q*d (int8) or fma(q, d, m) (int4: one rounding, so Q4_0's m = -8d gives d*(q-8) rounded once) in
-// fp32. Both paths below compute exactly that chain, so a row's result is bit-identical whatever the
-// other rows of the call, the row tile it lands in, the path, and the thread count (threads split
-// the outputs, never k):
-// - few rows (decode): weights unpacked to fp32 in registers and used at once by a tile of rows;
-// - from DEQUANT_ROWS rows (prefill): a chunk of groups dequantized once into an fp32 buffer that stays
-//   in cache, and a 6-row x 16-output fp32 kernel runs every row over it (compute-bound).
+// Numerics: the scales are applied once per block, to the block's fp32 sum of q x (q unpacked to exact fp32
+// integers): for each block in order, s = fma chain over its 32 k ascending from 0, then
+//   acc = fma(d, s, acc)                 (int8: w = d q)
+//   acc = fma(m, X, fma(d, s, acc))      (int4: w = d q + m; X = the row's block sum of x, one fixed order)
+// which is the dequantized weights' product with fewer roundings and half the multiply-adds of scaling
+// each weight. Both paths below compute exactly that sequence, so a row's result is bit-identical
+// whatever the other rows of the call, the row tile it lands in, the path, and the thread count (threads
+// split the outputs, never k):
+// - few rows (decode): quantized values unpacked in registers and used at once by a tile of rows;
+// - from DEQUANT_ROWS rows (prefill): a chunk of groups unpacked once into an fp32 buffer that stays in
+//   cache, and a 6-row x 16-output fp32 kernel runs every row over it (compute-bound).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -49,7 +52,7 @@ constexpr int64_t block_bytes() { return quant_bytes<INT4>() + (INT4 ? 32 : 16);
 
 constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
 constexpr int64_t CHUNK_GROUPS = 4;     // groups dequantized at once (prefill) / taken by a thread at a time
-constexpr int64_t DEQUANT_ROWS = 16;    // from this many rows on, dequantize once per chunk (same results)
+constexpr int64_t DEQUANT_ROWS = 6;     // from this many rows on, dequantize once per chunk (same results)
 
 struct Packed {
   const uint8_t* data;  // [groups, blocks, block_bytes<INT4>()]
@@ -64,24 +67,32 @@ AVX2_FMA inline void block_scales(const uint8_t* blk, __m256& d, __m256& m) {
   m = INT4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16))) : _mm256_setzero_ps();
 }
 
-// The weights of k = 4j .. 4j+3 of a block for the group's 8 outputs, as fp32: w[i] for k = 4j + i.
+// The quantized values of k = 4j .. 4j+3 of a block for the group's 8 outputs, as exact fp32 integers:
+// q[i] for k = 4j + i.
 template <bool INT4>
-AVX2_FMA inline void dequantize_quad(const uint8_t* blk, int j, __m256 d, __m256 m, __m256 w[4]) {
+AVX2_FMA inline void unpack_quad(const uint8_t* blk, int j, __m256 q[4]) {
   if constexpr (INT4) {
     const uint8_t* p = blk + j * 16;
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
     const __m256i low = _mm256_set1_epi32(0x0F);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), d, m);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), d, m);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d, m);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   } else {
     const uint8_t* p = blk + j * 4 * LANES;
+#pragma GCC unroll 4
     for (int i = 0; i < 4; i++)
-      w[i] = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + i * LANES)))), d);
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + i * LANES))));
   }
+}
+
+// acc += d * s (+ m * X): a block's sum s = sum(q x) scaled into the output, the one place both paths do it.
+template <bool INT4>
+AVX2_FMA inline __m256 fold_block(__m256 acc, __m256 s, __m256 d, __m256 m, const float* xsum) {
+  acc = _mm256_fmadd_ps(d, s, acc);
+  return INT4 ? _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum), acc) : acc;
 }
 
 // Outputs of group g from acc: a masked store for the padded last group.
@@ -96,20 +107,38 @@ AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 
   }
 }
 
+// Block sums of every activation row (int4's offset term), each in one fixed order.
+AVX2_FMA void block_sums(const float* x, int64_t ldx, int64_t T, int64_t nblocks, float* xsum) {
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t b = 0; b < nblocks; b++) {
+      const float* p = x + t * ldx + b * BLOCK;
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      xsum[t * nblocks + b] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+    }
+}
+
+// The GCC unroll pragmas below make the (row, group) loops unroll before scalar replacement: without them
+// GCC kept a memory copy of the accumulator arrays and stored it on every k.
+
 // ---- few rows (decode): NW groups x TT rows over the whole K, weights unpacked in registers
 
 template <bool INT4, int NW, int TT>
-AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, float* out, int64_t ldo) {
+AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, const float* xsum, float* out,
+                   int64_t ldo) {
   constexpr int64_t BB = block_bytes<INT4>();
   __m256 acc[TT][NW];
+#pragma GCC unroll 16
   for (int t = 0; t < TT; t++)
+#pragma GCC unroll 16
     for (int w = 0; w < NW; w++) acc[t][w] = _mm256_setzero_ps();
   for (int64_t b = 0; b < W.nblocks; b++) {
     const uint8_t* blk[NW];
-    __m256 d[NW], m[NW];
+#pragma GCC unroll 16
     for (int w = 0; w < NW; w++) {
       blk[w] = W.data + ((g0 + w) * W.nblocks + b) * BB;
-      block_scales<INT4>(blk[w], d[w], m[w]);
       // PREFETCH_BLOCKS ahead in each group's stream; near its end, the start of the next tile's groups
       // (each tile's first blocks would otherwise wait on DRAM)
       const int64_t ahead = b + PREFETCH_BLOCKS;
@@ -119,108 +148,156 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, flo
         for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
       }
     }
+    __m256 s[TT][NW];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; t++)
+#pragma GCC unroll 16
+      for (int w = 0; w < NW; w++) s[t][w] = _mm256_setzero_ps();
     const float* xb = x + b * BLOCK;
     for (int j = 0; j < BLOCK / 4; j++) {
+#pragma GCC unroll 16
       for (int w = 0; w < NW; w++) {
-        __m256 wv[4];
-        dequantize_quad<INT4>(blk[w], j, d[w], m[w], wv);
+        __m256 q[4];
+        unpack_quad<INT4>(blk[w], j, q);
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
+#pragma GCC unroll 16
           for (int t = 0; t < TT; t++)
-            acc[t][w] = _mm256_fmadd_ps(wv[i], _mm256_broadcast_ss(xb + t * ldx + 4 * j + i), acc[t][w]);
+            s[t][w] = _mm256_fmadd_ps(q[i], _mm256_broadcast_ss(xb + t * ldx + 4 * j + i), s[t][w]);
       }
     }
+#pragma GCC unroll 16
+    for (int w = 0; w < NW; w++) {
+      __m256 d, m;
+      block_scales<INT4>(blk[w], d, m);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; t++) acc[t][w] = fold_block<INT4>(acc[t][w], s[t][w], d, m, xsum + t * W.nblocks + b);
+    }
   }
+#pragma GCC unroll 16
   for (int t = 0; t < TT; t++)
+#pragma GCC unroll 16
     for (int w = 0; w < NW; w++) store_group(W, g0 + w, out + t * ldo, acc[t][w]);
 }
 
 // Rows [0, TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
 template <bool INT4, int NW, int TT>
-AVX2_FMA void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const float* x, int64_t ldx, float* out,
-                       int64_t ldo) {
+AVX2_FMA void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const float* x, int64_t ldx,
+                       const float* xsum, float* out, int64_t ldo) {
   int64_t g = g_begin;
-  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, out, ldo);
-  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, out, ldo);
+  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo);
+  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo);
 }
 
-// ---- many rows (prefill): a chunk of groups dequantized once to fp32, then a plain fp32 kernel
+template <bool INT4, int TT>
+AVX2_FMA void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const float* x, int64_t ldx,
+                             const float* xsum, float* out, int64_t ldo, int64_t rows) {
+  if constexpr (TT > 0) {
+    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo);
+    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows);
+  }
+}
 
-// Groups [g0, g0 + ng) as fp32 [ng][K][8]: the very values the register path computes.
+// ---- many rows (prefill): a chunk of groups unpacked once to fp32, then a plain fp32 kernel
+
+// Groups [g0, g0 + ng) as fp32 integers q [ng][K][8] and their scales d (and offsets m) [ng][nblocks][8].
 template <bool INT4>
-AVX2_FMA void dequantize_groups(const Packed& W, int64_t g0, int64_t ng, float* buf) {
+AVX2_FMA void unpack_groups(const Packed& W, int64_t g0, int64_t ng, float* qbuf, float* dbuf, float* mbuf) {
   constexpr int64_t BB = block_bytes<INT4>();
   for (int64_t g = 0; g < ng; g++)
     for (int64_t b = 0; b < W.nblocks; b++) {
       const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
       __m256 d, m;
       block_scales<INT4>(blk, d, m);
-      float* dst = buf + ((g * W.nblocks + b) * BLOCK) * LANES;
+      _mm256_storeu_ps(dbuf + (g * W.nblocks + b) * LANES, d);
+      _mm256_storeu_ps(mbuf + (g * W.nblocks + b) * LANES, m);
+      float* dst = qbuf + ((g * W.nblocks + b) * BLOCK) * LANES;
       for (int j = 0; j < BLOCK / 4; j++) {
-        __m256 wv[4];
-        dequantize_quad<INT4>(blk, j, d, m, wv);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + (4 * j + i) * LANES, wv[i]);
+        __m256 q[4];
+        unpack_quad<INT4>(blk, j, q);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + (4 * j + i) * LANES, q[i]);
       }
     }
 }
 
-// NW groups (from chunk-local group w0) x TT rows over the whole K, weights from the fp32 buffer.
-template <int NW, int TT>
-AVX2_FMA void tile_f32(const Packed& W, const float* buf, int64_t K, int64_t w0, int64_t g0, const float* x,
-                       int64_t ldx, float* out, int64_t ldo) {
-  __m256 acc[TT][NW];
-  for (int t = 0; t < TT; t++)
-    for (int w = 0; w < NW; w++) acc[t][w] = _mm256_setzero_ps();
-  const float* wp = buf + w0 * K * LANES;
-  for (int64_t k = 0; k < K; k++) {
-    __m256 wv[NW];
-    for (int w = 0; w < NW; w++) wv[w] = _mm256_loadu_ps(wp + (w * K + k) * LANES);
-    for (int t = 0; t < TT; t++) {
-      const __m256 xv = _mm256_broadcast_ss(x + t * ldx + k);
-      for (int w = 0; w < NW; w++) acc[t][w] = _mm256_fmadd_ps(wv[w], xv, acc[t][w]);
+// NW groups (from chunk-local group w0) x TT rows over the whole K, from the unpacked buffers. The block
+// sums live in registers; the outputs' sums in memory (touched once a block).
+template <bool INT4, int NW, int TT>
+AVX2_FMA void tile_f32(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf, int64_t w0,
+                       int64_t g0, const float* x, int64_t ldx, const float* xsum, float* out, int64_t ldo) {
+  const int64_t K = W.nblocks * BLOCK;
+  alignas(32) float acc[TT][NW][LANES] = {};
+  for (int64_t b = 0; b < W.nblocks; b++) {
+    __m256 s[TT][NW];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; t++)
+#pragma GCC unroll 16
+      for (int w = 0; w < NW; w++) s[t][w] = _mm256_setzero_ps();
+    const float* wp = qbuf + (w0 * K + b * BLOCK) * LANES;
+    const float* xb = x + b * BLOCK;
+    for (int k = 0; k < BLOCK; k++) {
+      __m256 q[NW];
+#pragma GCC unroll 16
+      for (int w = 0; w < NW; w++) q[w] = _mm256_loadu_ps(wp + (w * K + k) * LANES);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; t++) {
+        const __m256 xv = _mm256_broadcast_ss(xb + t * ldx + k);
+#pragma GCC unroll 16
+        for (int w = 0; w < NW; w++) s[t][w] = _mm256_fmadd_ps(q[w], xv, s[t][w]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int w = 0; w < NW; w++) {
+      const __m256 d = _mm256_loadu_ps(dbuf + ((w0 + w) * W.nblocks + b) * LANES);
+      const __m256 m = _mm256_loadu_ps(mbuf + ((w0 + w) * W.nblocks + b) * LANES);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; t++)
+        _mm256_store_ps(acc[t][w], fold_block<INT4>(_mm256_load_ps(acc[t][w]), s[t][w], d, m,
+                                                    xsum + t * W.nblocks + b));
     }
   }
   for (int t = 0; t < TT; t++)
-    for (int w = 0; w < NW; w++) store_group(W, g0 + w0 + w, out + t * ldo, acc[t][w]);
-}
-
-template <int TT>
-AVX2_FMA void rows_f32(const Packed& W, const float* buf, int64_t K, int64_t g0, int64_t ng, const float* x,
-                       int64_t ldx, float* out, int64_t ldo) {
-  int64_t w = 0;
-  for (; w + 2 <= ng; w += 2) tile_f32<2, TT>(W, buf, K, w, g0, x, ldx, out, ldo);
-  for (; w < ng; w++) tile_f32<1, TT>(W, buf, K, w, g0, x, ldx, out, ldo);
-}
-
-template <int TT>
-AVX2_FMA void rows_f32_remainder(const Packed& W, const float* buf, int64_t K, int64_t g0, int64_t ng,
-                                 const float* x, int64_t ldx, float* out, int64_t ldo, int64_t rows) {
-  if constexpr (TT > 0) {
-    if (rows == TT) rows_f32<TT>(W, buf, K, g0, ng, x, ldx, out, ldo);
-    else rows_f32_remainder<TT - 1>(W, buf, K, g0, ng, x, ldx, out, ldo, rows);
-  }
+    for (int w = 0; w < NW; w++) store_group(W, g0 + w0 + w, out + t * ldo, _mm256_load_ps(acc[t][w]));
 }
 
 template <bool INT4, int TT>
-AVX2_FMA void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const float* x, int64_t ldx, float* out,
-                             int64_t ldo, int64_t rows) {
+AVX2_FMA void rows_f32(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf, int64_t g0,
+                       int64_t ng, const float* x, int64_t ldx, const float* xsum, float* out, int64_t ldo) {
+  int64_t w = 0;
+  for (; w + 2 <= ng; w += 2) tile_f32<INT4, 2, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
+  for (; w < ng; w++) tile_f32<INT4, 1, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
+}
+
+template <bool INT4, int TT>
+AVX2_FMA void rows_f32_remainder(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf,
+                                 int64_t g0, int64_t ng, const float* x, int64_t ldx, const float* xsum, float* out,
+                                 int64_t ldo, int64_t rows) {
   if constexpr (TT > 0) {
-    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, out, ldo);
-    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, out, ldo, rows);
+    if (rows == TT) rows_f32<INT4, TT>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo);
+    else rows_f32_remainder<INT4, TT - 1>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo, rows);
   }
 }
 
 template <bool INT4>
 AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo) {
-  const int64_t K = W.nblocks * BLOCK;
+  std::vector<float> xsum(INT4 ? T * W.nblocks : 1);
+  if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
+  const float* xs = xsum.data();
   if (T >= DEQUANT_ROWS) {
     torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(CHUNK_GROUPS * K * LANES);
+      const int64_t K = W.nblocks * BLOCK;
+      std::vector<float> qbuf(CHUNK_GROUPS * K * LANES), dbuf(2 * CHUNK_GROUPS * W.nblocks * LANES);
+      float* mbuf = dbuf.data() + CHUNK_GROUPS * W.nblocks * LANES;
       for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
         const int64_t ng = std::min(c + CHUNK_GROUPS, end) - c;
-        dequantize_groups<INT4>(W, c, ng, buf.data());
+        unpack_groups<INT4>(W, c, ng, qbuf.data(), dbuf.data(), mbuf);
         int64_t t0 = 0;
-        for (; t0 + 6 <= T; t0 += 6) rows_f32<6>(W, buf.data(), K, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo);
-        if (t0 < T) rows_f32_remainder<5>(W, buf.data(), K, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo, T - t0);
+        for (; t0 + 6 <= T; t0 += 6)
+          rows_f32<INT4, 6>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx, xs + t0 * W.nblocks,
+                            out + t0 * ldo, ldo);
+        if (t0 < T)
+          rows_f32_remainder<INT4, 5>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx,
+                                      xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
       }
     });
     return;
@@ -228,12 +305,14 @@ AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, floa
   torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, out, ldo);
-      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, out, ldo);
+      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, xs, out, ldo);
+      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
       else {
         int64_t t0 = 0;
-        for (; t0 + 4 <= T; t0 += 4) row_tile<INT4, 2, 4>(W, c, c_end, x + t0 * ldx, ldx, out + t0 * ldo, ldo);
-        if (t0 < T) rows_remainder<INT4, 3>(W, c, c_end, x + t0 * ldx, ldx, out + t0 * ldo, ldo, T - t0);
+        for (; t0 + 4 <= T; t0 += 4)
+          row_tile<INT4, 2, 4>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo);
+        if (t0 < T)
+          rows_remainder<INT4, 3>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
       }
     }
   });
