@@ -51,7 +51,8 @@ template <bool INT4>
 constexpr int64_t block_bytes() { return quant_bytes<INT4>() + (INT4 ? 32 : 16); }
 
 constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
-constexpr int64_t CHUNK_GROUPS = 4;     // groups dequantized at once (prefill) / taken by a thread at a time
+constexpr int64_t CHUNK_GROUPS = 4;     // groups unpacked at once (prefill)
+constexpr int64_t DECODE_GROUPS = 8;    // groups a thread takes through every row tile (decode)
 constexpr int64_t DEQUANT_ROWS = 6;     // from this many rows on, dequantize once per chunk (same results)
 
 struct Packed {
@@ -302,10 +303,11 @@ AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, floa
     });
     return;
   }
-  torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
-      const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, xs, out, ldo);
+  torch::stable::parallel_for(0, W.groups, DECODE_GROUPS, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += DECODE_GROUPS) {
+      const int64_t c_end = std::min(c + DECODE_GROUPS, end);
+      // 8 independent block sums in flight (FMA latency x throughput) at any row count
+      if (T == 1) row_tile<INT4, 8, 1>(W, c, c_end, x, ldx, xs, out, ldo);
       else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
       else {
         int64_t t0 = 0;
