@@ -7,6 +7,7 @@ group is one contiguous stream:
   int8: 32 x 8 bytes (k-major), then 8 fp16 d
   int4: per 4 k, 16 bytes: byte i (< 8) holds lane i's k and k + 1 (low, high nibble), byte 8 + i its k + 2
         and k + 3; then 8 fp16 d and 8 fp16 m
+A bf16 weight (`pack_bf16`, bits 16) takes the same groups: 32 k x 8 lanes of bf16 a block, no scales.
 The last group is padded with zero weights (q = d = m = 0) when out_features is not a multiple of 8. A pure
 reshuffle: no value changes, the bytes per weight are those of the QuantizedWeight (0.625 B/weight for int4,
 1.0625 for int8).
@@ -26,7 +27,7 @@ LANES = 8
 
 @dataclass(frozen=True)
 class PackedQuantF32Weight:
-    bits: int  # 4 | 8
+    bits: int  # 4 | 8 | 16 (bf16 weights)
     data: torch.Tensor  # uint8 [ceil(N/8), K/32, block bytes]: quantized values, fp16 scales, (int4) fp16 offsets
     shape: tuple[int, int]
 
@@ -67,3 +68,24 @@ def pack(qw: QuantizedWeight) -> PackedQuantF32Weight:
     else:
         parts = [lanes.reshape(groups, blocks, -1), per_group(qw.scales)]
     return PackedQuantF32Weight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """True when a float32 weight holds only bf16 values (a bf16 checkpoint served in float32): storing it as
+    bf16 then changes nothing."""
+    return bool(torch.equal(weight.bfloat16().float(), weight))
+
+
+def can_pack_bf16(weight: torch.Tensor) -> bool:
+    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[1] % BLOCK == 0
+            and weight.dtype in (torch.float32, torch.bfloat16))
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedQuantF32Weight:
+    """A bf16-valued weight [out, in] in the same 8-output groups, as bf16: per group and block, 32 k of 8 lanes
+    (512 bytes), no scales (bits 16). Half the bytes of float32."""
+    out_f, in_f = weight.shape
+    groups, blocks = -(-out_f // LANES), in_f // BLOCK
+    w = _padded(weight.bfloat16(), groups * LANES)
+    lanes = w.view(groups, LANES, blocks, BLOCK).permute(0, 2, 3, 1).contiguous()  # [group, block, k, lane]
+    return PackedQuantF32Weight(16, lanes.view(torch.uint8).reshape(groups, blocks, -1), (out_f, in_f))

@@ -43,12 +43,13 @@ using torch::headeronly::ScalarType;
 constexpr int BLOCK = 32;
 constexpr int LANES = 8;  // outputs per group (one ymm of fp32)
 
-template <bool INT4>
-constexpr int64_t quant_bytes() { return INT4 ? BLOCK * LANES / 2 : BLOCK * LANES; }
+// BITS: 4 (int4, w = d q + m), 8 (int8, w = d q) or 16 (bf16 weights, as stored: no scales)
+template <int BITS>
+constexpr int64_t quant_bytes() { return BLOCK * LANES * BITS / 8; }
 
 // a block of one group: its quantized values, 8 fp16 scales, (int4) 8 fp16 offsets
-template <bool INT4>
-constexpr int64_t block_bytes() { return quant_bytes<INT4>() + (INT4 ? 32 : 16); }
+template <int BITS>
+constexpr int64_t block_bytes() { return quant_bytes<BITS>() + (BITS == 4 ? 32 : BITS == 8 ? 16 : 0); }
 
 constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
 constexpr int64_t CHUNK_GROUPS = 4;     // groups unpacked at once (prefill)
@@ -56,23 +57,29 @@ constexpr int64_t DECODE_GROUPS = 8;    // groups a thread takes through every r
 constexpr int64_t DEQUANT_ROWS = 6;     // from this many rows on, dequantize once per chunk (same results)
 
 struct Packed {
-  const uint8_t* data;  // [groups, blocks, block_bytes<INT4>()]
+  const uint8_t* data;  // [groups, blocks, block_bytes<BITS>()]
   int64_t nblocks, groups, n;  // n: real outputs (the last group may be partly padding)
 };
 
 // The block's 8 scales (and offsets) as fp32.
-template <bool INT4>
+template <int BITS>
 AVX2_FMA inline void block_scales(const uint8_t* blk, __m256& d, __m256& m) {
-  const uint8_t* s = blk + quant_bytes<INT4>();
-  d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
-  m = INT4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16))) : _mm256_setzero_ps();
+  const uint8_t* s = blk + quant_bytes<BITS>();
+  d = BITS == 16 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+  m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16))) : _mm256_setzero_ps();
 }
 
 // The quantized values of k = 4j .. 4j+3 of a block for the group's 8 outputs, as exact fp32 integers:
 // q[i] for k = 4j + i.
-template <bool INT4>
+template <int BITS>
 AVX2_FMA inline void unpack_quad(const uint8_t* blk, int j, __m256 q[4]) {
-  if constexpr (INT4) {
+  if constexpr (BITS == 16) {  // bf16: the upper half of an fp32
+    const uint8_t* p = blk + j * 4 * LANES * 2;
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+      q[i] = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + i * LANES * 2))), 16));
+  } else if constexpr (BITS == 4) {
     const uint8_t* p = blk + j * 16;
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
@@ -89,11 +96,13 @@ AVX2_FMA inline void unpack_quad(const uint8_t* blk, int j, __m256 q[4]) {
   }
 }
 
-// acc += d * s (+ m * X): a block's sum s = sum(q x) scaled into the output, the one place both paths do it.
-template <bool INT4>
+// acc += d * s (+ m * X): a block's sum s = sum(q x) scaled into the output, the one place both paths do it
+// (bf16 weights: acc += s).
+template <int BITS>
 AVX2_FMA inline __m256 fold_block(__m256 acc, __m256 s, __m256 d, __m256 m, const float* xsum) {
+  if constexpr (BITS == 16) return _mm256_add_ps(acc, s);
   acc = _mm256_fmadd_ps(d, s, acc);
-  return INT4 ? _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum), acc) : acc;
+  return BITS == 4 ? _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum), acc) : acc;
 }
 
 // Outputs of group g from acc: a masked store for the padded last group.
@@ -126,10 +135,10 @@ AVX2_FMA void block_sums(const float* x, int64_t ldx, int64_t T, int64_t nblocks
 
 // ---- few rows (decode): NW groups x TT rows over the whole K, weights unpacked in registers
 
-template <bool INT4, int NW, int TT>
+template <int BITS, int NW, int TT>
 AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, const float* xsum, float* out,
                    int64_t ldo) {
-  constexpr int64_t BB = block_bytes<INT4>();
+  constexpr int64_t BB = block_bytes<BITS>();
   __m256 acc[TT][NW];
 #pragma GCC unroll 16
   for (int t = 0; t < TT; t++)
@@ -159,7 +168,7 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, con
 #pragma GCC unroll 16
       for (int w = 0; w < NW; w++) {
         __m256 q[4];
-        unpack_quad<INT4>(blk[w], j, q);
+        unpack_quad<BITS>(blk[w], j, q);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
 #pragma GCC unroll 16
@@ -170,9 +179,9 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, con
 #pragma GCC unroll 16
     for (int w = 0; w < NW; w++) {
       __m256 d, m;
-      block_scales<INT4>(blk[w], d, m);
+      block_scales<BITS>(blk[w], d, m);
 #pragma GCC unroll 16
-      for (int t = 0; t < TT; t++) acc[t][w] = fold_block<INT4>(acc[t][w], s[t][w], d, m, xsum + t * W.nblocks + b);
+      for (int t = 0; t < TT; t++) acc[t][w] = fold_block<BITS>(acc[t][w], s[t][w], d, m, xsum + t * W.nblocks + b);
     }
   }
 #pragma GCC unroll 16
@@ -182,40 +191,40 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const float* x, int64_t ldx, con
 }
 
 // Rows [0, TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
-template <bool INT4, int NW, int TT>
+template <int BITS, int NW, int TT>
 AVX2_FMA void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const float* x, int64_t ldx,
                        const float* xsum, float* out, int64_t ldo) {
   int64_t g = g_begin;
-  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo);
-  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo);
+  for (; g + NW <= g_end; g += NW) tile<BITS, NW, TT>(W, g, x, ldx, xsum, out, ldo);
+  for (; g < g_end; g++) tile<BITS, 1, TT>(W, g, x, ldx, xsum, out, ldo);
 }
 
-template <bool INT4, int TT>
+template <int BITS, int TT>
 AVX2_FMA void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const float* x, int64_t ldx,
                              const float* xsum, float* out, int64_t ldo, int64_t rows) {
   if constexpr (TT > 0) {
-    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo);
-    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows);
+    if (rows == TT) row_tile<BITS, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo);
+    else rows_remainder<BITS, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows);
   }
 }
 
 // ---- many rows (prefill): a chunk of groups unpacked once to fp32, then a plain fp32 kernel
 
 // Groups [g0, g0 + ng) as fp32 integers q [ng][K][8] and their scales d (and offsets m) [ng][nblocks][8].
-template <bool INT4>
+template <int BITS>
 AVX2_FMA void unpack_groups(const Packed& W, int64_t g0, int64_t ng, float* qbuf, float* dbuf, float* mbuf) {
-  constexpr int64_t BB = block_bytes<INT4>();
+  constexpr int64_t BB = block_bytes<BITS>();
   for (int64_t g = 0; g < ng; g++)
     for (int64_t b = 0; b < W.nblocks; b++) {
       const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
       __m256 d, m;
-      block_scales<INT4>(blk, d, m);
+      block_scales<BITS>(blk, d, m);
       _mm256_storeu_ps(dbuf + (g * W.nblocks + b) * LANES, d);
       _mm256_storeu_ps(mbuf + (g * W.nblocks + b) * LANES, m);
       float* dst = qbuf + ((g * W.nblocks + b) * BLOCK) * LANES;
       for (int j = 0; j < BLOCK / 4; j++) {
         __m256 q[4];
-        unpack_quad<INT4>(blk, j, q);
+        unpack_quad<BITS>(blk, j, q);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + (4 * j + i) * LANES, q[i]);
       }
     }
@@ -223,7 +232,7 @@ AVX2_FMA void unpack_groups(const Packed& W, int64_t g0, int64_t ng, float* qbuf
 
 // NW groups (from chunk-local group w0) x TT rows over the whole K, from the unpacked buffers. The block
 // sums live in registers; the outputs' sums in memory (touched once a block).
-template <bool INT4, int NW, int TT>
+template <int BITS, int NW, int TT>
 AVX2_FMA void tile_f32(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf, int64_t w0,
                        int64_t g0, const float* x, int64_t ldx, const float* xsum, float* out, int64_t ldo) {
   const int64_t K = W.nblocks * BLOCK;
@@ -253,7 +262,7 @@ AVX2_FMA void tile_f32(const Packed& W, const float* qbuf, const float* dbuf, co
       const __m256 m = _mm256_loadu_ps(mbuf + ((w0 + w) * W.nblocks + b) * LANES);
 #pragma GCC unroll 16
       for (int t = 0; t < TT; t++)
-        _mm256_store_ps(acc[t][w], fold_block<INT4>(_mm256_load_ps(acc[t][w]), s[t][w], d, m,
+        _mm256_store_ps(acc[t][w], fold_block<BITS>(_mm256_load_ps(acc[t][w]), s[t][w], d, m,
                                                     xsum + t * W.nblocks + b));
     }
   }
@@ -261,28 +270,28 @@ AVX2_FMA void tile_f32(const Packed& W, const float* qbuf, const float* dbuf, co
     for (int w = 0; w < NW; w++) store_group(W, g0 + w0 + w, out + t * ldo, _mm256_load_ps(acc[t][w]));
 }
 
-template <bool INT4, int TT>
+template <int BITS, int TT>
 AVX2_FMA void rows_f32(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf, int64_t g0,
                        int64_t ng, const float* x, int64_t ldx, const float* xsum, float* out, int64_t ldo) {
   int64_t w = 0;
-  for (; w + 2 <= ng; w += 2) tile_f32<INT4, 2, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
-  for (; w < ng; w++) tile_f32<INT4, 1, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
+  for (; w + 2 <= ng; w += 2) tile_f32<BITS, 2, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
+  for (; w < ng; w++) tile_f32<BITS, 1, TT>(W, qbuf, dbuf, mbuf, w, g0, x, ldx, xsum, out, ldo);
 }
 
-template <bool INT4, int TT>
+template <int BITS, int TT>
 AVX2_FMA void rows_f32_remainder(const Packed& W, const float* qbuf, const float* dbuf, const float* mbuf,
                                  int64_t g0, int64_t ng, const float* x, int64_t ldx, const float* xsum, float* out,
                                  int64_t ldo, int64_t rows) {
   if constexpr (TT > 0) {
-    if (rows == TT) rows_f32<INT4, TT>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo);
-    else rows_f32_remainder<INT4, TT - 1>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo, rows);
+    if (rows == TT) rows_f32<BITS, TT>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo);
+    else rows_f32_remainder<BITS, TT - 1>(W, qbuf, dbuf, mbuf, g0, ng, x, ldx, xsum, out, ldo, rows);
   }
 }
 
-template <bool INT4>
+template <int BITS>
 AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo) {
-  std::vector<float> xsum(INT4 ? T * W.nblocks : 1);
-  if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
+  std::vector<float> xsum(BITS == 4 ? T * W.nblocks : 1);
+  if (BITS == 4) block_sums(x, ldx, T, W.nblocks, xsum.data());
   const float* xs = xsum.data();
   if (T >= DEQUANT_ROWS) {
     torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
@@ -291,13 +300,13 @@ AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, floa
       float* mbuf = dbuf.data() + CHUNK_GROUPS * W.nblocks * LANES;
       for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
         const int64_t ng = std::min(c + CHUNK_GROUPS, end) - c;
-        unpack_groups<INT4>(W, c, ng, qbuf.data(), dbuf.data(), mbuf);
+        unpack_groups<BITS>(W, c, ng, qbuf.data(), dbuf.data(), mbuf);
         int64_t t0 = 0;
         for (; t0 + 6 <= T; t0 += 6)
-          rows_f32<INT4, 6>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx, xs + t0 * W.nblocks,
+          rows_f32<BITS, 6>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx, xs + t0 * W.nblocks,
                             out + t0 * ldo, ldo);
         if (t0 < T)
-          rows_f32_remainder<INT4, 5>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx,
+          rows_f32_remainder<BITS, 5>(W, qbuf.data(), dbuf.data(), mbuf, c, ng, x + t0 * ldx, ldx,
                                       xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
       }
     });
@@ -307,44 +316,52 @@ AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, floa
     for (int64_t c = begin; c < end; c += DECODE_GROUPS) {
       const int64_t c_end = std::min(c + DECODE_GROUPS, end);
       // 8 independent block sums in flight (FMA latency x throughput) at any row count
-      if (T == 1) row_tile<INT4, 8, 1>(W, c, c_end, x, ldx, xs, out, ldo);
-      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
+      if (T == 1) row_tile<BITS, 8, 1>(W, c, c_end, x, ldx, xs, out, ldo);
+      else if (T == 2) row_tile<BITS, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
       else {
         int64_t t0 = 0;
         for (; t0 + 4 <= T; t0 += 4)
-          row_tile<INT4, 2, 4>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo);
+          row_tile<BITS, 2, 4>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo);
         if (t0 < T)
-          rows_remainder<INT4, 3>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
+          rows_remainder<BITS, 3>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
       }
     }
   });
 }
 
-// x [T, K] float32 (dense rows); packed uint8 [ceil(N / 8), K / 32, block bytes] as
-// kernels/native_quant_f32.py packs it; returns [T, N] float32.
-Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t n) {
-  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "quant_linear: this CPU lacks AVX2 + FMA");
-  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
-  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.stride(1) == 1,
-                  "quant_linear: x must be float32 [T, K] with dense rows");
-  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), "quant_linear: CPU tensors only");
-  const int64_t bb = bits == 4 ? block_bytes<true>() : block_bytes<false>();
+Tensor run(const char* name, Tensor x, Tensor packed, int64_t bits, int64_t n) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), name, ": this CPU lacks AVX2 + FMA");
+  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.stride(1) == 1, name,
+                  ": x must be float32 [T, K] with dense rows");
+  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), name, ": CPU tensors only");
+  const int64_t bb = bits == 4 ? block_bytes<4>() : bits == 8 ? block_bytes<8>() : block_bytes<16>();
   STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
                       packed.size(2) == bb,
-                  "quant_linear: packed must be contiguous uint8 [ceil(N / 8), K / 32, ", bb, "]");
+                  name, ": packed must be contiguous uint8 [ceil(N / 8), K / 32, ", bb, "]");
   const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
-  STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
-  STD_TORCH_CHECK(n > (groups - 1) * LANES && n <= groups * LANES, "quant_linear: ", n,
-                  " outputs do not fill ", groups, " groups of ", LANES);
+  STD_TORCH_CHECK(K == nblocks * BLOCK, name, ": x has ", K, " features, the weight ", nblocks * BLOCK);
+  STD_TORCH_CHECK(n > (groups - 1) * LANES && n <= groups * LANES, name, ": ", n, " outputs do not fill ", groups,
+                  " groups of ", LANES);
   Tensor out = torch::stable::new_empty(x, {T, n});
   if (T == 0 || n == 0) return out;
   Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups, n};
   const float* xp = static_cast<const float*>(x.const_data_ptr());
   float* o = static_cast<float*>(out.mutable_data_ptr());
-  if (bits == 4) gemm<true>(W, xp, x.stride(0), T, o, n);
-  else gemm<false>(W, xp, x.stride(0), T, o, n);
+  if (bits == 4) gemm<4>(W, xp, x.stride(0), T, o, n);
+  else if (bits == 8) gemm<8>(W, xp, x.stride(0), T, o, n);
+  else gemm<16>(W, xp, x.stride(0), T, o, n);
   return out;
 }
+
+// x [T, K] float32 (dense rows); packed uint8 [ceil(N / 8), K / 32, block bytes] as
+// kernels/native_quant_f32.py packs it; returns [T, N] float32.
+Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t n) {
+  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  return run("quant_linear", x, packed, bits, n);
+}
+
+// The same for a bf16 weight as stored (kernels/native_quant_f32.py pack_bf16): float32 activations.
+Tensor bf16_linear(Tensor x, Tensor packed, int64_t n) { return run("bf16_linear", x, packed, 16, n); }
 
 bool supported() { return cpu_supports_avx2_fma(); }
 
@@ -352,11 +369,13 @@ bool supported() { return cpu_supports_avx2_fma(); }
 
 STABLE_TORCH_LIBRARY(phaseserve_quant_gemm_f32, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int bits, int n) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("supported() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CPU, m) {
   m.impl("quant_linear", TORCH_BOX(&quant_linear));
+  m.impl("bf16_linear", TORCH_BOX(&bf16_linear));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CompositeExplicitAutograd, m) {
