@@ -24,7 +24,8 @@ from kernels.quant import QuantizedWeight
 log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
-        "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
+        "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear",
+        "pack_bf16_weight_f32", "bf16_weight_linear_f32")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
@@ -349,6 +350,34 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
     if f32:
         return _quant_linear_op(weight)(x, weight.data, weight.bits, weight.shape[0])
     return _quant_linear_op(weight)(x, weight.data, weight.bits)
+
+
+def pack_bf16_weight_f32(weight: torch.Tensor) -> PackedQuantF32Weight | None:
+    """A float32 CPU linear weight [out, in] that holds only bf16 values (a bf16 checkpoint served in float32),
+    stored as bf16 in the AVX2 op's layout: decode reads half the bytes, and the products are those of the
+    float32 weight. Only where float32 is this CPU's fast dtype (the AVX2 level: no AVX512-BF16); else None
+    and the caller keeps its oneDNN path (which also runs AVX-512 where the CPU has it)."""
+    from kernels import cpu_isa, native_quant_f32
+
+    if (weight.dtype != torch.float32 or cpu_isa.level() != "avx2" or not native_quant_f32.can_pack_bf16(weight)
+            or not native_quant_available(torch.float32) or not native_quant_f32.bf16_exact(weight)):
+        return None
+    return native_quant_f32.pack_bf16(weight)
+
+
+def bf16_weight_linear_f32(x: torch.Tensor, weight: PackedQuantF32Weight) -> torch.Tensor:
+    """x [T, in] float32 @ W.T for W from pack_bf16_weight_f32: [T, out] float32, each row's result
+    independent of the other rows and the thread count."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"bf16_weight_linear_f32: takes float32 activations, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not _bf16_weight_f32_op:
+        _bf16_weight_f32_op.append(_native_quant_gemm(torch.float32).bf16_linear.default)
+    return _bf16_weight_f32_op[0](x, weight.data, weight.shape[0])
+
+
+_bf16_weight_f32_op: list = []  # [quant_gemm_f32.cpp's bf16_linear overload], looked up on the first call
 
 
 _bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use

@@ -190,3 +190,79 @@ def test_float32_model_on_an_avx2_process_runs_the_op(tmp_path):
     assert result["kernel"] == "native avx2-fp32" and not result["bf16_op_loaded"]
     assert "matmul='native avx2-fp32'" in proc.stdout + proc.stderr
     assert result["max_diff"] <= 1e-4 * result["scale"]
+
+
+# ---------------------------------------------------------------------- bf16-stored weights, float32 activations
+
+
+def bf16_weight(out_f, in_f, seed=0) -> torch.Tensor:
+    return weight(out_f, in_f, seed).bfloat16().float()  # a bf16 checkpoint's weight, served in float32
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160)])
+def test_bf16_weight_linear_matches_float32(ops, shape):
+    w = bf16_weight(*shape)
+    x = rows(33, shape[1])
+    p = native_quant_f32.pack_bf16(w)
+    assert p.nbytes() == -(-shape[0] // 8) * 8 * shape[1] * 2  # bf16: half of float32
+    got = ops.bf16_linear(x, p.data, shape[0])
+    exact = x.double() @ w.double().T
+    assert (got.double() - exact).abs().max() <= 2 ** -19 * exact.abs().max()
+
+
+def test_bf16_weight_rows_bit_identical_whatever_the_batch_and_threads(ops):
+    w = bf16_weight(200, 192)
+    p = native_quant_f32.pack_bf16(w)
+    x = rows(max(SWEEP), 192, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([ops.bf16_linear(x[i:i + 1], p.data, 200) for i in range(x.shape[0])])
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for t in SWEEP:
+                assert torch.equal(ops.bf16_linear(x[:t], p.data, 200), alone[:t]), f"{t} rows, {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+BF16_CHECKPOINT = """
+import json, os, sys
+import torch
+from workers.runner import ModelRunner
+sys.path.insert(0, "tests")
+from test_model_logits import run_schedule
+
+folder, seq = sys.argv[1], json.loads(sys.argv[2])
+native = ModelRunner(folder, dtype="float32", num_blocks=64)
+layers = native.model.layers
+os.environ["PHASESERVE_CPU_ISA"] = "auto"  # this CPU's own level: float32 linears take oneDNN
+onednn = ModelRunner(folder, dtype="float32", num_blocks=64)
+got = run_schedule(native, [seq], [[17, 1, 1, 1]])[0]
+ref = run_schedule(onednn, [seq], [[17, 1, 1, 1]])[0]
+print(json.dumps({
+    "native": [lin.native_f32 is not None for lin in (layers[0].qkv, layers[0].o, layers[0].gate_up, layers[0].down)],
+    "onednn": onednn.model.layers[0].qkv.native_f32 is None,
+    "max_diff": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
+}))
+"""
+
+
+def test_bf16_checkpoint_in_float32_on_an_avx2_process_keeps_bf16_weights(tmp_path):
+    """A bf16 checkpoint served in float32 by an AVX2 process: every linear whose input dim is a multiple of 32
+    keeps its weight as bf16 for the native op, with the logits of the float32 oneDNN path."""
+    load_or_skip("quant_gemm_f32")
+    from model_factory import make_model
+
+    folder = make_model(tmp_path, "llama", dtype="bfloat16")
+    seq = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    env = {**os.environ, "PHASESERVE_CPU_ISA": "avx2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", BF16_CHECKPOINT, str(folder), json.dumps(seq)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = json.loads((folder / "config.json").read_text())
+    dims = [config["hidden_size"]] * 3 + [config["intermediate_size"]]  # inputs of qkv, o, gate_up, down
+    assert result["native"] == [d % 32 == 0 for d in dims] and any(result["native"])
+    assert result["onednn"]
+    assert result["max_diff"] <= 1e-4 * result["scale"]
