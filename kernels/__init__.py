@@ -277,9 +277,8 @@ paged_attention.__doc__ = reference.paged_attention.__doc__
 
 
 
-# activation dtype -> (the native op file of quantized matmuls for it, the name its log lines give)
-_NATIVE_QUANT = {torch.bfloat16: ("quant_gemm", "native avx512-bf16"),
-                 torch.float32: ("quant_gemm_f32", "native avx2-fp32")}
+# activation dtype -> the native op file of quantized matmuls for it
+_QUANT_SOURCE = {torch.bfloat16: "quant_gemm", torch.float32: "quant_gemm_f32"}
 _quant_choice: dict[torch.dtype, object | None] = {}  # dtype -> the loaded op, or None; decided on first use
 # the packed form's class -> the op's quant_linear overload, looked up on its first call
 _quant_linear_ops: dict[type, object] = {}
@@ -290,9 +289,9 @@ def _native_quant_gemm(dtype: torch.dtype):
     logged then."""
     if dtype not in _quant_choice:
         ops, reason = None, f"dtype {dtype} (native: bfloat16, float32)"
-        if dtype in _NATIVE_QUANT:
-            ops, reason = _load_native(_NATIVE_QUANT[dtype][0])
-        log.info("CPU quantized linear", implementation=_NATIVE_QUANT[dtype][1] if ops is not None
+        if dtype in _QUANT_SOURCE:
+            ops, reason = _load_native(_QUANT_SOURCE[dtype])
+        log.info("CPU quantized linear", implementation=_implementation(_QUANT_SOURCE[dtype]) if ops is not None
                  else "torch reference (dequantize, then F.linear)", reason=reason,
                  dtype=str(dtype).removeprefix("torch."))
         _quant_choice[dtype] = ops
@@ -301,9 +300,9 @@ def _native_quant_gemm(dtype: torch.dtype):
 
 def native_quant_kernel(dtype: torch.dtype) -> str | None:
     """The native op that runs quant_linear on this CPU for activations of `dtype` (for log lines:
-    "native avx512-bf16" for bf16 on AVX512-BF16, "native avx2-fp32" for float32 on AVX2 + FMA), or None
+    "native avx512-bf16" for bf16 on AVX512-BF16, "native avx2" for float32 on AVX2 + FMA), or None
     where only the torch reference runs."""
-    return _NATIVE_QUANT[dtype][1] if _native_quant_gemm(dtype) is not None else None
+    return _implementation(_QUANT_SOURCE[dtype]) if _native_quant_gemm(dtype) is not None else None
 
 
 def native_quant_available(dtype: torch.dtype) -> bool:
