@@ -1,8 +1,11 @@
 // y = x @ W^T for a block-quantized W (blocks of 32 weights along K with an fp16 scale d, and for int4 an
 // fp16 offset m: w = d*q (int8), w = d*q + m (int4)), float32 activations, for CPUs with AVX2 + FMA.
 //
+// The same kernels also read bf16-stored weights (a bf16 checkpoint served in float32: bf16_linear, no scales,
+// acc += s per block).
+//
 // Built against torch's stable ABI (torch/csrc/stable). Registered as
-// torch.ops.phaseserve_quant_gemm_f32.{quant_linear, supported}.
+// torch.ops.phaseserve_quant_gemm_f32.{quant_linear, bf16_linear, supported}.
 //
 // Layout (kernels/native_quant_f32.py packs it at load): outputs in groups of 8 (one ymm of fp32, lane i =
 // output i, so the activation is a broadcast and no horizontal sums are needed); for each group and block,
@@ -19,8 +22,8 @@
 // whatever the other rows of the call, the row tile it lands in, the path, and the thread count (threads
 // split the outputs, never k):
 // - few rows (decode): quantized values unpacked in registers and used at once by a tile of rows;
-// - from DEQUANT_ROWS rows (prefill): a chunk of groups unpacked once into an fp32 buffer that stays in
-//   cache, and a 6-row x 16-output fp32 kernel runs every row over it (compute-bound).
+// - from DEQUANT_ROWS rows (prefill): a chunk of groups unpacked once into fp32 buffers (q exact, scales)
+//   that stay in cache, and a 6-row x 16-output fp32 kernel runs every row over them (compute-bound).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -54,7 +57,7 @@ constexpr int64_t block_bytes() { return quant_bytes<BITS>() + (BITS == 4 ? 32 :
 constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a group's stream is prefetched
 constexpr int64_t CHUNK_GROUPS = 4;     // groups unpacked at once (prefill)
 constexpr int64_t DECODE_GROUPS = 8;    // groups a thread takes through every row tile (decode)
-constexpr int64_t DEQUANT_ROWS = 6;     // from this many rows on, dequantize once per chunk (same results)
+constexpr int64_t DEQUANT_ROWS = 6;     // from this many rows on, unpack once per chunk (same results)
 
 struct Packed {
   const uint8_t* data;  // [groups, blocks, block_bytes<BITS>()]
