@@ -17,9 +17,10 @@ import torch
 
 import kernels
 from phaseserve.params import SamplingParams, finish_reason
-from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
+from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, stop_id_tensor
@@ -146,6 +147,34 @@ class ModelRunner:
     def attention_horizon(self) -> int:
         """The scheduler's attention horizon for this model (published in WorkerInfo)."""
         return attention_horizon(self.config)
+
+    def warm_up(self) -> dict[str, str]:
+        """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
+        kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
+        not inside the first step a scheduler plans. Call it before the worker announces itself: nothing else
+        holds blocks yet (it writes the first one or two). Returns kernel_implementations()."""
+        seq = "warm-up"
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        prompt = [0, min(1, self.vocab_size - 1)]
+        blocks = list(range(-(-(len(prompt) + 1) // self.block_size)))
+        self.execute(StepPlan(0, "warm-up", starts=[SeqStart(seq, "", prompt, params)],
+                              chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
+        self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
+        self.reset()
+        return self.kernel_implementations()
+
+    def kernel_implementations(self) -> dict[str, str]:
+        """Which implementation runs each op family (attention, layer_ops, linear, and quant_linear where
+        weights are kept quantized): triton on CUDA; on CPU what kernels chose so far (see warm_up)."""
+        families = [f for f in kernels.native.FAMILIES if f != "quant_linear" or self.model_has_quantized_linears()]
+        if self.device.type == "cuda":
+            return {f: "triton" for f in families}
+        return kernels.native.implementations(families)
+
+    def model_has_quantized_linears(self) -> bool:
+        m = self.model
+        linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return any(isinstance(lin, QuantizedLinear) for lin in linears)
 
     # ------------------------------------------------------------------ state
 

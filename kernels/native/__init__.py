@@ -46,6 +46,19 @@ REQUIRES = {
     "quant_gemm": "avx512-bf16",
 }
 
+# the op families a worker reports (WorkerInfo.kernels), and the family each op file implements
+FAMILIES = ("attention", "layer_ops", "linear", "quant_linear")
+FAMILY = {
+    "bf16_gemm": "linear",
+    "decode_attention": "attention",
+    "extend_attention": "attention",
+    "layer_ops": "layer_ops",
+    "quant_gemm": "quant_linear",
+    "attention_f32": "attention",
+    "layer_ops_f32": "layer_ops",
+    "quant_gemm_f32": "quant_linear",
+}
+
 _loaded: dict[str, object | None] = {}
 _lock = threading.Lock()
 
@@ -70,6 +83,18 @@ def load(name: str):
         if name not in _loaded:
             _loaded[name] = _load(name)
         return _loaded[name]
+
+
+def implementations(families=FAMILIES) -> dict[str, str]:
+    """Which implementation runs each op family in this process: "native <level>" (the level its op file
+    needs) for a family whose native op was loaded, else "torch". The dispatch point loads an op only where
+    it runs it, so ask after the model ran a step (the worker's warm-up)."""
+    with _lock:
+        native = {}
+        for name, ops in _loaded.items():
+            if ops is not None and name in FAMILY:
+                native.setdefault(FAMILY[name], set()).add(f"native {REQUIRES[name]}")
+    return {family: ", ".join(sorted(native[family])) if family in native else "torch" for family in families}
 
 
 def _unsupported_platform() -> str | None:
