@@ -13,13 +13,14 @@ from phaseserve.cpus import PROBE_BATCH, PROBE_BUDGET_S
 
 
 def measure_step_times(model_dir: str, thread_counts: list[int], *, budget_s: float = PROBE_BUDGET_S,
-                       batch: int = PROBE_BATCH, context: int = 64, max_rounds: int = 4,
+                       batch: int = PROBE_BATCH, context: int = 16, max_rounds: int = 4,
                        steps: int = 3) -> dict[int, float]:
     """Seconds per decode step of this model at `batch` sequences of `context` tokens, per thread count: the
     fastest step over rounds of `steps` (thread counts alternate, so a neighbour's burst hits them alike; the
     fastest, since another process's work is what the service term adds). Rounds go on while the timing has
     taken less than `budget_s` (at least one, at most `max_rounds`). Loads the model with the worker's
-    defaults (and compiles its native ops, on a first start) before the timing."""
+    defaults (and compiles its native ops, on a first start) before the timing. A short context: its
+    prefill is the fixed cost of the timing, and a decode step of a small context is mostly the linears."""
     import torch
 
     from phaseserve.params import SamplingParams
