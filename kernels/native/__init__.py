@@ -69,9 +69,16 @@ def enabled() -> bool:
 
 
 def names() -> list[str]:
-    """Every native op this folder builds (its .cpp files), for callers that compile them all ahead of use
-    (the Docker image)."""
+    """Every native op this folder builds (its .cpp files)."""
     return sorted(p.stem for p in SOURCE_DIR.glob("*.cpp"))
+
+
+def runnable() -> list[str]:
+    """The native ops this process may run here: native ops on, a supported platform with a compiler, and a
+    CPU at or above each op's level. What an image compiles ahead of use (`python -m kernels.native`)."""
+    if not enabled() or _unsupported_platform() is not None:
+        return []
+    return [name for name in names() if _unsupported_cpu(name) is None]
 
 
 def load(name: str):
