@@ -323,3 +323,15 @@ def test_first_heartbeat_comes_after_every_kernel_is_loaded_and_says_which(tmp_p
         assert "native op compiled" not in log.split("worker ready", 1)[1]
     finally:
         worker.stop()
+
+
+def test_the_kernels_reported_are_the_op_families_the_model_uses(tmp_path):
+    from kernels import cpu_isa
+
+    model = make_model(tmp_path / "m", "llama")
+    dense = ModelRunner(model, num_blocks=8).warm_up()
+    quantized = ModelRunner(model, num_blocks=8, quantization="int8").warm_up()  # every linear int8
+    assert set(dense) == {"attention", "layer_ops", "linear"}
+    assert set(quantized) == {"attention", "layer_ops", "quant_linear"}
+    levels = {f"native {level}" for level in cpu_isa.LEVELS if cpu_isa.supports(level)}
+    assert set(dense.values()) | set(quantized.values()) <= {"torch"} | levels

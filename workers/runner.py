@@ -164,17 +164,17 @@ class ModelRunner:
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
-        """Which implementation runs each op family (attention, layer_ops, linear, and quant_linear where
-        weights are kept quantized): triton on CUDA; on CPU what kernels chose so far (see warm_up)."""
-        families = [f for f in kernels.native.FAMILIES if f != "quant_linear" or self.model_has_quantized_linears()]
+        """Which implementation runs each op family this model uses (attention, layer_ops, and linear and
+        quant_linear where it has linears of that kind): triton on CUDA; on CPU what kernels chose so far
+        (see warm_up)."""
+        m = self.model
+        linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        quantized = sum(isinstance(lin, QuantizedLinear) for lin in linears)
+        used = {"attention": True, "layer_ops": True, "linear": quantized < len(linears), "quant_linear": quantized > 0}
+        families = [f for f in kernels.native.FAMILIES if used[f]]
         if self.device.type == "cuda":
             return {f: "triton" for f in families}
         return kernels.native.implementations(families)
-
-    def model_has_quantized_linears(self) -> bool:
-        m = self.model
-        linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return any(isinstance(lin, QuantizedLinear) for lin in linears)
 
     # ------------------------------------------------------------------ state
 
