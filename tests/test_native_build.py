@@ -104,3 +104,31 @@ def test_concurrent_builders_each_load_and_one_build_is_kept(probe):
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     assert {out.split()[0] for out, _ in outs} == {"42"}
     assert len(list(root.glob("phaseserve_build_probe-*"))) == 1 and not list(root.glob(f"{native._BUILDING}*"))
+
+
+# the probe op as if it were one of kernels/native's: compiled in the background, then loaded
+PREBUILD = textwrap.dedent("""
+    import sys, threading
+    from pathlib import Path
+    from kernels import native
+    native.SOURCE_DIR, native.SHARED_HEADERS = Path(sys.argv[1]).parent, []
+    native.REQUIRES["build_probe"] = "baseline"
+    calls, build = [], native.build
+    def recorded(*args, **kwargs):
+        library, compiled = build(*args, **kwargs)
+        calls.append((threading.current_thread().name, compiled))
+        return library, compiled
+    native.build = recorded
+    native.prebuild(["build_probe"])
+    print(native.load("build_probe").answer(), calls)
+""")
+
+
+def test_load_waits_for_the_background_build_instead_of_building_again(probe, tmp_path):
+    source, root = probe
+    out = subprocess.run([sys.executable, "-c", PREBUILD, str(source)], capture_output=True, text=True,
+                         timeout=LOAD_TIMEOUT_S, cwd=Path(__file__).resolve().parents[1],
+                         env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]  # after the log lines
+    assert last == "42 [('build-build_probe', True), ('MainThread', False)]", out.stdout

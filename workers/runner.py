@@ -21,7 +21,7 @@ from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, Toke
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.linear import QuantizedLinear
-from workers.loader import ModelConfig, load_checkpoint
+from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, stop_id_tensor
 
@@ -106,6 +106,9 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_heap_memory()  # no page faults on every layer's activations
+        dtype = resolve_dtype(dtype, read_config(model_dir), self.device)
+        if self.device.type == "cpu":  # compiled side by side while the weights load (a first start only)
+            kernels.native.prebuild(kernels.native.runnable(dtype))
         # a GGUF's Q8_0/Q4_0/Q4_1 blocks stay as stored unless every weight is wanted dense
         cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device,
                                                    keep_quantized=quantization != "none")

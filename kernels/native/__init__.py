@@ -59,8 +59,12 @@ FAMILY = {
     "quant_gemm_f32": "quant_linear",
 }
 
+# the activations each level's ops take: the AVX512-BF16 ones bf16, the AVX2 ones float32
+LEVEL_DTYPE = {"avx512-bf16": torch.bfloat16, "avx2": torch.float32}
+
 _loaded: dict[str, object | None] = {}
 _lock = threading.Lock()
+_prebuilds: dict[str, threading.Thread] = {}  # op name -> its background build (prebuild)
 
 
 def enabled() -> bool:
@@ -73,12 +77,38 @@ def names() -> list[str]:
     return sorted(p.stem for p in SOURCE_DIR.glob("*.cpp"))
 
 
-def runnable() -> list[str]:
+def runnable(dtype: torch.dtype | None = None) -> list[str]:
     """The native ops this process may run here: native ops on, a supported platform with a compiler, and a
-    CPU at or above each op's level. What an image compiles ahead of use (`python -m kernels.native`)."""
+    CPU at or above each op's level; with `dtype`, only the ops taking activations of that dtype. What an
+    image compiles ahead of use (`python -m kernels.native`), and a worker while it loads its model."""
     if not enabled() or _unsupported_platform() is not None:
         return []
-    return [name for name in names() if _unsupported_cpu(name) is None]
+    return [name for name in names() if _unsupported_cpu(name) is None
+            and (dtype is None or LEVEL_DTYPE.get(REQUIRES[name]) == dtype)]
+
+
+def prebuild(ops: list[str]) -> None:
+    """Start compiling these ops in the background, side by side (a compiler process each), while the caller
+    does other work (loading its model): a first start waits for the slowest build, not for their sum.
+    `load` waits for an op's build before loading it, and meets (and logs) a failed one itself."""
+    with _lock:
+        for name in ops:
+            if name not in _prebuilds and name not in _loaded:
+                _prebuilds[name] = threading.Thread(target=_build_in_background, args=(name,), daemon=True,
+                                                    name=f"build-{name}")
+                _prebuilds[name].start()
+
+
+def _build_in_background(name: str) -> None:
+    t0 = time.perf_counter()
+    try:
+        library, compiled = build(f"phaseserve_{name}", SOURCE_DIR / f"{name}.cpp", headers=SHARED_HEADERS,
+                                  cflags=CFLAGS)
+    except Exception:  # load() builds again and logs why
+        return
+    if compiled:
+        log.info("native op compiled (cached for later runs)", op=name, cache=str(library.parent),
+                 seconds=round(time.perf_counter() - t0, 1))
 
 
 def load(name: str):
@@ -211,6 +241,8 @@ def _load(name: str):
         log.warning("native op unavailable, torch path runs", op=name, reason=reason)
         return None
     module = f"phaseserve_{name}"
+    if name in _prebuilds:
+        _prebuilds[name].join()  # then build() below finds its library
     t0 = time.perf_counter()
     try:
         library, compiled = build(module, source, headers=SHARED_HEADERS, cflags=CFLAGS)
