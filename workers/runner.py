@@ -177,7 +177,7 @@ class ModelRunner:
         families = [f for f in kernels.native.FAMILIES if used[f]]
         if self.device.type == "cuda":
             return {f: "triton" for f in families}
-        return kernels.native.implementations(families)
+        return kernels.native.implementations(families, self.dtype)
 
     # ------------------------------------------------------------------ state
 

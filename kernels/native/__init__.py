@@ -122,14 +122,15 @@ def load(name: str):
         return _loaded[name]
 
 
-def implementations(families=FAMILIES) -> dict[str, str]:
-    """Which implementation runs each op family in this process: "native <level>" (the level its op file
-    needs) for a family whose native op was loaded, else "torch". The dispatch point loads an op only where
-    it runs it, so ask after the model ran a step (the worker's warm-up)."""
+def implementations(families=FAMILIES, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """Which implementation runs each op family in this process (for activations of `dtype`: the ops of
+    that dtype's level, LEVEL_DTYPE): "native <level>" (the level its op file needs) for a family whose
+    native op was loaded, else "torch". The dispatch point loads an op only where it runs it, so ask after
+    the model ran a step (the worker's warm-up)."""
     with _lock:
         native = {}
         for name, ops in _loaded.items():
-            if ops is not None and name in FAMILY:
+            if ops is not None and name in FAMILY and (dtype is None or LEVEL_DTYPE.get(REQUIRES[name]) == dtype):
                 native.setdefault(FAMILY[name], set()).add(f"native {REQUIRES[name]}")
     return {family: ", ".join(sorted(native[family])) if family in native else "torch" for family in families}
 
