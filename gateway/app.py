@@ -29,7 +29,10 @@ async def health(request: web.Request) -> web.Response:
     workers = await gw.backend.alive_workers(max_age_s=0.0)
     body = {"status": "ok" if workers and gw.backend.subscribed.is_set() else "unavailable",
             "workers": [w.worker_id for w in workers], "token_channel": gw.backend.subscribed.is_set(),
-            "gateway_id": gw.gateway_id}
+            "gateway_id": gw.gateway_id,
+            # per worker, what it computes with (its heartbeat): for people checking which path serves them
+            "worker_info": {w.worker_id: {"role": w.role, "host": w.host, "dtype": w.dtype,
+                                          "cpu_level": w.cpu_level, "kernels": w.kernels} for w in workers}}
     return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
 
@@ -37,7 +40,7 @@ async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     stats = await gw.backend.scheduler_stats()
     workers = await gw.backend.alive_workers()
-    gw.metrics.set_cluster_state(stats, len(workers))
+    gw.metrics.set_cluster_state(stats, workers)
     return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from phaseserve.wire import WorkerInfo
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
@@ -69,14 +71,26 @@ class GatewayMetrics:
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
                                         registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
+        # info gauges (always 1), one series per live worker: what it computes with, from its heartbeat
+        self.worker_info = Gauge("phaseserve_worker_info", "A live worker: its role, host, activations' dtype "
+                                 "and CPU level (empty on CUDA)", ["worker_id", "role", "host", "dtype", "cpu_level"],
+                                 registry=r)
+        self.worker_kernels = Gauge("phaseserve_worker_kernel_info", "Which implementation runs each op family "
+                                    "on a live worker", ["worker_id", "family", "implementation"], registry=r)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model, finished_reason=reason).inc()
 
-    def set_cluster_state(self, stats: dict | None, workers_alive: int) -> None:
-        self.workers_alive.set(workers_alive)
+    def set_cluster_state(self, stats: dict | None, workers: list[WorkerInfo]) -> None:
+        self.workers_alive.set(len(workers))
+        self.worker_info.clear()  # a worker gone since the last scrape leaves no series behind
+        self.worker_kernels.clear()
+        for w in workers:
+            self.worker_info.labels(w.worker_id, w.role, w.host, w.dtype, w.cpu_level).set(1)
+            for family, implementation in w.kernels.items():
+                self.worker_kernels.labels(w.worker_id, family, implementation).set(1)
         stats = stats or {}
         used, total = float(stats.get("kv_blocks_used", 0)), float(stats.get("kv_blocks_total", 0))
         self.running.set(stats.get("num_running", 0))

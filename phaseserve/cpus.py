@@ -2,15 +2,17 @@
 the launcher that splits the cores between services (phaseserve/launcher.py).
 
 The choice is measured, once per model and machine: a child process (`python -m workers.thread_probe MODEL`)
-loads the model and times a decode step at a representative batch with every usable core and with one
-core fewer. A step on every core also pays for the rest of the service (gateway, scheduler, relay, Redis:
-their CPU per step lands on the model's cores and stalls its threads at every barrier); with a core kept
-free it runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins
-unless its step is longer than the all-cores step plus that service time. The answer is cached in
-`<cache dir>/threads.json` (keyed by CPU, core count and model files; for ten minutes only when other
-processes were busy during the timing), so the launcher's core split and
-the worker it starts read the same one and the model is timed only on the first start. This module
-imports no torch itself: the launcher must not pay for it.
+loads the model and times a small fixed decode step (a representative batch) with every usable core and
+with one core fewer, alternating, for a bounded time (PROBE_BUDGET_S of timing: a start stays in seconds).
+A step on every core also pays for the rest of the service (gateway, scheduler, relay, Redis: their CPU
+per step lands on the model's cores and stalls its threads at every barrier); with a core kept free it
+runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins unless its
+step is longer than the all-cores step plus that service time. The answer is cached in
+`<cache dir>/threads.json` (keyed by CPU, core count and model files) and kept: a busy machine during the
+timing is said in the reason, not a reason to time again on every start. Where the model cannot be timed
+(or the child overruns PROBE_TIMEOUT_S) the choice is by model size, and cached as well. The launcher's
+core split and the worker it starts read the same answer. This module imports no torch itself: the
+launcher must not pay for it.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ SERVICE_CPU_PER_TOKEN_S = 0.21e-3
 # ... when PYTHON_WORK (msgpack and dict work like theirs) took this long here; scaled by its time on the
 # machine at hand, since that code runs as fast as the CPU runs Python, not as fast as it multiplies.
 PYTHON_WORK_REFERENCE_S = 0.00137
-PROBE_TIMEOUT_S = 600.0
-# Other processes' load during the timing above which it is used for this start only, not cached.
+# Seconds of decode steps the probe times (thread counts alternating; at least one round): bounded, so a
+# slow CPU or a busy machine costs a start a few seconds, not minutes.
+PROBE_BUDGET_S = 3.0
+# The probe child's whole life: loading the model and compiling its native ops on a first start, then the
+# timing. Past it the choice is by size.
+PROBE_TIMEOUT_S = 180.0
+# Other processes' load during the timing above which the reason says so (the answer is kept all the same).
 BUSY_MACHINE_CORES = 0.3
-# ... and how long such an answer is kept: long enough for the launcher's worker to read it.
-BUSY_RESULT_TTL_S = 600.0
 
 
 @dataclass
@@ -103,27 +108,24 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         return ThreadChoice(auto_threads(0, cores, weight_bytes), "no config.json to load the model from: by size")
     key = cache_key(model_dir, files, cores)
     cached = read_cache().get(key)
-    if isinstance(cached, dict) and isinstance(cached.get("threads"), int) and 1 <= cached["threads"] <= cores \
-            and cached.get("expires_at", float("inf")) > time.time():
+    if isinstance(cached, dict) and isinstance(cached.get("threads"), int) and 1 <= cached["threads"] <= cores:
         return ThreadChoice(cached["threads"], f"{cached.get('reason')} (measured {cached.get('measured_at')})")
     counts = [cores - 1, cores]
     log.info("timing the model on different thread counts (once for this model and machine)",
-             model=model_dir, threads=counts)
+             model=model_dir, threads=counts, budget_s=PROBE_BUDGET_S)
     try:
         step_s, others = probe(model_dir, counts)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         log.warning("could not time the model; choosing threads by its size", error=str(e))
-        return ThreadChoice(auto_threads(0, cores, weight_bytes), f"timing failed ({e}): by size")
-    choice = choose_threads(step_s, cores, service_cpu_per_step())
-    entry = {"threads": choice.threads, "reason": choice.reason,
-             "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    if others > BUSY_MACHINE_CORES:
-        # other processes' work is in these times: right for now (the launcher and the worker it starts
-        # read the same answer), but not what this machine does when quiet, so a later start times it again
-        choice.reason += f"; other processes used {others:.1f} cores meanwhile"
-        entry.update(reason=choice.reason, expires_at=time.time() + BUSY_RESULT_TTL_S)
-    write_cache(key, entry)
-    log.info("worker threads measured", threads=choice.threads, reason=choice.reason)
+        # kept like a measured answer: timing it again would fail again, and cost every start
+        choice = ThreadChoice(auto_threads(0, cores, weight_bytes), f"timing failed ({e}): by size")
+    else:
+        choice = choose_threads(step_s, cores, service_cpu_per_step())
+        if others > BUSY_MACHINE_CORES:
+            choice.reason += f"; other processes used {others:.1f} cores meanwhile"
+    write_cache(key, {"threads": choice.threads, "reason": choice.reason,
+                      "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+    log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)
     return choice
 
 
@@ -134,7 +136,7 @@ def probe(model_dir: str, counts: list[int]) -> tuple[dict[int, float], float]:
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         proc = subprocess.run([sys.executable, "-m", "workers.thread_probe", model_dir, out.name,
-                               ",".join(map(str, counts))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               ",".join(map(str, counts)), str(PROBE_BUDGET_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT_S, text=True)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines()

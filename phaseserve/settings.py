@@ -140,7 +140,8 @@ SETTINGS: list[Setting] = [
     Setting("device", "PHASESERVE_DEVICE", "auto", str,
             "where the worker runs the model: auto (cuda if available), cpu, cuda", ("worker", "up")),
     Setting("dtype", "PHASESERVE_DTYPE", "auto", str,
-            "model dtype: auto (checkpoint's; bf16 for fp16 checkpoints on CPU), bfloat16, float32",
+            "model dtype: auto (what the hardware computes natively: the checkpoint's on CUDA and on a CPU with "
+            "AVX512-BF16, fp16 there served as bf16; float32 on other CPUs), bfloat16, float32",
             ("worker", "up"), ("auto", "bfloat16", "float32", "float16")),
     Setting("quantization", "PHASESERVE_QUANTIZATION", "auto", str,
             "linear weights in memory: none (model dtype), int8 or int4 (block-32, quantized at load unless "

@@ -491,11 +491,17 @@ class WorkerInfo:
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
     # `drained` StepPlan (docs/architecture.md, "Workers joining and leaving")
     draining: bool = False
+    # what it computes with, for people (the gateway's /health and /metrics): the activations' dtype, the
+    # CPU level it runs at (kernels/cpu_isa.py; "" on CUDA), and which implementation runs each op family
+    # ({"attention": "native avx512-bf16" | "native avx2" | "torch" | "triton", ...}); empty from older workers
+    dtype: str = ""
+    cpu_level: str = ""
+    kernels: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "host", "draining")})
+            "attention_horizon", "host", "draining", "dtype", "cpu_level", "kernels")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

@@ -39,16 +39,20 @@ def test_setting_one_core_and_an_unloadable_folder_need_no_timing(tmp_path):
     assert choice.threads == 3 and "by size" in choice.reason
 
 
-def test_service_cpu_scales_with_how_fast_the_machine_runs_python():
-    s = cpus.service_cpu_per_step(16)
-    # this machine (shared, so within a wide band) is the reference: ~3.4 ms a step at 16 decodes
-    assert 1e-3 < s < 20e-3
-    assert cpus.service_cpu_per_step(32) == pytest.approx(2 * s, rel=0.5)
+def test_service_cpu_scales_with_batch_and_with_how_fast_the_machine_runs_python(monkeypatch):
+    assert cpus.python_work_s(rounds=1) > 0
+    # a machine running Python as fast as the reference one: the reference CPU per token, per decode
+    monkeypatch.setattr(cpus, "python_work_s", lambda rounds=5: cpus.PYTHON_WORK_REFERENCE_S)
+    assert cpus.service_cpu_per_step(16) == pytest.approx(16 * cpus.SERVICE_CPU_PER_TOKEN_S)
+    assert cpus.service_cpu_per_step(32) == pytest.approx(2 * cpus.service_cpu_per_step(16))
+    # one running it half as fast spends twice the CPU on the same work
+    monkeypatch.setattr(cpus, "python_work_s", lambda rounds=5: 2 * cpus.PYTHON_WORK_REFERENCE_S)
+    assert cpus.service_cpu_per_step(16) == pytest.approx(32 * cpus.SERVICE_CPU_PER_TOKEN_S)
 
 
 def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", float("inf"))  # a shared test machine: cache regardless
+    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", -1.0)  # as if other processes were busy: kept all the same
     model = make_model(tmp_path, "llama", "bfloat16")
     step_s, others = cpus.probe(str(model), [1, 2])
     assert set(step_s) == {1, 2} and all(0 < t < 5 for t in step_s.values()) and others >= 0
@@ -64,10 +68,49 @@ def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     again = cpus.thread_choice(0, str(model), cores=2)
     assert again.threads == 3 - first.threads and "measured 20" in again.reason
     assert cpus.worker_threads(0, str(model), cores=2) == again.threads  # the launcher's call
-    # an answer timed while other processes were busy is kept only for a while: past it, timed again
-    entry.update(threads=99, expires_at=time.time() - 1)
+    assert "other processes used" in entry["reason"] and "expires_at" not in entry  # busy, and kept
+    # an entry from a version that let busy answers expire: kept too
+    entry.update(expires_at=time.time() - 1)
     (tmp_path / "cache" / "threads.json").write_text(json.dumps(cache))
-    assert cpus.thread_choice(0, str(model), cores=2).threads in (1, 2)
+    monkeypatch.setattr(cpus, "probe", lambda *a: pytest.fail("timed again"))
+    assert cpus.thread_choice(0, str(model), cores=2).threads == 3 - first.threads
+
+
+def test_a_model_that_cannot_be_timed_in_time_is_chosen_by_size_once(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_model(tmp_path, "llama", "bfloat16")
+    calls = []
+
+    def overrun(model_dir, counts):
+        calls.append(counts)
+        raise subprocess.TimeoutExpired("thread_probe", cpus.PROBE_TIMEOUT_S)
+
+    monkeypatch.setattr(cpus, "probe", overrun)
+    first = cpus.thread_choice(0, str(model), cores=4)
+    assert first.threads == 3 and "by size" in first.reason and calls == [[3, 4]]
+    assert cpus.thread_choice(0, str(model), cores=4).threads == 3 and len(calls) == 1  # cached, not retried
+
+
+def test_the_timing_stops_at_its_budget(tmp_path, monkeypatch):
+    """At least one round of every thread count, and no further round once the budget is spent."""
+    from workers import runner as runner_module
+    from workers.thread_probe import measure_step_times
+
+    model = make_model(tmp_path, "llama", "bfloat16")
+    steps = []
+    execute = runner_module.ModelRunner.execute
+    monkeypatch.setattr(runner_module.ModelRunner, "execute", lambda self, plan: steps.append(1) or execute(self, plan))
+    before = torch.get_num_threads()
+    try:
+        times = measure_step_times(str(model), [1, 2], budget_s=0.0, steps=3)
+        assert set(times) == {1, 2} and len(steps) == 1 + 2 * (3 + 1)  # the prompts, then one round
+        steps.clear()
+        measure_step_times(str(model), [1, 2], budget_s=float("inf"), steps=3, max_rounds=2)
+        assert len(steps) == 1 + 2 * 2 * (3 + 1)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_worker_sets_and_logs_the_choice(tmp_path, monkeypatch):

@@ -59,8 +59,8 @@ async def gw(redis_server, text_model):
     await r.aclose()
 
 
-async def add_worker(g, max_model_len: int = 256, worker_id: str = "w1", num_blocks: int = 100) -> None:
-    info = WorkerInfo(worker_id, "mixed", MODEL, num_blocks, 16, max_model_len, os.getpid(), time.time())
+async def add_worker(g, max_model_len: int = 256, worker_id: str = "w1", num_blocks: int = 100, **info_kw) -> None:
+    info = WorkerInfo(worker_id, "mixed", MODEL, num_blocks, 16, max_model_len, os.getpid(), time.time(), **info_kw)
     await g.redis.sadd(g.keys.workers, worker_id)
     await g.redis.set(g.keys.worker_heartbeat(worker_id), info.to_wire(), px=60_000)
 
@@ -302,6 +302,30 @@ async def test_models_openapi_and_metrics(gw):
         text = await r.text()
     assert "phaseserve_num_requests_waiting 3.0" in text and "phaseserve_kv_cache_usage_ratio 0.25" in text
     assert "phaseserve_workers_alive 1.0" in text and "phaseserve_time_to_first_token_seconds_bucket" in text
+
+
+async def test_health_and_metrics_show_what_each_worker_computes_with(gw):
+    kernels = {"attention": "native avx2", "layer_ops": "torch", "linear": "torch"}
+    await add_worker(gw, worker_id="w1", host="h1", dtype="float32", cpu_level="avx2", kernels=kernels)
+    await add_worker(gw, worker_id="w2", host="h2", dtype="bfloat16", cpu_level="avx512-bf16",
+                     kernels={"attention": "native avx512-bf16"})
+    async with gw.http.get(gw.url + "/health") as r:
+        info = (await r.json())["worker_info"]
+    assert info["w1"] == {"role": "mixed", "host": "h1", "dtype": "float32", "cpu_level": "avx2", "kernels": kernels}
+    assert (info["w2"]["dtype"], info["w2"]["kernels"]) == ("bfloat16", {"attention": "native avx512-bf16"})
+    async with gw.http.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    assert ('phaseserve_worker_info{cpu_level="avx2",dtype="float32",host="h1",role="mixed",worker_id="w1"} 1.0'
+            in text)
+    assert 'phaseserve_worker_kernel_info{family="attention",implementation="native avx2",worker_id="w1"} 1.0' in text
+    assert ('phaseserve_worker_kernel_info{family="attention",implementation="native avx512-bf16",worker_id="w2"} '
+            '1.0' in text)
+    await gw.redis.delete(gw.keys.worker_heartbeat("w2"))  # gone: its series go with it
+    async with gw.http.get(gw.url + "/health") as r:  # reads the heartbeats afresh (/metrics reuses that read)
+        assert list((await r.json())["worker_info"]) == ["w1"]
+    async with gw.http.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    assert 'worker_id="w2"' not in text and 'worker_id="w1"' in text
 
 
 # ----------------------------------------------------------------------------- the wire round trip

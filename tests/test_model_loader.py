@@ -6,8 +6,9 @@ import shutil
 import pytest
 import torch
 
+from kernels import cpu_isa
 from model_factory import make_model
-from workers.loader import ModelLoadError, load_checkpoint, read_config
+from workers.loader import ModelLoadError, load_checkpoint, read_config, resolve_dtype
 from workers.runner import ModelRunner
 
 
@@ -90,11 +91,29 @@ def test_old_style_rope_keys(llama, tmp_path):
 
 def test_dtypes(tmp_path):
     bf = make_model(tmp_path, "llama", dtype="bfloat16")
-    _, w, dt = load_checkpoint(bf)  # auto = the checkpoint's dtype
-    assert dt == torch.bfloat16 and w["model.norm.weight"].dtype == torch.bfloat16
+    _, w, dt = load_checkpoint(bf)  # auto: bf16 where the CPU computes it natively, else float32
+    native_bf16 = cpu_isa.supports("avx512-bf16")
+    assert dt == (torch.bfloat16 if native_bf16 else torch.float32) and w["model.norm.weight"].dtype == dt
+    _, _, dt = load_checkpoint(bf, "bfloat16")  # asked for: served, emulated or not
+    assert dt == torch.bfloat16
     _, _, dt = load_checkpoint(bf, "float32")
     assert dt == torch.float32
     _, _, dt = load_checkpoint(bf, "float16")  # fp16 is a slow software path on CPU
     assert dt == torch.bfloat16
     with pytest.raises(ModelLoadError, match="dtype 'int8'"):
         load_checkpoint(bf, "int8")
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16", "float32"])
+def test_auto_dtype_follows_what_the_hardware_computes_natively(llama, monkeypatch, checkpoint):
+    cfg = read_config(llama)
+    cfg.checkpoint_dtype = checkpoint
+    native = torch.bfloat16 if checkpoint == "float16" else getattr(torch, checkpoint)
+    monkeypatch.setattr(cpu_isa, "detected", lambda: "avx512-bf16")
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+    assert resolve_dtype("auto", cfg, "cpu") == native  # the checkpoint's dtype (fp16 -> bf16 on CPU)
+    for level in ("avx2", "baseline"):  # bf16 emulated: float32 activations, whatever the checkpoint holds
+        monkeypatch.setenv(cpu_isa.ENV_CAP, level)
+        assert resolve_dtype("auto", cfg, "cpu") == torch.float32
+        assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16  # an explicit dtype is kept
+        assert resolve_dtype("auto", cfg, "cuda") == getattr(torch, checkpoint)  # CUDA: the checkpoint's, as is

@@ -960,6 +960,13 @@ def test_worker_info_carries_the_attention_horizon():
                          "started_at": 2.0}, use_bin_type=True)  # from a worker that predates the field
     decoded = WorkerInfo.from_wire(old)
     assert decoded.attention_horizon == 0 and decoded.num_blocks == 10
+    assert (decoded.dtype, decoded.cpu_level, decoded.kernels) == ("", "", {})
+
+
+def test_worker_info_carries_what_the_worker_computes_with():
+    info = WorkerInfo("w1", "mixed", "m", 100, 16, 2048, 42, 1.5, dtype="float32", cpu_level="avx2",
+                      kernels={"attention": "native avx2", "linear": "torch"})
+    assert WorkerInfo.from_wire(info.to_wire()) == info
 
 
 def test_token_event_error_kind_is_additive():

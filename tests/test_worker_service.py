@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import redis
 
+from kernels import native
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import FIELD, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenBatch, WorkerInfo
@@ -273,3 +274,68 @@ def test_a_plan_carries_its_deadline_to_the_relay():
 
     assert plan_timeout(StepPlan(0, "w", timeout_s=42.0).to_wire()) == 42.0
     assert plan_timeout(b"\xc1 garbage") == 0.0  # the model acks an unreadable plan at once
+
+
+def test_first_heartbeat_comes_after_every_kernel_is_loaded_and_says_which(tmp_path, redis_server, monkeypatch):
+    """A worker compiles or loads its kernels before it announces itself (none compiles inside a step, where a
+    compile overran the step deadline), and its heartbeat says the dtype, CPU level and implementations."""
+    from kernels import cpu_isa
+    from service_harness import WorkerProcess
+
+    extensions = tmp_path / "torch_extensions"  # empty: every native op this worker runs is compiled anew
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    model = make_model(tmp_path / "m", "llama_linear_head_dim", dtype="bfloat16")  # head_dim 32: native attention
+    keys = Keys("warm")
+    client = redis.Redis.from_url(redis_server)
+    worker = WorkerProcess(model, redis_server, keys, "w-warm", tmp_path / "worker.log")
+
+    def built() -> set[str]:
+        return {p.name.split("-")[0].removeprefix("phaseserve_") for p in (extensions / "phaseserve").glob("phaseserve_*")}
+
+    try:
+        deadline = time.monotonic() + 300  # compiling four ops on a busy machine
+        while (raw := client.get(keys.worker_heartbeat("w-warm"))) is None:
+            assert worker.proc.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no heartbeat"
+            time.sleep(0.05)
+        at_heartbeat = built()
+        info = WorkerInfo.from_wire(raw)
+        assert info.cpu_level == cpu_isa.level()
+        if cpu_isa.supports("avx512-bf16"):
+            assert info.dtype == "bfloat16"
+            assert info.kernels == {f: "native avx512-bf16" for f in ("attention", "layer_ops", "linear")}
+            # the ops it runs (quant_gemm too, compiled beside them while the model loaded: every bf16 op)
+            assert {"bf16_gemm", "decode_attention", "extend_attention", "layer_ops"} <= at_heartbeat
+        else:  # bf16 is emulated here: float32 activations, and only ops of this level or below
+            assert info.dtype == "float32" and set(info.kernels) == {"attention", "layer_ops", "linear"}
+            assert all(v in ("torch", f"native {cpu_isa.level()}") for v in info.kernels.values()), info.kernels
+            assert all(cpu_isa.supports(native.REQUIRES[op]) for op in at_heartbeat)
+
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        client.xadd(keys.steps("w-warm"), {FIELD: StepPlan(0, "w-warm", [SeqStart("a", "gw", [5, 6, 7], params)],
+                                                           [ScheduledChunk("a", 0, 3, [0])]).to_wire()})
+        client.xadd(keys.steps("w-warm"), {FIELD: StepPlan(1, "w-warm", [], [ScheduledChunk("a", 3, 1, [0])]).to_wire()})
+        deadline = time.monotonic() + 60
+        while len(client.xrange(keys.results)) < 2:
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert built() == at_heartbeat  # the steps compiled nothing
+        log = (tmp_path / "worker.log").read_text()
+        assert "native op compiled" not in log.split("worker ready", 1)[1]
+    finally:
+        worker.stop()
+
+
+def test_the_kernels_reported_are_the_op_families_the_model_uses(tmp_path):
+    from kernels import cpu_isa
+
+    for op in native.runnable():  # every op this CPU runs loaded in this process, bf16 ones included
+        native.load(op)
+    model = make_model(tmp_path / "m", "llama")  # float32
+    dense = ModelRunner(model, num_blocks=8).warm_up()
+    quantized = ModelRunner(model, num_blocks=8, quantization="int8").warm_up()  # every linear int8
+    assert set(dense) == {"attention", "layer_ops", "linear"}
+    assert set(quantized) == {"attention", "layer_ops", "quant_linear"}
+    # float32 activations run the float32 (AVX2) ops where this CPU runs them, never the bf16 ones
+    allowed = {"torch"} | ({"native avx2"} if cpu_isa.supports("avx2") else set())
+    assert set(dense.values()) | set(quantized.values()) <= allowed

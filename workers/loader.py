@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kernels import cpu_isa
 from phaseserve.gguf_files import GGUFError, gguf_weights_path
 from phaseserve.model_files import config_eos_token_ids
 
@@ -140,7 +141,10 @@ def read_config(model_dir: str | Path) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
-    """"auto" = the checkpoint's dtype, except fp16 on CPU (a slow software path there) -> bf16."""
+    """The activations' dtype. "auto" follows what the hardware computes natively: the checkpoint's dtype on
+    CUDA and on a CPU with AVX512-BF16 (fp16 there turned into bf16, a slow software path on CPU); float32 on
+    any other CPU, whatever the checkpoint's dtype (bf16 arithmetic is emulated there, far slower than fp32;
+    bf16/fp16 weights are converted on load)."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     else:
@@ -149,6 +153,8 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: str | torc
         if name not in _DTYPES:
             raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, float32, bfloat16, float16)")
         resolved = _DTYPES[name]
+        if dtype == "auto" and torch.device(device).type == "cpu" and not cpu_isa.supports("avx512-bf16"):
+            resolved = torch.float32
     if resolved == torch.float16 and torch.device(device).type == "cpu":
         resolved = torch.bfloat16
     return resolved

@@ -17,10 +17,11 @@ import torch
 
 import kernels
 from phaseserve.params import SamplingParams, finish_reason
-from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
+from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
-from workers.loader import ModelConfig, load_checkpoint
+from workers.linear import QuantizedLinear
+from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, stop_id_tensor
 
@@ -105,6 +106,9 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_heap_memory()  # no page faults on every layer's activations
+        dtype = resolve_dtype(dtype, read_config(model_dir), self.device)
+        if self.device.type == "cpu":  # compiled side by side while the weights load (a first start only)
+            kernels.native.prebuild(kernels.native.runnable(dtype))
         # a GGUF's Q8_0/Q4_0/Q4_1 blocks stay as stored unless every weight is wanted dense
         cfg, weights, self.dtype = load_checkpoint(model_dir, dtype, self.device,
                                                    keep_quantized=quantization != "none")
@@ -146,6 +150,34 @@ class ModelRunner:
     def attention_horizon(self) -> int:
         """The scheduler's attention horizon for this model (published in WorkerInfo)."""
         return attention_horizon(self.config)
+
+    def warm_up(self) -> dict[str, str]:
+        """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
+        kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
+        not inside the first step a scheduler plans. Call it before the worker announces itself: nothing else
+        holds blocks yet (it writes the first one or two). Returns kernel_implementations()."""
+        seq = "warm-up"
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        prompt = [0, min(1, self.vocab_size - 1)]
+        blocks = list(range(-(-(len(prompt) + 1) // self.block_size)))
+        self.execute(StepPlan(0, "warm-up", starts=[SeqStart(seq, "", prompt, params)],
+                              chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
+        self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
+        self.reset()
+        return self.kernel_implementations()
+
+    def kernel_implementations(self) -> dict[str, str]:
+        """Which implementation runs each op family this model uses (attention, layer_ops, and linear and
+        quant_linear where it has linears of that kind): triton on CUDA; on CPU what kernels chose so far
+        (see warm_up)."""
+        m = self.model
+        linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        quantized = sum(isinstance(lin, QuantizedLinear) for lin in linears)
+        used = {"attention": True, "layer_ops": True, "linear": quantized < len(linears), "quant_linear": quantized > 0}
+        families = [f for f in kernels.native.FAMILIES if used[f]]
+        if self.device.type == "cuda":
+            return {f: "triton" for f in families}
+        return kernels.native.implementations(families, self.dtype)
 
     # ------------------------------------------------------------------ state
 

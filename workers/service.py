@@ -32,6 +32,7 @@ from multiprocessing import Pipe
 import msgpack
 import structlog
 
+from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
 from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
@@ -63,10 +64,19 @@ class WorkerService:
         self.drain_wait_s = drain_timeout + max(DRAIN_MARGIN_S, 3 * heartbeat_interval)
         self.drain_deadline = float("inf")  # time.monotonic() past which we leave unanswered
         self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
+        # before the heartbeat exists: every kernel is compiled or loaded now, never inside a planned step
+        # (a compile there overran the step deadline and retired the worker)
+        t0 = time.perf_counter()
+        implementations = runner.warm_up()
+        cpu_level = "" if runner.device.type == "cuda" else cpu_isa.level()
+        dtype = str(runner.dtype).removeprefix("torch.")
+        log.info("worker kernels", dtype=dtype, cpu_level=cpu_level or None, kernels=implementations,
+                 warm_up_s=round(time.perf_counter() - t0, 2))
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
             started_at=time.time(), attention_horizon=runner.attention_horizon, host=socket.gethostname(),
+            dtype=dtype, cpu_level=cpu_level, kernels=implementations,
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
