@@ -900,6 +900,13 @@ class SchedulerService:
                 except LeaseLost as e:
                     log.error("lease lost to another scheduler; standing by", holder=str(e))
                     self.is_leader = False
+                except ResponseError as e:
+                    # Redis came back without its data (a claim or read met no group): set up again, which
+                    # recreates the groups; the lease is renewed by the next turn (RENEW_LEASE takes it back)
+                    if "NOGROUP" not in str(e):
+                        raise
+                    log.warning("consumer group missing; recreating", error=str(e))
+                    ready = False
                 except CONNECTION_ERRORS as e:
                     delay = backoff.next_delay()
                     log.warning("redis unreachable; retrying", error=str(e), retry_in_s=round(delay, 2))

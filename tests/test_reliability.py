@@ -361,6 +361,38 @@ async def test_redis_restarted_on_its_port_every_service_resumes(model_dir, long
         server.stop()
 
 
+async def test_redis_restarted_empty_while_the_scheduler_claims_pending_entries(model_dir, long_reference):
+    """Redis restarted without its data just before the scheduler's periodic claim of pending entries: the
+    XAUTOCLAIM meets NOGROUP (the groups went with the data); the scheduler recreates its groups and goes
+    on, and every stream completes."""
+    keys = Keys("nogroup")
+    server = EmbeddedRedis().start()
+    workers = [WorkerThread(model_dir, server.url, keys, "w1", step_timeout=30.0)]
+    client, sched, gw, tasks = await start(server.url, keys, allow_gaps=True, step_timeout=1.0)
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
+        server.stop()
+        # longer than a command's retries: the loop itself waits it out, and its first turn once Redis is
+        # back starts with the claim
+        sched._next_claim = 0.0
+        await asyncio.sleep(3.0)
+        server.start()
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS) or tasks[0].done(), 120)
+        assert not tasks[0].done(), tasks[0].exception()  # the scheduler is still running
+        assert_matches(gw, long_reference)
+        await gw.submit("after", PROMPTS[2], 8)
+        await gw.wait(lambda: "after" in gw.finish, 30)
+        assert gw.tokens["after"] == long_reference[2][:8]
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()
+        server.stop()
+
+
 async def test_a_killed_scheduler_is_replaced_by_its_standby_and_samples_stay_one_sample(
         model_dir, long_reference, redis_server, tmp_path):
     """Two schedulers against one Redis: one holds the lease and plans, the other stands by. kill -9 the
