@@ -486,11 +486,14 @@ class WorkerInfo:
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
     # `drained` StepPlan (docs/architecture.md, "Workers joining and leaving")
     draining: bool = False
+    # the model's vocabulary (embedding rows): the scheduler refuses a prompt with a token id outside
+    # [0, vocab_size) before it reaches a batch (0 = unknown, as from older workers: not checked)
+    vocab_size: int = 0
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "host", "draining")})
+            "attention_horizon", "host", "draining", "vocab_size")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

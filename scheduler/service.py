@@ -402,7 +402,7 @@ class SchedulerService:
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
-            itl_target=self.limits.itl_target,
+            itl_target=self.limits.itl_target, vocab_size=info.vocab_size,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),

@@ -170,3 +170,30 @@ async def test_requests_go_to_a_worker_that_can_hold_them_and_the_rest_are_rejec
         assert "long" not in gw.finish
     finally:
         await stop(client, sched, gw, tasks)
+
+
+async def test_a_prompt_outside_the_vocabulary_fails_alone_with_a_clear_error(model_dir, reference, redis_server):
+    """A submit straight onto the requests stream (no gateway to check it) with a token id the model cannot
+    embed: the scheduler refuses it at admission, from the vocabulary the worker's heartbeat announces, as
+    bad input; the requests beside it are served as if it had never come."""
+    keys = Keys("vocab")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    client, sched, gw, tasks = await start(redis_server, keys)
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        vocab = worker.service.runner.vocab_size
+        await gw.submit("bad", [1, 2, 10**6])
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p)
+        await gw.submit("negative", [3, -1])
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS) + 2)
+        for rid, bad_id in (("bad", 10**6), ("negative", -1)):
+            assert gw.finish[rid] == "error"
+            kind, message = gw.errors[rid]
+            assert kind == ERROR_REJECTED
+            assert f"outside the vocabulary [0, {vocab})" in message and str(bad_id) in message
+        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert all(gw.finish[f"r{i}"] == "length" for i in range(len(PROMPTS)))
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
