@@ -35,6 +35,7 @@ stalls the model's next torch op, even from another core. Measured on the bundle
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -383,8 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     from phaseserve import logs
 
     argv = sys.argv[1:] if argv is None else argv
-    # Ctrl-C reaches the whole process group: the worker stops first, then closes `writes`, which ends us
+    # Ctrl-C (or a SIGTERM) sent to the whole process group: the worker decides (stop, or drain), then
+    # closes `writes`, which ends us; dying first would only make the worker fail. With the worker gone
+    # (our parent-death signal), SIGTERM ends us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def on_sigterm(*_args) -> None:
+        if os.getppid() != parent:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     plans = Connection(int(argv[0]), readable=False)
     writes = Connection(int(argv[1]), writable=False)
     try:
