@@ -192,8 +192,18 @@ SETTINGS: list[Setting] = [
             "seconds a worker's model step may take (from when its plan is due) before the step counts as lost: "
             "the scheduler re-plans its sequences, and a worker whose model is stuck that long stops "
             "heartbeating and is treated as dead. The scheduler's value goes with each plan (scaled up for a "
-            "step larger than its token budget); a worker's own is for plans that carry none",
+            "step larger than its token budget); a worker's own is for plans that carry none. Once the "
+            "scheduler has learned a worker's step costs, a step's deadline is shorter: see "
+            "--step-timeout-factor",
             ("worker", "scheduler", "up")),
+    Setting("step_timeout_factor", "PHASESERVE_STEP_TIMEOUT_FACTOR", 10.0, float,
+            "once the scheduler has learned a worker's step costs, a step may take this many times its "
+            "predicted time (at least --step-timeout-floor, at most --step-timeout) before the worker's model "
+            "counts as frozen and its sequences move; a worker's first steps (still warming up) keep "
+            "--step-timeout. 0: always --step-timeout", ("scheduler", "up")),
+    Setting("step_timeout_floor", "PHASESERVE_STEP_TIMEOUT_FLOOR", 3.0, float,
+            "the least a step's learned deadline (--step-timeout-factor) may be, in seconds: a step slowed by "
+            "a busy machine is not a frozen one", ("scheduler", "up")),
     Setting("drain_timeout", "PHASESERVE_DRAIN_TIMEOUT", 30.0, float,
             "a worker given SIGTERM drains: the scheduler moves its waiting sequences to other workers at "
             "once, lets its running ones finish for up to this many seconds, then recomputes the rest "
