@@ -13,7 +13,8 @@ events after it and asks for a fill; a running request with no message for
 (the sweeper task). A resumed request (SSE Last-Event-ID) is not on this
 gateway's channel at all: the follower task reads its log with a blocking XREAD.
 A request with no new token for `progress_timeout_s` gets an error event
-(ERROR_TIMEOUT), never an endless wait.
+(ERROR_TIMEOUT), never an endless wait; the scheduler's SequenceProgress (a
+sequence waiting in its queue, or prefilling a long prompt) counts as progress.
 
 Client leases: while this gateway serves a client of a sequence, it refreshes
 `Keys.client_lease(seq)` (value: this serving's token) with the GatewayInfo
@@ -36,8 +37,8 @@ import redis.exceptions
 import structlog
 
 from phaseserve import token_log
-from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
-                             WireError, WorkerInfo)
+from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch,
+                             TokenEvent, WireError, WorkerInfo)
 
 log = structlog.get_logger("gateway.backend")
 
@@ -243,7 +244,8 @@ class Backend:
         try:
             batch = TokenBatch.from_wire(data)
         except (WireError, KeyError, TypeError, ValueError) as e:
-            log.warning("undecodable message on token channel", error=str(e))
+            if not self._on_progress(data):
+                log.warning("undecodable message on token channel", error=str(e))
             return
         for ev in batch.events:
             stream = self._routes.get(ev.seq_id)
@@ -251,6 +253,20 @@ class Backend:
                 log.debug("tokens for unknown sequence", seq_id=ev.seq_id)  # finished or cancelled
                 continue
             stream.deliver(ev)
+
+    def _on_progress(self, data: bytes) -> bool:
+        """The scheduler vouches for sequences that show no token (queued, prefilling): progress for their
+        no-progress deadline, and nothing for a silence fill to look for. False: not such a message."""
+        try:
+            progress = SequenceProgress.from_wire(data)
+        except (WireError, KeyError, TypeError, ValueError):
+            return False
+        now = time.monotonic()
+        for seq_id in progress.seq_ids:
+            stream = self._routes.get(seq_id)
+            if stream is not None:
+                stream.last_progress = stream.last_message = now
+        return True
 
     # ---------------------------------------------------------------- the token log: fills and follows
 

@@ -114,8 +114,9 @@ SETTINGS: list[Setting] = [
             "seconds without a token on the channel after which a running request's tokens are re-read from "
             "its durable token log (pub/sub may drop messages)", ("gateway", "up")),
     Setting("request_progress_timeout", "PHASESERVE_REQUEST_PROGRESS_TIMEOUT", 60.0, float,
-            "a request with no new token for this many seconds (queueing included) ends with an error "
-            "(504, or an error event in a stream) and is cancelled", ("gateway", "up")),
+            "a request with no progress for this many seconds ends with an error (504, or an error event in a "
+            "stream) and is cancelled. Progress: a new token, or the scheduler's word that the request waits "
+            "in its queue or is prefilling a long prompt", ("gateway", "up")),
     Setting("resume_grace", "PHASESERVE_RESUME_GRACE", 10.0, float,
             "seconds a request whose client went away keeps generating, waiting for the client to resume it "
             "(Last-Event-ID) on any gateway, before it is cancelled", ("gateway", "scheduler", "up")),

@@ -9,6 +9,7 @@ Flow (see docs/architecture.md):
   scheduler --StepPlan-->                   stream `steps:<worker>` --> worker
   worker   --StepResult-->                  stream `results`        --> scheduler
   worker   --TokenBatch-->                  channel `gw:<gateway>`  --> gateway
+  scheduler --SequenceProgress-->           channel `gw:<gateway>`  --> gateway
   worker   --WorkerInfo-->                  key `worker:<id>` (expires: heartbeat)
 
 Every token carries its offset in the sequence's output, so receivers can drop
@@ -431,6 +432,24 @@ class TokenBatch:
     def from_wire(cls, data: bytes) -> "TokenBatch":
         d = _unpack(data, cls.KIND)
         return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]])
+
+
+@dataclass
+class SequenceProgress:
+    """Sequences the scheduler vouches for though they show no new token: waiting in its queue, or
+    prefilling a long prompt whose chunks keep being computed. A gateway counts this as progress for its
+    no-progress deadline (a slow prefill or a queue is not a stall). Sent on the gateway's channel about
+    once a scheduler refresh, beside the workers' TokenBatches."""
+
+    KIND: ClassVar[str] = "progress"
+    seq_ids: list[str]
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {"seq_ids": list(self.seq_ids)})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "SequenceProgress":
+        return cls(list(_unpack(data, cls.KIND)["seq_ids"]))
 
 
 @dataclass

@@ -364,6 +364,7 @@ class WorkerPolicy:
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         self._num_preemptions = 0
         self._num_resyncs = 0
+        self._prefill_marks: dict[str, int] = {}  # seq id -> positions computed at the last quiet_progress
         self._num_finished = 0
         self._num_cancelled = 0
         self._num_prefill_tokens = 0
@@ -416,6 +417,19 @@ class WorkerPolicy:
             self._retire(seq)
         self._inflight.clear()
         return [(s.request, list(s.output_ids)) for s in seqs]
+
+    def quiet_progress(self) -> list[SubmitRequest]:
+        """The sequences moving on without a token to show for it since the last call: waiting (queued, or
+        preempted) and prefilling with more positions computed than then (a long prompt's chunks; a chunk
+        is planned only once the results of the plans before it came back, so a stuck worker stops this)."""
+        marks, self._prefill_marks = self._prefill_marks, {}
+        moving = [s.request for s in self._waiting]
+        for seq in self._running:
+            if seq.is_prefilling:
+                self._prefill_marks[seq.seq_id] = seq.num_computed_tokens
+                if seq.num_computed_tokens > marks.get(seq.seq_id, -1):
+                    moving.append(seq.request)
+        return moving
 
     def take_waiting(self) -> list[tuple[SubmitRequest, list[int]]]:
         """Remove the waiting sequences (no blocks held) that may start elsewhere now, returning each with its

@@ -63,8 +63,8 @@ from phaseserve.client_lease import OrphanTracker
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
-    ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
-    StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
+    ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, SequenceProgress,
+    StepResult, StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features, step_deadline
@@ -388,6 +388,20 @@ class SchedulerService:
         if self.parked and self.workers:
             self.place_parked()
         await self.cancel_orphans(now)
+        self.vouch_for_quiet_sequences()
+
+    def vouch_for_quiet_sequences(self) -> None:
+        """Tell each gateway which of its sequences are waiting at a live worker or prefilling
+        (SequenceProgress): no token shows it, yet they are not stalled, and its no-progress deadline must
+        not fail them. Parked ones (no worker to run them) are not vouched for: that deadline bounds their
+        wait."""
+        by_gateway: dict[str, list[str]] = {}
+        quiet = [r for s in self.workers.values() for r in s.policy.quiet_progress()]
+        for req in quiet:
+            by_gateway.setdefault(req.gateway_id, []).append(req.request_id)
+        for gateway_id, seq_ids in by_gateway.items():
+            self._pending_ops.append(("publish", self.keys.gateway_channel(gateway_id),
+                                      SequenceProgress(seq_ids).to_wire()))
 
     async def cancel_orphans(self, now: float) -> None:
         """Cancel the sequences nobody serves any more: a gateway refreshes a client lease for every sequence

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from phaseserve import token_log
 from phaseserve.tokenizer import Tokenizer
-from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent
+from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
 from gateway_client import read_sse
 from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401
 
@@ -148,6 +148,23 @@ async def test_a_stalled_request_gets_an_error_after_the_deadline_and_is_cancell
     async with g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
         assert r.status == 504
         assert_openai_error(await r.json(), "server_error", None, "timeout")
+
+
+async def test_the_schedulers_word_that_a_request_is_queued_or_prefilling_is_progress(make_gw):
+    """No token for three times the progress timeout, but the scheduler vouches for the sequence all along
+    (SequenceProgress: queued, or a long prefill): the request is not given up, and completes."""
+    g = await make_gw("gw-a", "--request-progress-timeout", "0.5", "--token-silence-timeout", "0.1")
+    await add_worker(g)
+    reader = RequestsReader(g)
+    resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                              "max_tokens": 50})
+    sub = await reader.next()
+    for _ in range(8):
+        await g.redis.publish(g.keys.gateway_channel(g.gateway_id), SequenceProgress([sub.request_id]).to_wire())
+        await asyncio.sleep(0.2)
+    await emit(g, TokenEvent(sub.request_id, 0, g.tok.encode(REPLY, add_special_tokens=False), "length"))
+    _, data = await asyncio.wait_for(read_sse(resp), 10)
+    assert texts(data) == REPLY and data[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_sse_resume_on_another_gateway_gets_exactly_the_rest_and_starts_nothing_new(make_gw):

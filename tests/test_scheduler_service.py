@@ -197,3 +197,46 @@ async def test_a_prompt_outside_the_vocabulary_fails_alone_with_a_clear_error(mo
     finally:
         await stop(client, sched, gw, tasks)
         worker.stop()
+
+
+async def test_a_slow_prefill_and_a_queue_are_progress_not_a_stall(model_dir, redis_server):
+    """A real gateway with a short --request-progress-timeout (1 s) in front of a scheduler and a worker on a
+    slow machine (every step computing prompt positions takes 0.2 s): a long prompt prefills in many small
+    chunks (--max-num-batched-tokens 16) for several seconds without a token, and a second request waits in
+    the queue behind it (--max-num-seqs 1) as long. The scheduler vouches for both (SequenceProgress), so
+    both complete instead of failing with "no progress"."""
+    import openai
+
+    from gateway_client import serve_gateway
+
+    keys = Keys("slowprefill")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    execute = worker.service.runner.execute
+
+    def slow_execute(plan):
+        if any(c.num_tokens > 1 for c in plan.chunks):
+            time.sleep(0.2)
+        return execute(plan)
+
+    worker.service.runner.execute = slow_execute
+    limits = PolicyLimits(max_num_seqs=1, max_num_batched_tokens=16, long_prefill_threshold=0)
+    client, sched, gw, tasks = await start(redis_server, keys, limits=limits)
+    runner, url = await serve_gateway(["--redis-url", redis_server, "--model", str(model_dir), "--key-prefix",
+                                       keys.prefix, "--request-progress-timeout", "1"])
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        long_prompt = [5 + i % 200 for i in range(300)]  # ~19 prefill steps: ~4 s with no token
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(
+            oai.completions.create(model=str(model_dir.name), prompt=p, max_tokens=4, temperature=0.0,
+                                   extra_body={"ignore_eos": True})
+            for p in (long_prompt, [9, 10, 11])))
+        assert time.monotonic() - t0 > 3.0  # well past the progress timeout
+        assert [r.choices[0].finish_reason for r in replies] == ["length", "length"]
+        assert [r.usage.completion_tokens for r in replies] == [4, 4]
+        await oai.close()
+    finally:
+        await runner.cleanup()
+        await stop(client, sched, gw, tasks)
+        worker.stop()
