@@ -79,4 +79,11 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         await gw.backend.close()
 
     app.cleanup_ctx.append(redis_side)
+
+    async def end_open_requests(_app: web.Application) -> None:
+        # on shutdown, before the server waits for the handlers: each ends with an error its client sees
+        # (an error event then [DONE] in a stream, a 503 otherwise), not a connection cut mid-stream
+        gw.backend.fail_open_requests()
+
+    app.on_shutdown.append(end_open_requests)
     return app

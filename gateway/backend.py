@@ -44,8 +44,10 @@ log = structlog.get_logger("gateway.backend")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
-# TokenEvent.error_kind of the gateway's own error: no token for progress_timeout_s (504)
+# TokenEvent.error_kind of the gateway's own errors: no token for progress_timeout_s (504); the gateway is
+# shutting down (503: retry, on another gateway)
 ERROR_TIMEOUT = "timeout"
+ERROR_SHUTDOWN = "shutdown"
 FILL_COUNT = 4096  # entries per sequence per fill read
 
 
@@ -181,6 +183,15 @@ class Backend:
             await asyncio.wait_for(self.subscribed.wait(), wait_s)
         except asyncio.TimeoutError:
             log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=self.redis_url)
+
+    def fail_open_requests(self) -> None:
+        """The gateway is shutting down: every open request ends now with an error (ERROR_SHUTDOWN) instead
+        of being cut off when the server stops waiting for its handler."""
+        for st in list(self._streams):
+            for seq_id, offset in list(st.expected.items()):
+                st.deliver(TokenEvent(seq_id, offset, [], "error", None,
+                                      "the gateway is shutting down; retry the request", ERROR_SHUTDOWN),
+                           from_log=True)
 
     async def close(self) -> None:
         # shutting down: requests waiting for a resume are decided now (cancelled unless another gateway took them)

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.backend import ERROR_TIMEOUT, RequestStream
+from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, too_many_requests, unavailable)
 from gateway.sse_ids import event_id, parse_last_event_id
@@ -164,6 +164,8 @@ class Generation:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
+        if out.error_kind == ERROR_SHUTDOWN:
+            return unavailable(f"Generation stopped: {out.error}")
         return internal_error(f"Generation failed: {out.error or 'worker error'}")
 
     async def _submit(self) -> None:
@@ -240,8 +242,10 @@ class Generation:
         if self.stream is None:  # refused before anything was submitted
             return
         self.stream.close()
-        # a sequence the gateway gave up on (no progress) may still be queued or running somewhere
-        unfinished = [o.seq_id for o in self.outputs if not o.finished or o.error_kind == ERROR_TIMEOUT]
+        # a sequence the gateway gave up on (no progress, or it is shutting down) may still be queued or
+        # running somewhere
+        unfinished = [o.seq_id for o in self.outputs
+                      if not o.finished or o.error_kind in (ERROR_TIMEOUT, ERROR_SHUTDOWN)]
         self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished], self._lease_token)
         if unfinished and self.req.stream and self._client_gone and self._lease_token:
             # the client may come back with Last-Event-ID, here or on another gateway: give it the grace

@@ -5,6 +5,7 @@ relay does) and publishes it, or deliberately does not publish it (a message pub
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import msgpack
@@ -305,3 +306,36 @@ async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(m
 
     assert [text(head, i) + text(tail, i) for i in range(2)] == replies
     assert sorted(c["choices"][0]["finish_reason"] for c in tail if c["choices"][0]["finish_reason"]) == ["stop"] * 2
+
+
+async def test_a_gateway_shutting_down_ends_its_open_requests_with_an_error(redis_server, text_model):
+    """The gateway stops (SIGTERM, `up` stopping) while a stream and a whole response are open: the stream
+    ends with an error event (503 service_unavailable) then [DONE], the whole response is a 503 in OpenAI's
+    format, and both sequences are cancelled; neither connection is cut short."""
+    runner, url = await start_gateway(redis_server, text_model, "--gateway-id", "gw-down")
+    g = Gw(url, "gw-down", redis_server, text_model, aiohttp.ClientSession())
+    try:
+        await add_worker(g)
+        reader = RequestsReader(g)
+        resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                                  "max_tokens": 50})
+        streamed = await reader.next()
+        await emit(g, TokenEvent(streamed.request_id, 0, g.tok.encode("The", add_special_tokens=False)))
+        whole = asyncio.create_task(g.http.post(g.url + "/v1/completions",
+                                                json={"model": MODEL, "prompt": "y", "max_tokens": 50}))
+        waiting = await reader.next()
+        stopping = asyncio.create_task(runner.cleanup())
+        body = (await asyncio.wait_for(resp.read(), 10)).decode()
+        assert body.rstrip().endswith("data: [DONE]"), body
+        error = json.loads([line for line in body.splitlines() if line.startswith("data: {")][-1][6:])
+        assert_openai_error(error, "server_error", None, "service_unavailable")
+        assert "shutting down" in error["error"]["message"]
+        r = await asyncio.wait_for(whole, 10)
+        assert r.status == 503
+        assert_openai_error(await r.json(), "server_error", None, "service_unavailable")
+        await asyncio.wait_for(stopping, 15)
+        cancels = {(await reader.next()).request_id for _ in range(2)}
+        assert cancels == {streamed.request_id, waiting.request_id}
+    finally:
+        await g.http.close()
+        await g.redis.aclose()
