@@ -37,8 +37,8 @@ import redis.exceptions
 import structlog
 
 from phaseserve import token_log
-from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch,
-                             TokenEvent, WireError, WorkerInfo)
+from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenEvent,
+                             WireError, WorkerInfo, channel_message)
 
 log = structlog.get_logger("gateway.backend")
 
@@ -253,10 +253,12 @@ class Backend:
 
     def _on_message(self, data: bytes) -> None:
         try:
-            batch = TokenBatch.from_wire(data)
+            batch = channel_message(data)
         except (WireError, KeyError, TypeError, ValueError) as e:
-            if not self._on_progress(data):
-                log.warning("undecodable message on token channel", error=str(e))
+            log.warning("undecodable message on token channel", error=str(e))
+            return
+        if isinstance(batch, SequenceProgress):
+            self._on_progress(batch)
             return
         for ev in batch.events:
             stream = self._routes.get(ev.seq_id)
@@ -265,19 +267,14 @@ class Backend:
                 continue
             stream.deliver(ev)
 
-    def _on_progress(self, data: bytes) -> bool:
+    def _on_progress(self, progress: SequenceProgress) -> None:
         """The scheduler vouches for sequences that show no token (queued, prefilling): progress for their
-        no-progress deadline, and nothing for a silence fill to look for. False: not such a message."""
-        try:
-            progress = SequenceProgress.from_wire(data)
-        except (WireError, KeyError, TypeError, ValueError):
-            return False
+        no-progress deadline, and nothing for a silence fill to look for."""
         now = time.monotonic()
         for seq_id in progress.seq_ids:
             stream = self._routes.get(seq_id)
             if stream is not None:
                 stream.last_progress = stream.last_message = now
-        return True
 
     # ---------------------------------------------------------------- the token log: fills and follows
 

@@ -452,6 +452,18 @@ class SequenceProgress:
         return cls(list(_unpack(data, cls.KIND)["seq_ids"]))
 
 
+def channel_message(data: bytes) -> TokenBatch | SequenceProgress:
+    """A message on a gateway's channel: a worker's TokenBatch (nearly all of them, tried first) or the
+    scheduler's SequenceProgress. Raises WireError for anything else."""
+    try:
+        return TokenBatch.from_wire(data)
+    except WireError as e:
+        try:
+            return SequenceProgress.from_wire(data)
+        except WireError:
+            raise e from None
+
+
 @dataclass
 class StepResult:
     """What a step produced, for the scheduler: sampled tokens and finished sequences."""

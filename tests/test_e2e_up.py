@@ -112,7 +112,7 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
     import redis
 
     from e2e_stack import running_stack, wait_for
-    from phaseserve.wire import Keys, TokenBatch
+    from phaseserve.wire import Keys, TokenBatch, channel_message
 
     with running_stack(e2e_model, tmp_path, workers=2) as stack:
         procs = stack.stack.procs
@@ -142,8 +142,8 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
             while listening.is_set():
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
                 if message and message["type"] == "pmessage":
-                    batch = TokenBatch.from_wire(message["data"])
-                    if any(e.token_ids for e in batch.events):
+                    batch = channel_message(message["data"])
+                    if isinstance(batch, TokenBatch) and any(e.token_ids for e in batch.events):
                         senders.add(batch.worker_id)
             pubsub.close()
 
