@@ -7,7 +7,8 @@ fault), a gateway: each a process of its own, as `docker compose` runs them, at 
 short heartbeat and lease) serves a warm-up (a few requests, so the scheduler has learned each worker's
 step costs, as on a server that has been serving), then 16 greedy and 4 seeded sampled streams through the
 OpenAI API. Once every stream has streamed a few tokens the fault is injected; the table gives, per
-fault, the streams completed, the texts equal to the unfaulted run, and the longest stall a client saw (the longest wait for its next chunk).
+fault, the streams completed, the texts equal to the unfaulted run, and the longest stall a client saw
+(the longest wait for its next chunk).
 
 Faults: worker-kill (kill -9 of a worker), scheduler-restart (kill -9, a new one started),
 scheduler-standby (kill -9 with a standby running), redis-restart (Redis stopped 5 s, restarted on
