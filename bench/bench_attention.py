@@ -1,8 +1,12 @@
 """Decode attention alone: the torch path against the native op, K/V cold, beside the machine's bandwidth;
 with --prefill, prefill attention over a cached prefix (per layer call and in the model's chunk step).
 
-    python -m bench.bench_attention [--threads 1] [--rounds 5] [--batch 16]
-    python -m bench.bench_attention --prefill [--threads 1] [--rounds 5] [--model small-200m]
+    python -m bench.bench_attention [--threads 1] [--rounds 5] [--batch 1 16] [--dtype bfloat16|float32]
+    python -m bench.bench_attention --prefill [--threads 1] [--rounds 5] [--model small-200m] [--dtype ...]
+
+--dtype float32 times the float32 ops for AVX2 + FMA (kernels/native/attention_f32.cpp) against the torch
+path in fp32, with fp32 caches (run it with PHASESERVE_CPU_ISA=avx2 to time what an AVX2-only CPU runs);
+--prefill then times the per-call table only, with the fp32 matmul rate beside it (the model steps are bf16).
 
 For each shape (query heads / KV heads, head_dim 64) and context length, one call per layer over as
 many layers' caches as make ~256 MiB of K/V, so every layer's K/V comes from DRAM as in a real decode
@@ -38,19 +42,19 @@ BLOCK = 16
 COLD_BYTES = 256 << 20
 
 
-def make_layers(batch: int, context: int, hq: int, hkv: int, d: int, seed: int):
+def make_layers(batch: int, context: int, hq: int, hkv: int, d: int, seed: int, dtype=torch.bfloat16):
     """Per layer: (q, k_cache, v_cache, tables, lens) with each sequence's blocks scattered in its cache."""
     per_seq = -(-context // BLOCK)
-    layer_bytes = 2 * batch * per_seq * BLOCK * hkv * d * 2
+    layer_bytes = 2 * batch * per_seq * BLOCK * hkv * d * dtype.itemsize
     g = torch.Generator().manual_seed(seed)
     layers = []
     for _ in range(max(2, -(-COLD_BYTES // layer_bytes))):
         nb = batch * per_seq
-        k = torch.randn(nb, BLOCK, hkv, d, generator=g).bfloat16()
-        v = torch.randn(nb, BLOCK, hkv, d, generator=g).bfloat16()
+        k = torch.randn(nb, BLOCK, hkv, d, generator=g).to(dtype)
+        v = torch.randn(nb, BLOCK, hkv, d, generator=g).to(dtype)
         tables = torch.randperm(nb, generator=g).view(batch, per_seq).int()
         lens = torch.full((batch,), context, dtype=torch.int32)
-        q = torch.randn(batch, hq, d, generator=g).bfloat16()
+        q = torch.randn(batch, hq, d, generator=g).to(dtype)
         layers.append((q, k, v, tables, lens))
     return layers
 
@@ -68,14 +72,14 @@ STEP_CHUNK = 256
 STEP_PREFIXES = (0, 512, 1024, 1536)
 
 
-def prefill_case(chunk: int, prefix: int, hq: int, hkv: int, d: int, seed: int):
+def prefill_case(chunk: int, prefix: int, hq: int, hkv: int, d: int, seed: int, dtype=torch.bfloat16):
     """(q, k_cache, v_cache, tables, lens, query_start_loc) for one sequence's chunk, blocks scattered."""
     g = torch.Generator().manual_seed(seed)
     blocks = -(-(prefix + chunk) // BLOCK)
-    k = torch.randn(blocks, BLOCK, hkv, d, generator=g).bfloat16()
-    v = torch.randn(blocks, BLOCK, hkv, d, generator=g).bfloat16()
+    k = torch.randn(blocks, BLOCK, hkv, d, generator=g).to(dtype)
+    v = torch.randn(blocks, BLOCK, hkv, d, generator=g).to(dtype)
     tables = torch.randperm(blocks, generator=g).view(1, blocks).int()
-    q = torch.randn(chunk, hq, d, generator=g).bfloat16()
+    q = torch.randn(chunk, hq, d, generator=g).to(dtype)
     lens = torch.tensor([prefix + chunk], dtype=torch.int32)
     return q, k, v, tables, lens, torch.tensor([0, chunk], dtype=torch.int32)
 
@@ -122,17 +126,23 @@ class AttentionClock:
         kernels.paged_attention = self.inner
 
 
-def prefill_calls(rounds: int) -> None:
-    ops = kernels.native.load("extend_attention")
+def native_op(name: str, dtype: torch.dtype):
+    """The loaded native ops serving `name` (decode_attention or extend_attention) for `dtype`."""
+    ops = kernels.native.load(kernels._ATTENTION_SOURCE[dtype][name])
     if ops is None:
-        raise SystemExit("the native extend attention is not available here (see the log line above)")
+        raise SystemExit(f"the native {name} for {dtype} is not available here (see the log line above)")
+    return ops
+
+
+def prefill_calls(rounds: int, dtype=torch.bfloat16) -> None:
+    ops = native_op("extend_attention", dtype)
     hq, hkv, d = PREFILL_SHAPE
-    print(f"\nOne layer's prefill attention call, {hq}/{hkv} heads x {d}, bf16, block size {BLOCK}; best of "
-          f"{rounds} alternating rounds (thread CPU time)")
+    print(f"\nOne layer's prefill attention call, {hq}/{hkv} heads x {d}, {str(dtype)[6:]}, block size {BLOCK}; "
+          f"best of {rounds} alternating rounds (thread CPU time)")
     print("| chunk | cached prefix | torch | native | torch / native | native GFLOP/s |")
     print("|---|---|---|---|---|---|")
     for chunk, prefix in PREFILL_CALLS:
-        q, k, v, tables, lens, qsl = prefill_case(chunk, prefix, hq, hkv, d, seed=chunk + prefix)
+        q, k, v, tables, lens, qsl = prefill_case(chunk, prefix, hq, hkv, d, seed=chunk + prefix, dtype=dtype)
         impls = {"torch": lambda: reference.paged_attention(q, k, v, tables, lens, qsl, d ** -0.5, chunk),
                  "native": lambda: ops.extend_attention(q, k, v, tables, lens, qsl, d ** -0.5)}
         best = {name: float("inf") for name in impls}
@@ -239,9 +249,13 @@ def mixed_steps(model: str, rounds: int) -> None:
 
 
 def prefill_main(args) -> None:
-    bw, mm = measure_bandwidth(), measure_matmul()
-    print(f"machine: {args.threads} thread(s), memory read {bw / 1e9:.1f} GB/s, bf16 matmul {mm / 1e9:.0f} GFLOP/s")
-    prefill_calls(args.rounds)
+    dtype = getattr(torch, args.dtype)
+    bw, mm = measure_bandwidth(), measure_matmul(dtype)
+    print(f"machine: {args.threads} thread(s), memory read {bw / 1e9:.1f} GB/s, {args.dtype} matmul {mm / 1e9:.0f} "
+          f"GFLOP/s")
+    prefill_calls(args.rounds, dtype)
+    if dtype != torch.bfloat16:
+        return
     prefill_steps(args.model, args.rounds)
     mixed_steps(args.model, args.rounds)
 
@@ -250,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16])
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--prefill", action="store_true", help="prefill attention over a cached prefix instead")
     ap.add_argument("--model", default="small-200m", help="with --prefill: the model whose chunk step is timed")
     args = ap.parse_args(argv)
@@ -258,30 +273,32 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill:
         prefill_main(args)
         return
-    ops = kernels.native.load("decode_attention")
-    if ops is None:
-        raise SystemExit("the native decode attention is not available here (see the log line above)")
+    dtype = getattr(torch, args.dtype)
+    ops = native_op("decode_attention", dtype)
     bw = measure_bandwidth()
-    print(f"machine: {args.threads} thread(s), memory read {bw / 1e9:.1f} GB/s; batch {args.batch}, "
-          f"block size {BLOCK}, bf16, K/V cold; best of {args.rounds} alternating rounds")
-    print("| shape | context | torch | native | torch / native | torch K/V GB/s | native K/V GB/s | native / memory read |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"machine: {args.threads} thread(s), memory read {bw / 1e9:.1f} GB/s; block size {BLOCK}, {args.dtype}, "
+          f"K/V cold; best of {args.rounds} alternating rounds")
+    print("| shape | batch | context | torch | native | torch / native | torch K/V GB/s | native K/V GB/s "
+          "| native / memory read |")
+    print("|---|---|---|---|---|---|---|---|---|")
     impls = {"torch": reference._decode_attention, "native": ops.decode_attention}
     for hq, hkv, d, label in SHAPES:
-        for ctx in CONTEXTS:
-            layers = make_layers(args.batch, ctx, hq, hkv, d, seed=ctx)
-            scale = d ** -0.5
-            best = {name: float("inf") for name in impls}
-            for name, fn in impls.items():  # warm-up (oneDNN primitives, first-touch of the scratch)
-                per_call(fn, layers[:1], scale)
-            for _ in range(args.rounds):
-                for name, fn in impls.items():
-                    best[name] = min(best[name], per_call(fn, layers, scale))
-            kv_bytes = 2 * args.batch * ctx * hkv * d * 2
-            t, n = best["torch"], best["native"]
-            print(f"| {hq}/{hkv} x {d} ({label}) | {ctx} | {t * 1e3:.3f} ms | {n * 1e3:.3f} ms | {t / n:.2f}x "
-                  f"| {kv_bytes / t / 1e9:.1f} | {kv_bytes / n / 1e9:.1f} | {kv_bytes / n / bw:.2f} |")
-            del layers
+        for batch in args.batch:
+            for ctx in CONTEXTS:
+                layers = make_layers(batch, ctx, hq, hkv, d, seed=ctx, dtype=dtype)
+                scale = d ** -0.5
+                best = {name: float("inf") for name in impls}
+                for name, fn in impls.items():  # warm-up (oneDNN primitives, first-touch of the scratch)
+                    per_call(fn, layers[:1], scale)
+                for _ in range(args.rounds):
+                    for name, fn in impls.items():
+                        best[name] = min(best[name], per_call(fn, layers, scale))
+                kv_bytes = 2 * batch * ctx * hkv * d * dtype.itemsize
+                t, n = best["torch"], best["native"]
+                print(f"| {hq}/{hkv} x {d} ({label}) | {batch} | {ctx} | {t * 1e3:.3f} ms | {n * 1e3:.3f} ms "
+                      f"| {t / n:.2f}x | {kv_bytes / t / 1e9:.1f} | {kv_bytes / n / 1e9:.1f} | {kv_bytes / n / bw:.2f} |",
+                      flush=True)
+                del layers
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Weight-only quantization: decode/prefill speed, memory and held-out perplexity of none (bf16), int8, int4.
 
     python -m bench.bench_quant [--model smollm2 | DIR | FILE.gguf] [--modes none,int8,int4] [--rounds 2] [--threads 1]
+                                [--dtype bfloat16 | float32]
 
 --model: anything `phaseserve up --model` takes (smollm2, a folder, a GGUF); default: a random bf16 model with
 SmolLM2-135M's shapes (built once into the temp dir; its perplexity says nothing about quality, only how
@@ -10,8 +11,9 @@ far each mode moves it). Speed: every mode's model loaded in this process, the m
 quality: each mode once more in a fresh process, so its resident memory after load is its own; the
 bytes of the weights as held; perplexity on held-out text: Python's own stdlib files that the bundled
 model held out of its training (phaseserve/bundled_model/eval.json), first --ppl-tokens tokens.
-Beside them, this machine's memory bandwidth and bf16 GEMM rate (bench/bench_model.py's measurements).
-Prints a markdown table.
+Beside them, this machine's memory bandwidth and GEMM rate in --dtype (bench/bench_model.py's
+measurements). --dtype float32: the activations of a CPU without AVX512-BF16 (with PHASESERVE_CPU_ISA=avx2,
+what such a CPU runs). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -87,10 +89,10 @@ def rss_bytes() -> int:
 
 
 class QuantBench(RunnerBench):
-    def __init__(self, path: Path, quantization: str, threads: int):
+    def __init__(self, path: Path, quantization: str, threads: int, dtype: str = "bfloat16"):
         from workers.runner import ModelRunner
 
-        self.runner = ModelRunner(path, dtype="bfloat16", kv_cache_memory_bytes=160 << 20,
+        self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=160 << 20,
                                   quantization=quantization, num_threads=threads)
         self.step = 0
         self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -129,12 +131,12 @@ def speeds(bench: QuantBench, repeats: int) -> dict:
 def child(args) -> dict:
     """Memory and perplexity of one mode, alone in this process."""
     path = Path(args.model)
-    bench = QuantBench(path, args.child, args.threads)
+    bench = QuantBench(path, args.child, args.threads, args.dtype)
     m = bench.runner.model
     out = {"mode": args.child, "rss": rss_bytes(), "weights": bench.weight_bytes(),
-           "linear_kinds": sorted({getattr(lin, "kind", "bf16") for layer in m.layers
+           "linear_kinds": sorted({getattr(lin, "kind", args.dtype) for layer in m.layers
                                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}),
-           "lm_head": getattr(m.lm_head, "kind", "bf16")}
+           "lm_head": getattr(m.lm_head, "kind", args.dtype)}
     from tokenizers import Tokenizer
 
     text, _ = held_out_text()
@@ -147,7 +149,7 @@ def child(args) -> dict:
 
 def run_child(folder: Path, mode: str, args) -> dict:
     cmd = [sys.executable, "-m", "bench.bench_quant", "--child", mode, "--model", str(folder),
-           "--threads", str(args.threads), "--ppl-tokens", str(args.ppl_tokens)]
+           "--threads", str(args.threads), "--ppl-tokens", str(args.ppl_tokens), "--dtype", args.dtype]
     env = dict(os.environ, PHASESERVE_LOG_LEVEL="warning")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=20, help="decode steps timed per batch size (median)")
     p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the activations' dtype")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -171,10 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     folder = model_folder(args.model)
     modes = args.modes.split(",")
     torch.set_num_threads(args.threads)
-    bw, flops = measure_bandwidth(), measure_matmul()
-    print(f"machine: {bw / 1e9:.1f} GB/s memory read, {flops / 1e9:.0f} GFLOP/s bf16 GEMM (2048^3), "
+    bw, flops = measure_bandwidth(), measure_matmul(getattr(torch, args.dtype))
+    print(f"machine: {bw / 1e9:.1f} GB/s memory read, {flops / 1e9:.0f} GFLOP/s {args.dtype} GEMM (2048^3), "
           f"{args.threads} thread(s); model {folder}", flush=True)
-    benches = {mode: QuantBench(folder, mode, args.threads) for mode in modes}
+    benches = {mode: QuantBench(folder, mode, args.threads, args.dtype) for mode in modes}
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for mode, bench in benches.items():

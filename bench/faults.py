@@ -53,6 +53,7 @@ SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged at
 LEASE_TTL_S = 2.0
 FREEZE_S = 30.0  # the default --step-timeout: a frozen model must be found long before it
 WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 80  # enough steps on each worker for the scheduler to learn its costs
+CLIENT_LEASE_TTL_S = 1.0
 
 
 class Service:
@@ -124,8 +125,10 @@ class Stack:
             self.services[w] = self.worker(w).start()
         for name, port in (("gw", self.port), ("gw2", self.second_port)):
             if port is not None:
+                # a short client lease: a resume after a gateway's kill -9 waits for its leases to lapse
                 self.services[name] = Service(name, [sys.executable, "-m", "gateway", "--model", self.model,
-                                                     "--redis-url", self.redis_url, "--port", str(port)],
+                                                     "--redis-url", self.redis_url, "--port", str(port),
+                                                     "--client-lease-ttl", str(CLIENT_LEASE_TTL_S)],
                                               self.log_dir).start()
         self.wait(lambda: self._stats().get("num_workers") == 2 and self._health(self.port)
                   and (self.second_port is None or self._health(self.second_port)), 120, "the stack")
@@ -266,21 +269,27 @@ async def run_stream(session: aiohttp.ClientSession, urls: list[str], model: str
     s.last_at = time.monotonic()
     for attempt, url in enumerate(urls):
         s.error = None
-        headers = {"Last-Event-ID": s.last_event_id} if attempt and s.last_event_id else {}
+        # event ids only on request (X-Resume); a resume is refused (409) until the gateway has seen the old
+        # connection end, which for a killed gateway is when its client leases expire: retry after Retry-After
+        headers = {"Last-Event-ID": s.last_event_id} if attempt and s.last_event_id else {"X-Resume": "1"}
         s.resumes = attempt
-        await _read_stream(session, url, body, headers, s, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while (retry_after := await _read_stream(session, url, body, headers, s, timeout_s)) is not None \
+                and time.monotonic() + retry_after < deadline:
+            await asyncio.sleep(retry_after)
         if s.finish_reason is not None:
             return
 
 
 async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, s: Stream,
-                       timeout_s: float) -> None:
+                       timeout_s: float) -> float | None:
+    """Read one response into s; -> seconds to wait before sending it again (a 409), else None."""
     try:
         async with session.post(url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}"
-                return
+                return float(resp.headers.get("Retry-After", 1)) if resp.status == 409 else None
             async for event_id, msg in sse_messages(resp):
                 if event_id is not None:
                     s.last_event_id = event_id
@@ -297,6 +306,7 @@ async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, hea
                     s.finish_reason = c.get("finish_reason") or s.finish_reason
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         s.error = f"{type(e).__name__}: {e}"
+    return None
 
 
 async def warm_up(session: aiohttp.ClientSession, url: str, model: str, i: int) -> None:

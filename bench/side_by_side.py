@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-threads", choices=VLLM_THREAD_MODES, default="auto",
                    help="vLLM CPU thread binding (see bench/README.md for the measurement)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="vLLM's --dtype: bf16 is its best where the CPU has AVX512-BF16; float32 elsewhere")
     p.add_argument("--max-model-len", type=int, help="both servers (default: the model's, at most 4096)")
     p.add_argument("--phaseserve-arg", action="append", default=[], metavar="ARG",
                    help="an extra flag for `phaseserve up` (repeatable, e.g. --phaseserve-arg=--num-kv-blocks=512)")
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             port = free_port()
             make = vllm_server if server == "vllm" else phaseserve_server
-            kwargs = (dict(vllm_bin=args.vllm_bin, threads=args.vllm_threads, kv_cache_gib=args.vllm_kv_gib)
+            kwargs = (dict(vllm_bin=args.vllm_bin, threads=args.vllm_threads, kv_cache_gib=args.vllm_kv_gib,
+                           dtype=args.vllm_dtype)
                       if server == "vllm" else dict(extra=args.phaseserve_arg))
             # vLLM reads no GGUF here: it serves the same weights dequantized to bf16 safetensors
             served_dir = safetensors_folder(model_dir) if server == "vllm" else model_dir
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             result["startup_s"] = round(startup, 1)
             if server == "vllm":
                 result["vllm_threads"] = args.vllm_threads
+                result["vllm_dtype"] = args.vllm_dtype
         bench_cli.print_result(result)
         runs.append(result)
     print()

@@ -77,6 +77,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
                  api_keys=len(api_keys))
         yield
         await gw.backend.close()
+        gw.prompts.close()
 
     app.cleanup_ctx.append(redis_side)
 

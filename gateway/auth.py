@@ -8,6 +8,7 @@ much of a key matched, nor which key.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 
 from aiohttp import web
@@ -15,6 +16,8 @@ from aiohttp import web
 from gateway.errors import invalid_api_key
 
 PROTECTED_PREFIX = "/v1"
+# a digest of the key a request came with (absent when no key is needed): a stream's resume token is bound to it
+CLIENT_KEY = web.RequestKey("client_key", bytes)
 
 
 def load_api_keys(settings: argparse.Namespace) -> list[bytes]:
@@ -48,8 +51,10 @@ def auth_middleware(keys: list[bytes]):
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise invalid_api_key(given=False)
-            if not key_matches(token.strip().encode(), keys):
+            given = token.strip().encode()
+            if not key_matches(given, keys):
                 raise invalid_api_key(given=True)
+            request[CLIENT_KEY] = hashlib.sha256(given).digest()
         return await handler(request)
 
     return check_api_key

@@ -18,15 +18,17 @@ sequence waiting in its queue, or prefilling a long prompt) counts as progress.
 
 Client leases: while this gateway serves a client of a sequence, it refreshes
 `Keys.client_lease(seq)` (value: this serving's token) with the GatewayInfo
-heartbeat. A client that goes away leaves its sequences running for
-`resume_grace_s`; then they are cancelled unless another serving (a resume)
-has taken the lease.
+heartbeat, and deletes it when the serving ends. A resume takes the leases
+only where none is held (SET NX): a client still connected keeps its stream.
+A client that goes away leaves its sequences running for `resume_grace_s`;
+then they are cancelled unless another serving (a resume) has taken the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -36,7 +38,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
 
+from gateway.slow_client import SlowClient
 from phaseserve import token_log
+from phaseserve.redis_client import blocking_pool_async, redacted
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenEvent,
                              WireError, WorkerInfo, channel_message)
 
@@ -49,6 +53,12 @@ _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError
 ERROR_TIMEOUT = "timeout"
 ERROR_SHUTDOWN = "shutdown"
 FILL_COUNT = 4096  # entries per sequence per fill read
+# delete each lease that still holds this serving's token (a resume elsewhere may have taken it meanwhile)
+_RELEASE_LEASES = """
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('DEL', key) end
+end
+"""
 
 
 @dataclass
@@ -70,6 +80,9 @@ class RequestStream:
         self.held: dict[str, list[TokenEvent]] = {}  # events after a gap, until the log fills it
         self.follow = follow  # read from the token log only (a resume: not on this gateway's channel)
         self.last_message = self.last_progress = time.monotonic()
+        self.max_events = 0  # events waiting for the handler, at most (0: no cap); then overflowed
+        self.overflowed = False
+        self.on_overflow = lambda: None
 
     @property
     def open_seqs(self) -> list[str]:
@@ -102,6 +115,11 @@ class RequestStream:
             self.expected.pop(ev.seq_id, None)
             self.held.pop(ev.seq_id, None)
             self.backend._routes.pop(ev.seq_id, None)
+        if self.max_events and self.queue.qsize() >= self.max_events:
+            if not self.overflowed:
+                self.overflowed = True
+                self.on_overflow()
+            return
         self.queue.put_nowait(ev)
 
     def release_held(self) -> None:
@@ -119,6 +137,8 @@ class RequestStream:
                          from_log=True)
 
     async def get(self) -> TokenEvent:
+        if self.overflowed:
+            raise SlowClient(f"more than {self.max_events} token events waited for the client")
         return await self.queue.get()
 
     def forget(self, seq_id: str) -> None:
@@ -148,12 +168,13 @@ class Backend:
         self.delivery = delivery or DeliveryConfig()
         # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
         # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
-        # 503s). A dead Redis still fails fast (connect/read timeouts -> 503). from_url honours a password
+        # 503s). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
+        # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
+        # timeouts (-> 503). from_url honours a password
         # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
         # its own connection.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=max(1, max_connections), timeout=pool_timeout,
-            socket_connect_timeout=2.0, socket_timeout=5.0)
+        pool = blocking_pool_async(redis_url, max(1, max_connections), pool_timeout,
+                                   socket_connect_timeout=2.0, socket_timeout=5.0)
         self.redis = aioredis.Redis(connection_pool=pool)
         self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
@@ -168,6 +189,8 @@ class Backend:
         self._background: set[asyncio.Task] = set()
         self.subscribed = asyncio.Event()
         self._workers_cache: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self._resume_secret: bytes | None = None
+        self._release_script = self.redis.register_script(_RELEASE_LEASES)
         self.info = GatewayInfo(gateway_id, os.getpid(), time.time(), self.delivery.lease_ttl_s,
                                 self.delivery.resume_grace_s)
 
@@ -182,7 +205,7 @@ class Backend:
         try:
             await asyncio.wait_for(self.subscribed.wait(), wait_s)
         except asyncio.TimeoutError:
-            log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=self.redis_url)
+            log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=redacted(self.redis_url))
 
     def fail_open_requests(self) -> None:
         """The gateway is shutting down: every open request ends now with an error (ERROR_SHUTDOWN) instead
@@ -388,9 +411,22 @@ class Backend:
             if token is None or self._leases.get(s) == token:
                 self._leases.pop(s, None)
 
+    def release_leases(self, seq_ids: list[str], token: str | None) -> None:
+        """The serving that holds these leases ended: stop refreshing them and delete them now (not when they
+        expire), so the client can resume at once."""
+        self.drop_leases(seq_ids, token)
+        if seq_ids and token:
+            self._spawn(self._release_logged(seq_ids, token))
+
+    async def _release_logged(self, seq_ids: list[str], token: str) -> None:
+        try:
+            await self._release_script(keys=[self.keys.client_lease(s) for s in seq_ids], args=[token])
+        except _REDIS_ERRORS as e:  # they expire anyway
+            log.warning("releasing client leases failed", error=str(e))
+
     def cancel_after_grace(self, seq_ids: list[str], token: str) -> None:
         """The client went away: cancel after the resume grace, unless a resume took the lease meanwhile."""
-        self.drop_leases(seq_ids, token)
+        self.release_leases(seq_ids, token)
         timer = self._spawn(self._cancel_unless_resumed(seq_ids, token, self.delivery.resume_grace_s))
         self._graces[token] = (seq_ids, timer)
         timer.add_done_callback(lambda _t: self._graces.pop(token, None))
@@ -443,11 +479,33 @@ class Backend:
             counts = await pipe.execute()
         return all(counts)
 
-    async def attach(self, seq_ids: list[str]) -> str:
-        """A resumed client is served here now: take the sequences' leases (a grace elsewhere then keeps them)."""
+    async def resume_secret(self) -> bytes:
+        """The stack's key of resume tokens: the first gateway to need it sets it, every gateway reads it."""
+        if self._resume_secret is None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.keys.resume_secret(), secrets.token_bytes(32), nx=True)
+                pipe.get(self.keys.resume_secret())
+                self._resume_secret = (await pipe.execute())[1]
+        return self._resume_secret
+
+    async def attach(self, seq_ids: list[str]) -> str | None:
+        """A resumed client is served here now: take the sequences' leases (a grace elsewhere then keeps them);
+        -> their token, or None when a serving still holds one (its client is connected: it keeps the stream)."""
+        if any(s in self._routes for s in seq_ids):
+            return None
+        token = f"{self.gateway_id}:{uuid.uuid4().hex[:12]}"
+        ttl_ms = max(1, int(self.delivery.lease_ttl_s * 1000))
         async with self.redis.pipeline(transaction=False) as pipe:
-            token = self._take_leases(pipe, seq_ids)
-            await pipe.execute()
+            for s in seq_ids:
+                pipe.set(self.keys.client_lease(s), token, px=ttl_ms, nx=True)
+            taken = await pipe.execute()
+        if not all(taken):
+            if any(taken):
+                await self._release_script(keys=[self.keys.client_lease(s) for s, t in zip(seq_ids, taken) if t],
+                                           args=[token])
+            return None
+        for s in seq_ids:
+            self._leases[s] = token
         return token
 
     async def cancel(self, seq_ids: list[str], reason: str = "abort") -> None:

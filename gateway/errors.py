@@ -56,6 +56,20 @@ def too_many_requests(message: str, retry_after: int) -> APIError:
                     {"Retry-After": str(max(0, retry_after))})
 
 
+def resume_not_found(request_id: str) -> APIError:
+    """One answer for an unknown request and a wrong resume token: a guess learns nothing."""
+    return APIError(404, f"No stream of request {request_id} to resume with this Last-Event-ID: the request is "
+                    "unknown or ended too long ago, or the id is not one its stream sent (a stream's ids are "
+                    "bound to the API key that submitted it).", "invalid_request_error", None, "resume_not_found")
+
+
+def stream_in_use(request_id: str, retry_after: int) -> APIError:
+    """A resume while a client is still served the stream: the connected client keeps it."""
+    return APIError(409, f"The stream of request {request_id} is still being sent to a connected client; it can "
+                    "be resumed once that connection has ended.", "invalid_request_error", None, "stream_in_use",
+                    {"Retry-After": str(max(1, retry_after))})
+
+
 def invalid_api_key(given: bool) -> APIError:
     """401 as OpenAI answers it."""
     message = ("Incorrect API key provided." if given else

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import replace
 from typing import AsyncIterator
@@ -19,10 +20,14 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
+from gateway.auth import CLIENT_KEY
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, too_many_requests, unavailable)
-from gateway.sse_ids import event_id, parse_last_event_id
+                            internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
+                            unavailable)
+from gateway.slow_client import SlowClient, drop, write_within
+from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
+                             token_matches, wants_resume)
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
 from phaseserve.kv_admission import KVCapacity
@@ -36,19 +41,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_model(gw: Gateway, model: str | None) -> None:
-    if model is not None and model != gw.model_name:
-        raise model_not_found(model)
+def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+    """What the request schema alone cannot check: the model's name and vocabulary."""
+    if req.model is not None and req.model != gw.model_name:
+        raise model_not_found(req.model)
+    req.check_token_ids(gw.tokenizer.vocab_size)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     if not req.prompt:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if isinstance(req.prompt, str):
-        prompt_ids = gw.tokenizer.encode(req.prompt)
+        prompt_ids = await gw.prompts.encode(req.prompt, gw.max_model_len(await gw.backend.alive_workers()))
         prompt_text = req.prompt
     else:
         out_of_vocab = [t for t in req.prompt if t >= gw.tokenizer.vocab_size]
@@ -64,11 +71,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
-    _check_model(gw, req.model)
+    _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
-        prompt_ids = gw.tokenizer.encode_chat(messages, req.add_generation_prompt,
-                                              **(req.chat_template_kwargs or {}))
+        prompt_ids = await gw.prompts.encode_chat(messages, req.add_generation_prompt,
+                                                  req.chat_template_kwargs or {}, max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return await Generation(request, gw, req, "chat", prompt_ids, "").run()
@@ -88,11 +96,16 @@ class Generation:
         self.request_id = request[REQUEST_ID]
         # a client resuming its stream re-sends the request with the id of the last event it got
         self.resume_offsets: list[int] | None = None
+        self._given_token = ""
+        # event ids (and the resume token) only for a client that asks: OpenAI's stream has none
+        self.resumable = wants_resume(request.headers.get(RESUME_HEADER)) and req.stream
+        self.resume_token: str | None = None
         last_event_id = request.headers.get("Last-Event-ID")
         if last_event_id is not None:
             if not req.stream:
                 raise bad_request("Last-Event-ID resumes a stream: the request must have 'stream': true.", "stream")
-            self.request_id, self.resume_offsets = parse_last_event_id(last_event_id, req.n)
+            self.request_id, self._given_token, self.resume_offsets = parse_last_event_id(last_event_id, req.n)
+            self.resumable = True
         self.response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.request_id
         self.created = P.now()
         self.arrival = time.monotonic()
@@ -208,13 +221,16 @@ class Generation:
             self.gw.queued_prompt_tokens -= len(self.prompt_ids)
 
     async def _resume(self) -> None:
-        """Serve the rest of a stream another serving started: no new generation, tokens from the token log."""
+        """Serve the rest of a stream another serving started: no new generation, tokens from the token log.
+        Only for the client that submitted it (the resume token), and only once its last connection is gone."""
         gw = self.gw
-        if not await gw.backend.resumable(self.seq_ids):
-            raise APIError(404, f"No request {self.request_id} to resume: it is unknown, or it ended too long ago.",
-                           "invalid_request_error", None, "resume_not_found")
-        self.stream = gw.backend.open(self.seq_ids, follow=True)
+        known = token_matches(self._given_token, self.resume_token or "")
+        if not known or not await gw.backend.resumable(self.seq_ids):
+            raise resume_not_found(self.request_id)
         self._lease_token = await gw.backend.attach(self.seq_ids)
+        if self._lease_token is None:
+            raise stream_in_use(self.request_id, math.ceil(gw.backend.delivery.lease_ttl_s))
+        self.stream = gw.backend.open(self.seq_ids, follow=True)
         log.info("resumed", kind=self.kind, n=len(self.seq_ids), from_offsets=self.resume_offsets)
 
     async def run(self) -> web.StreamResponse:
@@ -226,10 +242,13 @@ class Generation:
             self._queued = {s: True for s in self.seq_ids}
             gw.queued_prompt_tokens += len(self.prompt_ids) * len(self.seq_ids)
         try:
+            if self.resumable:
+                self.resume_token = resume_token(await gw.backend.resume_secret(), self.request_id,
+                                                 self.request.get(CLIENT_KEY, b""))
             await (self._resume() if self.resume_offsets is not None else self._submit())
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
-            self._client_gone = True
+            self._client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
             raise
         finally:
             gw.in_flight -= 1
@@ -246,11 +265,15 @@ class Generation:
         # running somewhere
         unfinished = [o.seq_id for o in self.outputs
                       if not o.finished or o.error_kind in (ERROR_TIMEOUT, ERROR_SHUTDOWN)]
-        self.gw.backend.drop_leases([o.seq_id for o in self.outputs if o.finished], self._lease_token)
-        if unfinished and self.req.stream and self._client_gone and self._lease_token:
+        finished = [o.seq_id for o in self.outputs if o.finished]
+        if self.resumable:  # its client may resume the end at once: free the leases now, not at their expiry
+            self.gw.backend.release_leases(finished, self._lease_token)
+        else:
+            self.gw.backend.drop_leases(finished, self._lease_token)
+        if unfinished and self.resumable and self._client_gone and self._lease_token:
             # the client may come back with Last-Event-ID, here or on another gateway: give it the grace
             self.gw.backend.cancel_after_grace(unfinished, self._lease_token)
-        elif unfinished:  # handler failed, or a whole response nobody waits for: free the blocks now
+        elif unfinished:  # handler failed, a client that cannot resume, or a whole response: free the blocks now
             self.gw.backend.cancel_soon(unfinished, "abort")
         if not unfinished:
             self.gw.metrics.e2e.observe(time.monotonic() - self.arrival)
@@ -324,7 +347,8 @@ class Generation:
                        logprobs=ev.logprobs[len(head.token_ids):] if ev.logprobs is not None else None)
 
     def _event_id(self) -> str:
-        return event_id(self.request_id, [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
+        return event_id(self.request_id, self.resume_token,
+                        [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
     def _usage(self) -> dict:
         return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs))
@@ -358,20 +382,28 @@ class Generation:
     # ------------------------------------------------------------------ SSE
 
     async def _respond_stream(self) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": self.request_id})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.request_id}
+        if self.resume_token:
+            headers[RESUME_TOKEN_HEADER] = self.resume_token
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(self.request)
+        settings = self.gw.settings
+        self.stream.max_events = settings.stream_buffer_events
+        self.stream.on_overflow = lambda: drop(self.request)
         include_usage = self.req.include_usage
         model = self.gw.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
 
         def event(obj: dict, with_id: bool = False) -> bytes:
-            head = f"id: {self._event_id()}\n".encode() if with_id else b""
+            head = f"id: {self._event_id()}\n".encode() if with_id and self.resume_token else b""
             return head + b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
 
+        async def write(data: bytes, eof: bool = False) -> None:
+            await write_within(resp, self.request, data, settings.client_write_timeout, eof)
+
         async def send(obj: dict, with_id: bool = False) -> None:
-            await resp.write(event(obj, with_id))
+            await write(event(obj, with_id))
 
         def make(choices: list[dict]) -> dict:
             return chunk(self.response_id, self.created, model, choices, None, include_usage)
@@ -403,13 +435,18 @@ class Generation:
                 if all(o.finished for o in self.outputs):
                     tail = data
                 else:
-                    await resp.write(data)
+                    await write(data)
             if include_usage:
                 tail += event(chunk(self.response_id, self.created, model, [], self._usage(), True))
-            await resp.write_eof(tail + b"data: [DONE]\n\n")
+            await write(tail + b"data: [DONE]\n\n", eof=True)
+        except SlowClient as e:  # dropped: cancelled now, not after a resume grace
+            log.info("slow client dropped", reason=str(e))
         except ConnectionError:  # the client went away mid-stream (reset / broken pipe)
-            self._client_gone = True
-            log.info("client disconnected")
+            if self.stream.overflowed:  # or was dropped, blocked in a write, for its pile of events
+                log.info("slow client dropped", reason=f"more than {self.stream.max_events} events waited")
+            else:
+                self._client_gone = True
+                log.info("client disconnected")
         except APIError as e:  # headers are sent: the error goes in the stream
             await self._try_send_error(send, e)
         except Exception:
@@ -421,5 +458,5 @@ class Generation:
     async def _try_send_error(send, err: APIError) -> None:
         try:
             await send(P.error_chunk(err))
-        except ConnectionError:
+        except (ConnectionError, SlowClient):
             pass

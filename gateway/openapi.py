@@ -30,7 +30,8 @@ def openapi_document() -> dict:
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
     }
     errors = {str(code): _json("#/components/schemas/Error", why) for code, why in (
-        (400, "invalid request"), (404, "unknown model"), (413, "body too large"),
+        (400, "invalid request, or a prompt (plus max_tokens) longer than the context: in tokens, or in "
+              "characters before it is tokenized (code context_length_exceeded)"), (404, "unknown model"), (413, "body too large"),
         (429, "too many requests in flight"), (503, "no worker alive or Redis unavailable"))}
 
     def generation(summary: str, schema: str) -> dict:

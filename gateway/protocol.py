@@ -18,6 +18,13 @@ from phaseserve.params import InvalidParams, SamplingParams
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# A stop list is a handful of ids (a model's end tokens); the cap keeps a request's validation, its wire size
+# and the worker's per-sequence stop mask small, whatever a client sends.
+MAX_STOP_TOKEN_IDS = 1024
+# Integers travel as msgpack and torch int64: a wider one is a 400 naming the field, not a failure later.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# The names the server renders a chat template with itself (and encode_chat's own arguments).
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "template_name", "self")
 
 
 class _Strict(BaseModel):
@@ -46,7 +53,7 @@ class ChatMessage(_Strict):
         return self
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _SamplingFields(_Strict):
@@ -56,16 +63,17 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="below 1e-5 (0 included): greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"at most {MAX_STOP_TOKEN_IDS} ids, each in the model's vocabulary")
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
@@ -80,6 +88,13 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
         return self
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id the request names must be in the model's vocabulary (400 naming the field)."""
+        outside = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if outside:
+            raise bad_request(f"'stop_token_ids' has token ids outside the vocabulary (size {vocab_size}): "
+                              f"{outside[:5]}", "stop_token_ids")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -133,6 +148,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("'tools' are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("'response_format' other than text is not supported")
+        clash = [k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_KWARGS]
+        if clash:
+            raise ValueError(f"'chat_template_kwargs' may not set {', '.join(map(repr, clash))}: the server "
+                             f"sets {', '.join(RESERVED_TEMPLATE_KWARGS)} itself (use the request's own fields)")
         return self
 
     def requested_logprobs(self) -> int | None:

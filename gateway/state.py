@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
+from gateway.prompt_encoder import PromptEncoder
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.model_files import read_json
 from phaseserve.settings import resolve_model
@@ -27,6 +28,7 @@ class Gateway:
         self.model_path = model.path
         self.model_name = settings.served_model_name or model.name
         self.tokenizer = Tokenizer.from_folder(self.model_path)
+        self.prompts = PromptEncoder(self.tokenizer)
         config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"

@@ -2,10 +2,13 @@
 otherwise.
 
 Callers import the ops from here and never choose an implementation themselves. Native ops
-(kernels/native) run for CPU attention in bf16 (decode and prefill chunks, one op each), for a layer's
-elementwise work in bf16 (rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax of bf16 logits
-(kernels/native/layer_ops.cpp), for bf16 linears (kernels/native/bf16_gemm.cpp) and for matmuls with
-quantized weights; set PHASESERVE_NATIVE=0 to run torch everywhere.
+(kernels/native) run on CPU for attention (decode and prefill chunks), a layer's elementwise work
+(rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax: in bf16 where the CPU has AVX512-BF16
+(decode_attention.cpp, extend_attention.cpp, layer_ops.cpp), in float32 where it has AVX2 + FMA
+(attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp) and matmuls
+with quantized weights (bf16 activations on AVX512-BF16: quant_gemm.cpp; float32 on AVX2 + FMA:
+quant_gemm_f32.cpp). kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
+PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import torch
 
 from kernels import native, reference
 from kernels.native_bf16 import PackedBf16Weight
+from kernels.native_quant_f32 import PackedQuantF32Weight
 from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
-        "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear")
+        "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear",
+        "pack_bf16_weight_f32", "bf16_weight_linear_f32")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
-NATIVE_ATTENTION_HEAD_DIMS = (32, 64, 128)
+NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
 NATIVE_ATTENTION_MAX_GROUP = 16  # query heads per KV head
 
 
@@ -64,16 +69,40 @@ def _load_native(name: str) -> tuple[object | None, str | None]:
                   else "native op unavailable (see the log line above)")
 
 
-class _LayerOps:
-    """kernels/native/layer_ops.cpp's ops, held as their overloads: a call skips the packet's overload
-    lookup (these run four times a layer every step, where ~0.5 us a call shows)."""
+# the native files of the dtype-specific CPU ops, per activation dtype
+_LAYER_OPS_SOURCE = {torch.bfloat16: "layer_ops", torch.float32: "layer_ops_f32"}
+_ATTENTION_SOURCE = {torch.bfloat16: {"decode_attention": "decode_attention", "extend_attention": "extend_attention"},
+                     torch.float32: {"decode_attention": "attention_f32", "extend_attention": "attention_f32"}}
 
-    def __init__(self, ops):
+
+def _implementation(source: str | None) -> str:
+    """What a log line calls the implementation: "native <the CPU level the file needs>", or "torch"."""
+    return "torch" if source is None else f"native {native.REQUIRES[source]}"
+
+
+def _torch_vector_floats() -> int:
+    """Floats per step of torch's vectorized CPU loops (two vectors of the capability its kernels run at): its
+    fp32 silu computes exp with Sleef inside those steps and with the C library's expf past the last whole
+    one, and layer_ops_f32's silu_and_mul does the same to stay bit-identical."""
+    return {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
+class _LayerOps:
+    """The native layer ops of one dtype (kernels/native/layer_ops.cpp for bf16, layer_ops_f32.cpp for fp32),
+    held as their overloads: a call skips the packet's overload lookup (these run four times a layer every
+    step, where ~0.5 us a call shows)."""
+
+    def __init__(self, ops, dtype: torch.dtype):
         self.rms_norm = ops.rms_norm.default
         self.add_rms_norm = ops.add_rms_norm.default
-        self.silu_and_mul = ops.silu_and_mul.default
         self.rotary_and_write_kv = ops.rotary_and_write_kv.default
         self.argmax = ops.argmax.default
+        silu = ops.silu_and_mul.default
+        if dtype == torch.float32:
+            block = _torch_vector_floats()
+            self.silu_and_mul = lambda x: silu(x, block)
+        else:
+            self.silu_and_mul = silu
 
 
 # dtype -> the native layer ops for CPU tensors of that dtype, or None for torch
@@ -82,18 +111,19 @@ _layer_ops_choice: dict[torch.dtype, _LayerOps | None] = {}
 
 def _native_layer_ops(dtype: torch.dtype) -> _LayerOps | None:
     """The native layer ops (rms_norm, silu_and_mul, rotary_and_write_kv, argmax) for CPU tensors of `dtype`,
-    or None (torch). Decided once per dtype and logged then. bf16 only: fp32 runs keep the torch reference
-    exactly (the fp32 tests compare it for equality)."""
+    or None (torch). Decided once per dtype and logged then. Both dtypes' ops give torch's bits (their tests
+    assert it), so a test comparing with the torch reference for equality holds either way."""
     ops = _layer_ops_choice.get(dtype, False)
     if ops is not False:
         return ops
-    reason = None if dtype == torch.bfloat16 else f"dtype {dtype} (native layer ops are bf16 only)"
+    source = _LAYER_OPS_SOURCE.get(dtype)
+    reason = None if source is not None else f"dtype {dtype} (native layer ops: bfloat16, float32)"
     ops = None
-    if reason is None:
-        loaded, reason = _load_native("layer_ops")
-        ops = _LayerOps(loaded) if loaded is not None else None
+    if source is not None:
+        loaded, reason = _load_native(source)
+        ops = _LayerOps(loaded, dtype) if loaded is not None else None
     log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
-             implementation="native avx512-bf16" if ops is not None else "torch", reason=reason,
+             implementation=_implementation(source if ops is not None else None), reason=reason,
              dtype=str(dtype).removeprefix("torch."))
     _layer_ops_choice[dtype] = ops
     return ops
@@ -150,8 +180,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
         return reference.argmax(logits)
     ops = _native_layer_ops(logits.dtype)
-    # bf16 logits straight from the lm_head: one pass over them, instead of an fp32 copy and torch's argmax
-    # over it (~0.3 ms for 16 rows of a 49k vocab)
+    # logits straight from the lm_head: one pass over them (bf16: instead of an fp32 copy and torch's argmax
+    # over it, ~0.3 ms for 16 rows of a 49k vocab)
     if ops is not None and logits.dim() == 2:
         return ops.argmax(logits)
     return reference.argmax(logits)
@@ -163,10 +193,10 @@ argmax.__doc__ = reference.argmax.__doc__
 def _unsupported_native_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                                   head_dim: int) -> str | None:
     """Why the native attention ops (decode and prefill) cannot take these shapes, or None when they can."""
-    if dtype != torch.bfloat16:
-        return f"dtype {dtype} (native attention is bf16 only)"
-    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS:
-        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS))})"
+    if dtype not in _ATTENTION_SOURCE:
+        return f"dtype {dtype} (native attention: bfloat16, float32)"
+    if head_dim not in NATIVE_ATTENTION_HEAD_DIMS[dtype]:
+        return f"head_dim {head_dim} (native: {', '.join(map(str, NATIVE_ATTENTION_HEAD_DIMS[dtype]))})"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_ATTENTION_MAX_GROUP:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
     return None
@@ -178,15 +208,16 @@ _ATTENTION_LOG = {"decode_attention": "CPU decode attention", "extend_attention"
 
 
 def _native_attention(op: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
-    """The native ops of kernels/native/<op>.cpp for CPU attention at these shapes, or None (torch). Decided
-    once per op and shape, and logged then."""
+    """The loaded native ops serving `op` (decode_attention or extend_attention) for CPU attention in `dtype`
+    at these shapes, or None (torch). Decided once per op and shape, and logged then."""
     key = (op, dtype, num_heads, num_kv_heads, head_dim)
     if key not in _attention_choice:
         reason = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
-        ops = None
+        ops = source = None
         if reason is None:
-            ops, reason = _load_native(op)
-        log.info(_ATTENTION_LOG[op], implementation="native avx512-bf16" if ops is not None else "torch",
+            source = _ATTENTION_SOURCE[dtype][op]
+            ops, reason = _load_native(source)
+        log.info(_ATTENTION_LOG[op], implementation=_implementation(source if ops is not None else None),
                  reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
                  head_dim=head_dim)
         _attention_choice[key] = ops
@@ -246,45 +277,106 @@ paged_attention.__doc__ = reference.paged_attention.__doc__
 
 
 
-_quant_linear_op: list = []  # [quant_gemm.cpp's quant_linear overload], looked up on the first call
+# activation dtype -> the native op file of quantized matmuls for it
+_QUANT_SOURCE = {torch.bfloat16: "quant_gemm", torch.float32: "quant_gemm_f32"}
+_quant_choice: dict[torch.dtype, object | None] = {}  # dtype -> the loaded op, or None; decided on first use
+# the packed form's class -> the op's quant_linear overload, looked up on its first call
+_quant_linear_ops: dict[type, object] = {}
 
 
-def _native_quant_gemm():
-    return native.load("quant_gemm")
+def _native_quant_gemm(dtype: torch.dtype):
+    """The native quantized-matmul ops for CPU activations of `dtype`, or None. Decided once per dtype and
+    logged then."""
+    if dtype not in _quant_choice:
+        ops, reason = None, f"dtype {dtype} (native: bfloat16, float32)"
+        if dtype in _QUANT_SOURCE:
+            ops, reason = _load_native(_QUANT_SOURCE[dtype])
+        log.info("CPU quantized linear", implementation=_implementation(_QUANT_SOURCE[dtype]) if ops is not None
+                 else "torch reference (dequantize, then F.linear)", reason=reason,
+                 dtype=str(dtype).removeprefix("torch."))
+        _quant_choice[dtype] = ops
+    return _quant_choice[dtype]
 
 
-def native_quant_available() -> bool:
-    """True when this CPU runs quant_linear natively (AVX512-BF16, the op compiled)."""
-    return _native_quant_gemm() is not None
+def native_quant_kernel(dtype: torch.dtype) -> str | None:
+    """The native op that runs quant_linear on this CPU for activations of `dtype` (for log lines:
+    "native avx512-bf16" for bf16 on AVX512-BF16, "native avx2" for float32 on AVX2 + FMA), or None
+    where only the torch reference runs."""
+    return _implementation(_QUANT_SOURCE[dtype]) if _native_quant_gemm(dtype) is not None else None
+
+
+def native_quant_available(dtype: torch.dtype) -> bool:
+    """True when this CPU runs quant_linear natively for activations of `dtype`."""
+    return native_quant_kernel(dtype) is not None
 
 
 def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype):
     """The form of `weight` that quant_linear reads fastest for activations of `dtype`: on a CPU with the
-    native op and bf16 activations, the native layout (kernels/native_quant.py, same bytes, reshuffled;
-    the QuantizedWeight is not kept); else the QuantizedWeight itself."""
-    from kernels import native_quant
+    native op for that dtype, its layout (bf16: kernels/native_quant.py; float32: kernels/native_quant_f32.py;
+    same bytes, reshuffled; the QuantizedWeight is not kept); else the QuantizedWeight itself."""
+    from kernels import native_quant, native_quant_f32
 
-    if (weight.qdata.device.type == "cpu" and dtype == torch.bfloat16 and native_quant.can_pack(weight)
-            and native_quant_available()):
-        return native_quant.pack(weight)
-    return weight
+    if weight.qdata.device.type != "cpu" or not native_quant_available(dtype):
+        return weight
+    if dtype == torch.float32:
+        return native_quant_f32.pack(weight)
+    return native_quant.pack(weight) if native_quant.can_pack(weight) else weight
+
+
+def _quant_linear_op(weight) -> object:
+    op = _quant_linear_ops.get(type(weight))
+    if op is None:
+        # a packed weight exists only where its op loaded; held as its overload, as _LayerOps does: this runs
+        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
+        dtype = torch.float32 if isinstance(weight, PackedQuantF32Weight) else torch.bfloat16
+        op = _quant_linear_ops[type(weight)] = _native_quant_gemm(dtype).quant_linear.default
+    return op
 
 
 def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x [T, in] @ W.T for W from pack_quantized: [T, out] in x's dtype."""
+    """x [T, in] @ W.T for W from pack_quantized: [T, out] in x's dtype. The native ops sum each output in
+    one fixed order, so a row's result does not depend on the other rows or the thread count."""
     if isinstance(weight, QuantizedWeight):
         if x.is_cuda:
             return _triton().quant_linear(x, weight)
         return reference.quant_linear(x, weight)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"quant_linear: a natively packed weight takes bfloat16 activations, got {x.dtype}")
+    f32 = isinstance(weight, PackedQuantF32Weight)
+    if x.dtype != (torch.float32 if f32 else torch.bfloat16):
+        raise TypeError(f"quant_linear: a weight packed for {'float32' if f32 else 'bfloat16'} activations "
+                        f"got {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not _quant_linear_op:
-        # a packed weight exists only where the op loaded; held as its overload, as _LayerOps does: this runs
-        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
-        _quant_linear_op.append(_native_quant_gemm().quant_linear.default)
-    return _quant_linear_op[0](x, weight.data, weight.bits)
+    if f32:
+        return _quant_linear_op(weight)(x, weight.data, weight.bits, weight.shape[0])
+    return _quant_linear_op(weight)(x, weight.data, weight.bits)
+
+
+def pack_bf16_weight_f32(weight: torch.Tensor) -> PackedQuantF32Weight | None:
+    """A float32 CPU linear weight [out, in] that holds only bf16 values (a bf16 checkpoint served in float32),
+    stored as bf16 in the AVX2 op's layout: decode reads half the bytes, and the products are those of the
+    float32 weight. Only where float32 is this CPU's fast dtype (the AVX2 level: no AVX512-BF16); else None
+    and the caller keeps its oneDNN path (which also runs AVX-512 where the CPU has it)."""
+    from kernels import cpu_isa, native_quant_f32
+
+    if (weight.dtype != torch.float32 or cpu_isa.level() != "avx2" or not native_quant_f32.can_pack_bf16(weight)
+            or not native_quant_available(torch.float32) or not native_quant_f32.bf16_exact(weight)):
+        return None
+    return native_quant_f32.pack_bf16(weight)
+
+
+def bf16_weight_linear_f32(x: torch.Tensor, weight: PackedQuantF32Weight) -> torch.Tensor:
+    """x [T, in] float32 @ W.T for W from pack_bf16_weight_f32: [T, out] float32, each row's result
+    independent of the other rows and the thread count."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"bf16_weight_linear_f32: takes float32 activations, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not _bf16_weight_f32_op:
+        _bf16_weight_f32_op.append(_native_quant_gemm(torch.float32).bf16_linear.default)
+    return _bf16_weight_f32_op[0](x, weight.data, weight.shape[0])
+
+
+_bf16_weight_f32_op: list = []  # [quant_gemm_f32.cpp's bf16_linear overload], looked up on the first call
 
 
 _bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use
@@ -320,4 +412,4 @@ def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | 
     return _native_bf16_gemm().bf16_linear(x, weight.data, bias, weight.shape[0])
 
 
-__all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available"]
+__all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available", "native_quant_kernel"]

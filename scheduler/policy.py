@@ -104,6 +104,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import structlog
@@ -350,7 +351,8 @@ class WorkerPolicy:
         self.config = config
         self.worker_id = worker_id
         self.kv_transport: str | None = None  # set by the service: stream prefills out for decode workers
-        self._transfer_ids = (f"{transfer_prefix}-{i}" for i in itertools.count())
+        # unguessable: a shared-memory transfer's file is named by its id (workers/kv_transfer/shm_transport.py)
+        self._transfer_ids = (f"{transfer_prefix}-{secrets.token_hex(12)}" for _ in itertools.count())
         self._ready_handoffs: list[Sequence] = []  # first token confirmed, waiting for the service
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
         # the admission rule, shared with the gateway's up-front check (phaseserve/kv_admission.py)

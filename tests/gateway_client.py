@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -35,3 +36,20 @@ async def read_sse(resp: aiohttp.ClientResponse, stop_after: int | None = None,
             if stop_after is not None and sum(1 for d in data if counts(d)) >= stop_after:
                 break
     return ids, data
+
+
+RESUME = {"X-Resume": "1"}  # ask for event ids (and the resume token): the stream can then be resumed
+
+
+async def post_resume(http: aiohttp.ClientSession, url: str, body: dict, last_event_id: str, headers=None,
+                      within_s: float = 30.0) -> aiohttp.ClientResponse:
+    """Re-send a request with Last-Event-ID, as a reconnecting client does: a 409 (the gateway has not yet
+    seen the old connection end) is retried after its Retry-After."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        resp = await http.post(url, json=body, headers={**(headers or {}), "Last-Event-ID": last_event_id})
+        if resp.status != 409 or asyncio.get_running_loop().time() > deadline:
+            return resp
+        wait = float(resp.headers.get("Retry-After", "1"))
+        resp.release()
+        await asyncio.sleep(wait)

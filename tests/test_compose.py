@@ -46,6 +46,67 @@ def test_services_and_healthchecks(compose):
     assert "container_name" not in services["worker"] and "ports" not in services["worker"]
 
 
+def compose_command(text: str) -> str:
+    """A command as compose runs it: `$$` is a literal `$` for the container's shell."""
+    return text.replace("$$", "$")
+
+
+def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compose, tmp_path):
+    """The redis service's command and healthcheck, run here with a local redis-server: clients without the
+    password are refused, CONFIG/SAVE are gone, and the password is on no command line."""
+    import secrets
+    import time
+
+    import redis as redis_py
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from phaseserve.redis_server import find_redis_server, free_port
+
+    svc = compose["services"]["redis"]
+    assert svc["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:-")  # yours wins over the default
+    assert "ports" not in svc
+    password, port = secrets.token_hex(16), free_port()
+    sh, dash_c, script = svc["command"]
+    assert (sh, dash_c) == ("sh", "-c") and password not in script
+    env = {**os.environ, "REDIS_PASSWORD": password,
+           "PATH": os.path.dirname(find_redis_server()) + os.pathsep + os.environ["PATH"]}
+    # the container has the port and /tmp alone
+    script = compose_command(script).replace("/tmp/redis.conf", str(tmp_path / "redis.conf"))
+    script += f" --port {port} --bind 127.0.0.1"
+    proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = redis_py.Redis(port=port, password=password)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis_py.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, retry=Retry(NoBackoff(), 0)).ping()
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("SAVE",), ("MODULE", "LIST"), ("DEBUG", "SLEEP", "0")):
+            with pytest.raises(redis_py.ResponseError, match="unknown command"):
+                client.execute_command(*command)
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:  # exec'd: the shell is now redis-server
+            cmdline = f.read()
+        assert b"redis-server" in cmdline and password.encode() not in cmdline
+        assert (os.stat(tmp_path / "redis.conf").st_mode & 0o777) == 0o600
+        # the healthcheck authenticates the same way (REDISCLI_AUTH)
+        kind, check = svc["healthcheck"]["test"]
+        assert kind == "CMD-SHELL"
+        check = compose_command(check).replace("redis-cli", f"redis-cli -p {port}")
+        assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
+        assert subprocess.run(["sh", "-c", check], env={**env, "REDIS_PASSWORD": "wrong"}, timeout=10).returncode != 0
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_gpu_variant_reserves_a_device(compose):
     gpu = compose["services"]["worker-gpu"]
     assert gpu["profiles"] == ["gpu"]
@@ -58,7 +119,9 @@ def test_environment_wiring(compose):
     known_env = {s.env for s in settings.SETTINGS}
     for name, svc in phaseserve_services(compose).items():
         env = svc["environment"]
-        assert env["REDIS_URL"] == "redis://redis:6379/0", name
+        # the password the redis service is given, from the same variable (and the same default)
+        redis_env = compose["services"]["redis"]["environment"]
+        assert env["REDIS_URL"] == f"redis://:{redis_env['REDIS_PASSWORD']}@redis:6379/0", name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
         unknown = set(env) - known_env
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"

@@ -113,6 +113,17 @@ def test_n_2_gives_two_choices(client, stack):
     assert finished == {0, 1} and all(texts.values())
 
 
+def test_a_tiny_temperature_is_greedy_not_a_nan_stop(client, stack):
+    """A temperature below 1e-5 samples greedy: divided by 1e-31 the logits overflowed to NaN and the stream
+    ended at once with 'stop'."""
+    kwargs = dict(model=stack.model, prompt="Once upon a time", max_tokens=MAX_TOKENS,
+                  extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0]
+    for temperature in (1e-31, 1e-40):
+        tiny = client.completions.create(temperature=temperature, **kwargs).choices[0]
+        assert (tiny.finish_reason, tiny.text) == ("length", greedy.text), temperature
+
+
 # ---------------------------------------------------------------- bad input: 4xx in OpenAI's shape
 
 
@@ -121,6 +132,7 @@ def _bad_requests(model: str, long_prompt: str) -> list[tuple[str, str, bytes, i
     def j(obj) -> bytes:
         return json.dumps(obj).encode()
 
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     return [
         ("malformed json", "/v1/completions", b'{"model": "x", "prompt": ', 400, None),
         ("json not an object", "/v1/chat/completions", b"[1, 2, 3]", 400, None),
@@ -138,6 +150,24 @@ def _bad_requests(model: str, long_prompt: str) -> list[tuple[str, str, bytes, i
         ("prompt longer than the context", "/v1/completions", j({"model": model, "prompt": long_prompt}),
          400, None),
         ("unknown model", "/v1/completions", j({"model": "no-such-model", "prompt": "hi"}), 404, "model"),
+        # refused by its length in characters, before it is tokenized
+        ("prompt longer in characters than the context can hold", "/v1/completions",
+         j({"model": model, "prompt": "x" * 900_000}), 400, "prompt"),
+        # integers wider than 64 bits, named (not a 500 when the request is packed for the wire)
+        ("seed beyond 64 bits", "/v1/completions", j({"model": model, "prompt": "hi", "seed": 1 << 70}),
+         400, "seed"),
+        ("top_k beyond 64 bits", "/v1/chat/completions", j({**chat, "top_k": 1 << 64}), 400, "top_k"),
+        ("stop_token_ids beyond 64 bits", "/v1/completions",
+         j({"model": model, "prompt": "hi", "stop_token_ids": [1 << 65]}), 400, "stop_token_ids"),
+        ("stop_token_ids outside the vocabulary", "/v1/chat/completions",
+         j({**chat, "stop_token_ids": [1, 10_000_000]}), 400, "stop_token_ids"),
+        ("too many stop_token_ids", "/v1/completions",
+         j({"model": model, "prompt": "hi", "stop_token_ids": [1] * 125_000}), 400, "stop_token_ids"),
+        # chat_template_kwargs that collide with the template's own arguments
+        ("chat_template_kwargs sets messages", "/v1/chat/completions",
+         j({**chat, "chat_template_kwargs": {"messages": []}}), 400, "chat_template_kwargs"),
+        ("chat_template_kwargs sets add_generation_prompt", "/v1/chat/completions",
+         j({**chat, "chat_template_kwargs": {"add_generation_prompt": False}}), 400, "chat_template_kwargs"),
         ("oversized body", "/v1/completions", j({"model": model, "prompt": "x" * (2 << 20)}), 413, None),
     ]
 

@@ -14,7 +14,7 @@ import asyncio
 import aiohttp
 
 from gateway.state import GATEWAY
-from gateway_client import read_sse, serve_gateway
+from gateway_client import RESUME, post_resume, read_sse, serve_gateway
 
 MAX_TOKENS = 24
 
@@ -40,12 +40,12 @@ async def test_a_stream_resumed_on_a_second_gateway_equals_an_uninterrupted_gree
             expected = text_of(whole)
             assert whole[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
-            resp = await http.post(stack.api_url + "/completions", json=body)
+            resp = await http.post(stack.api_url + "/completions", json=body, headers=RESUME)
             ids, head = await read_sse(resp, stop_after=4, counts=lambda d: bool(d.get("choices")))
             resp.close()  # the connection breaks after 4 chunks
             rid = resp.headers["X-Request-Id"]
-            assert ids[-1].startswith(rid + ":")
-            async with http.post(second_url + "/v1/completions", json=body, headers={"Last-Event-ID": ids[-1]}) as res:
+            assert ids[-1].startswith(f"{rid}:{resp.headers['X-Resume-Token']}:")
+            async with await post_resume(http, second_url + "/v1/completions", body, ids[-1]) as res:
                 assert res.status == 200
                 _, tail = await asyncio.wait_for(read_sse(res), 120)
         assert text_of(head) + text_of(tail) == expected

@@ -9,8 +9,14 @@ import sys
 import threading
 import time
 
+from urllib.parse import unquote, urlsplit
+
 import openai
 import psutil
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from phaseserve.launcher import core_placement
 from phaseserve.redis_server import free_port
@@ -72,6 +78,19 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
             chunks = list(stream)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+
+        # its Redis is private: another local client without the password is refused, and the password (in the
+        # children's environment) is on no command line nor in the banner
+        server = next(c for c in children if "redis-server" in " ".join(c.cmdline()))
+        redis_port = next(c.laddr.port for c in server.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=redis_port, retry=Retry(NoBackoff(), 0)).ping()
+        gateway = next(c for c in children if "-m gateway" in " ".join(c.cmdline()))
+        password = unquote(urlsplit(gateway.environ()["REDIS_URL"]).password or "")
+        assert len(password) >= 32
+        assert all(password not in " ".join(c.cmdline()) for c in children) and password not in "".join(lines)
+        with redis.Redis(port=redis_port, password=password) as client, pytest.raises(redis.ResponseError):
+            client.execute_command("CONFIG", "SET", "dir", "/tmp")
 
         t0 = time.monotonic()
         shown = len(lines)

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import msgpack
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
+import sseclient
 
 from phaseserve import token_log
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
-from gateway_client import read_sse
+from gateway_client import RESUME, post_resume, read_sse
 from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401
 
 REPLY = "The quick brown fox jumps"
@@ -175,23 +178,24 @@ async def test_sse_resume_on_another_gateway_gets_exactly_the_rest_and_starts_no
     reader = RequestsReader(a)
     ids = a.tok.encode(REPLY, add_special_tokens=False)
     body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50, "stream_options": {"include_usage": True}}
-    first = await a.http.post(a.url + "/v1/completions", json=body)
+    first = await a.http.post(a.url + "/v1/completions", json=body, headers=RESUME)
     sub = await reader.next()
     rid = sub.request_id[:-2]
+    token = first.headers["X-Resume-Token"]
     half = 6
     for off in range(half):
         await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
     got_ids, data = await asyncio.wait_for(read_sse(first, stop_after=half), 10)
-    assert got_ids == [f"{rid}:{i + 1}" for i in range(half)]
+    assert got_ids == [f"{rid}:{token}:{i + 1}" for i in range(half)]
     first.close()  # the client's connection breaks
     # the worker goes on meanwhile: the rest is published to gateway A's channel (and the log)
     for off in range(half, len(ids)):
         await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
-    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+    async with await post_resume(b.http, b.url + "/v1/completions", body, got_ids[-1]) as r:
         assert r.status == 200 and r.headers["X-Request-Id"] == rid
         rest_ids, rest = await asyncio.wait_for(read_sse(r), 10)
     assert texts(data) + texts(rest) == REPLY  # exactly once: nothing repeated, nothing missing
-    assert rest_ids[-1] == f"{rid}:{len(ids) + 1}"  # the finished choice: its offset + 1
+    assert rest_ids[-1] == f"{rid}:{token}:{len(ids) + 1}"  # the finished choice: its offset + 1
     assert rest[-1]["usage"]["completion_tokens"] == len(ids)
     assert all(d["id"] == f"cmpl-{rid}" for d in data + rest)
     # no second generation, and gateway A's grace saw the lease taken by B: nothing cancelled
@@ -204,13 +208,14 @@ async def test_sse_resume_on_another_gateway_gets_exactly_the_rest_and_starts_no
 
     # resuming from the last id again: only the end (the finish was seen, so nothing but usage + DONE)
     async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": rest_ids[-1]}) as r:
+        assert r.status == 200  # the finished serving on B released its leases: no 409
         _, again = await asyncio.wait_for(read_sse(r), 10)
     assert texts(again) == "" and again[-1]["usage"]["completion_tokens"] == len(ids)
 
     # bad ids: 400 (malformed) and 404 (unknown request)
     async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": "nope"}) as r:
         assert r.status == 400
-    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": "0" * 32 + ":3"}) as r:
+    async with b.http.post(b.url + "/v1/completions", json=body, headers={"Last-Event-ID": "0" * 32 + f":{token}:3"}) as r:
         assert r.status == 404
         assert_openai_error(await r.json(), "invalid_request_error", None, "resume_not_found")
 
@@ -220,16 +225,15 @@ async def test_a_client_that_does_not_come_back_is_cancelled_after_the_grace(mak
     await add_worker(a)
     reader = RequestsReader(a)
     body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50}
-    first = await a.http.post(a.url + "/v1/completions", json=body)
+    first = await a.http.post(a.url + "/v1/completions", json=body, headers=RESUME)
     sub = await reader.next()
     await emit(a, TokenEvent(sub.request_id, 0, [5]))
-    await asyncio.wait_for(read_sse(first, stop_after=1), 10)
+    got_ids, _ = await asyncio.wait_for(read_sse(first, stop_after=1), 10)
     first.close()
     cancel = await reader.next()
     assert isinstance(cancel, CancelRequest) and cancel.request_id == sub.request_id
     # a later resume reads the end the cancel wrote to the log: an abort, not an endless wait
-    async with a.http.post(a.url + "/v1/completions", json=body,
-                           headers={"Last-Event-ID": f"{sub.request_id[:-2]}:1"}) as r:
+    async with a.http.post(a.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
         _, rest = await asyncio.wait_for(read_sse(r), 10)
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
     assert msgpack.unpackb(await a.redis.get(a.keys.gateway_heartbeat("gw-a")))["k"] == "gateway"
@@ -249,20 +253,23 @@ def test_orphan_tracker_cancels_what_has_had_no_lease_for_the_grace():
 
 
 async def test_a_resume_on_the_same_gateway_keeps_the_request_when_the_old_connection_ends(make_gw):
-    a = await make_gw("gw-a", "--resume-grace", "1.0", "--client-lease-ttl", "0.3")
+    a = await make_gw("gw-a", "--resume-grace", "2.5", "--client-lease-ttl", "0.3")
     await add_worker(a)
     reader = RequestsReader(a)
     ids = a.tok.encode(REPLY, add_special_tokens=False)
     body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 50}
-    first = await a.http.post(a.url + "/v1/completions", json=body)
+    first = await a.http.post(a.url + "/v1/completions", json=body, headers=RESUME)
     sub = await reader.next()
     for off in range(3):
         await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
     got_ids, head = await asyncio.wait_for(read_sse(first, stop_after=3), 10)
-    # the client reconnects before the gateway noticed the old connection is gone
-    second = await a.http.post(a.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]})
+    # the client reconnects before the gateway noticed the old connection is gone: that one keeps the stream
+    async with a.http.post(a.url + "/v1/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+        assert r.status == 409 and r.headers["Retry-After"] == "1"
     first.close()
-    await asyncio.sleep(1.6)  # the old serving's grace (several lease TTLs) passes
+    second = await post_resume(a.http, a.url + "/v1/completions", body, got_ids[-1])  # once it has gone
+    assert second.status == 200
+    await asyncio.sleep(2.6)  # the old serving's grace (several lease TTLs) passes
     for off in range(3, len(ids)):
         await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
     _, tail = await asyncio.wait_for(read_sse(second), 10)
@@ -280,7 +287,7 @@ async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(m
     toks = [a.tok.encode(t, add_special_tokens=False) for t in replies]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
             "max_tokens": 60}
-    first = await a.http.post(a.url + "/v1/chat/completions", json=body)
+    first = await a.http.post(a.url + "/v1/chat/completions", json=body, headers=RESUME)
     subs = [await reader.next(), await reader.next()]
     # choice 0 gets 5 tokens, choice 1 gets 2, interleaved
     for off in range(5):
@@ -295,8 +302,8 @@ async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(m
             await emit(a, TokenEvent(subs[i].request_id, off, [toks[i][off]],
                                      "stop" if off == len(toks[i]) - 1 else None))
     rid = subs[0].request_id[:-2]
-    assert got_ids[-1] == f"{rid}:5.2"
-    async with b.http.post(b.url + "/v1/chat/completions", json=body, headers={"Last-Event-ID": got_ids[-1]}) as r:
+    assert got_ids[-1] == f"{rid}:{first.headers['X-Resume-Token']}:5.2"
+    async with await post_resume(b.http, b.url + "/v1/chat/completions", body, got_ids[-1]) as r:
         _, tail = await asyncio.wait_for(read_sse(r), 10)
     assert not any(c["choices"][0]["delta"].get("role") for c in tail)  # no second opening chunk
 
@@ -339,3 +346,111 @@ async def test_a_gateway_shutting_down_ends_its_open_requests_with_an_error(redi
     finally:
         await g.http.close()
         await g.redis.aclose()
+# ----------------------------------------------------------------------------- who may resume, and the default wire
+
+
+async def test_a_resume_needs_the_streams_secret_and_key_and_never_takes_a_connected_clients_stream(make_gw):
+    a = await make_gw("gw-a", "--api-key", "victim-key,attacker-key", "--resume-grace", "30")
+    await add_worker(a)
+    reader = RequestsReader(a)
+    ids = a.tok.encode(REPLY, add_special_tokens=False)
+    victim_auth = {"Authorization": "Bearer victim-key"}
+    body = {"model": MODEL, "prompt": "my secret plan", "stream": True, "max_tokens": 50}
+    victim = await a.http.post(a.url + "/v1/completions", json=body, headers={**victim_auth, "X-Resume": "1"})
+    sub = await reader.next()
+    rid = sub.request_id[:-2]
+    assert victim.headers["X-Request-Id"] == rid  # the request id is no secret
+    for off in range(3):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]]))
+    got_ids, head = await asyncio.wait_for(read_sse(victim, stop_after=3), 10)
+    # another client, another key, another prompt: the request id alone, or with a made-up token, resumes nothing
+    attacker = {"Authorization": "Bearer attacker-key"}
+    other = {**body, "prompt": "anything"}
+    token = victim.headers.get("X-Resume-Token", "")
+    for guess in (f"{rid}:0", f"{rid}:{'0' * 32}:0", f"{rid}:{token[::-1]}:0"):
+        async with a.http.post(a.url + "/v1/completions", json=other,
+                               headers={**attacker, "Last-Event-ID": guess}) as r:
+            assert r.status in (400, 404), (guess, r.status)
+            assert_openai_error(await r.json(), "invalid_request_error", None,
+                                None if r.status == 400 else "resume_not_found")
+    assert got_ids[-1] == f"{rid}:{token}:3" and len(token) == 32 and token not in rid
+    # the stream's own id is bound to the key that submitted it
+    async with a.http.post(a.url + "/v1/completions", json=other,
+                           headers={**attacker, "Last-Event-ID": got_ids[-1]}) as r:
+        assert r.status == 404
+    # and even its owner cannot take it from a client still connected: 409, the stream untouched
+    async with a.http.post(a.url + "/v1/completions", json=body,
+                           headers={**victim_auth, "Last-Event-ID": got_ids[-1]}) as r:
+        assert r.status == 409 and int(r.headers["Retry-After"]) >= 1
+        assert_openai_error(await r.json(), "invalid_request_error", None, "stream_in_use")
+    for off in range(3, len(ids)):
+        await emit(a, TokenEvent(sub.request_id, off, [ids[off]], "length" if off == len(ids) - 1 else None))
+    _, tail = await asyncio.wait_for(read_sse(victim), 10)
+    assert texts(head) + texts(tail) == REPLY
+    assert await a.redis.xlen(a.keys.requests) == 1  # the submit only: nothing resumed, nothing cancelled
+
+
+def vllm_bench_events(raw_chunks: list[bytes]) -> list[dict | None]:
+    """The stream as `vllm bench serve` reads it (vllm/benchmarks/lib/endpoint_request_func.py): split at
+    blank lines, skip `:` comments, take each message without its `data: ` prefix as JSON ([DONE]: None)."""
+    buffer, out = "", []
+    for chunk in raw_chunks:
+        buffer += chunk.strip().decode() if chunk.strip() else ""
+        while "\n\n" in buffer:
+            message, buffer = buffer.split("\n\n", 1)
+            message = message.strip()
+            if message and not message.startswith(":"):
+                payload = message.removeprefix("data: ")
+                out.append(None if payload == "[DONE]" else json.loads(payload))
+    if buffer.strip():
+        payload = buffer.strip().removeprefix("data: ")
+        out.append(None if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+OPENAI_SSE = re.compile(rb"(data: \{[^\n]*\}\n\n)+data: \[DONE\]\n\n")
+
+
+async def test_the_default_stream_is_openais_wire_byte_for_byte(make_gw):
+    g = await make_gw("gw-a")
+    await add_worker(g)
+    reader = RequestsReader(g)
+    ids = g.tok.encode(REPLY, add_special_tokens=False)
+
+    async def answer():
+        sub = await reader.next()
+        for off, t in enumerate(ids):
+            await emit(g, TokenEvent(sub.request_id, off, [t], "length" if off == len(ids) - 1 else None))
+
+    for path, body in (("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        resp = await g.http.post(g.url + path, json={"model": MODEL, "stream": True, "max_tokens": 50, **body})
+        await answer()
+        chunks = [c async for c in resp.content.iter_any()]
+        raw = b"".join(chunks)
+        assert OPENAI_SSE.fullmatch(raw), raw[:300]
+        assert "X-Resume-Token" not in resp.headers
+        # a spec-following SSE parser: every event a plain message with no id
+        events = list(sseclient.SSEClient(iter(chunks)).events())
+        assert {(e.id, e.event) for e in events} == {(None, "message")}
+        assert events[-1].data == "[DONE]"
+        parsed = [json.loads(e.data) for e in events[:-1]]
+        # vLLM's benchmark client: every message is `data: <json>`
+        assert vllm_bench_events(chunks) == parsed + [None]
+        got = "".join((c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "")
+                      for c in parsed if c.get("choices"))
+        assert got == REPLY
+
+    # the official client, streaming, on both routes
+    oai = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+    task = asyncio.create_task(answer())
+    stream = await oai.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=50)
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    await task
+    task = asyncio.create_task(answer())
+    stream = await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               stream=True, max_tokens=50)
+    chat = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    await task
+    await oai.close()
+    assert text == chat == REPLY

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +24,10 @@ import redis.asyncio as aioredis
 from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
-from gateway_client import serve_gateway
+from gateway_client import read_sse, serve_gateway
 from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WorkerInfo, peek_kind)
+from gateway import protocol as P
 from text_model_factory import make_text_model
 
 MODEL = "tiny-text"
@@ -386,9 +388,7 @@ async def test_disconnect_cancels_and_in_flight_limit_is_429(gw):
     first = await session.post(gw.url + "/v1/completions", json=body)
     sub = await reader.next()
     await publish(gw, TokenEvent(sub.request_id, 0, gw.tok.encode("Hi there", add_special_tokens=False)))
-    n_hi = len(gw.tok.encode("Hi there", add_special_tokens=False))
-    assert (await first.content.readline()) == f"id: {sub.request_id[:-2]}:{n_hi}\n".encode()  # SSE resume id
-    line = await first.content.readline()
+    line = await first.content.readline()  # OpenAI's stream: no `id:` line unless the client asks for one
     assert line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"] == "Hi there"
     # a non-streaming request also holds a slot; the limit is 2 in flight, so the third is refused
     second = asyncio.create_task(session.post(gw.url + "/v1/completions", json={**body, "stream": False}))
@@ -451,7 +451,7 @@ async def test_a_streams_end_last_event_usage_and_done(gw):
     reader = RequestsReader(gw)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
-    async with gw.http.post(gw.url + "/v1/completions", json=body) as resp:
+    async with gw.http.post(gw.url + "/v1/completions", json=body, headers={"X-Resume": "1"}) as resp:
         sub = await reader.next()
         reads = []
         await publish(gw, TokenEvent(sub.request_id, 0, [5, 6]), step=0)
@@ -463,4 +463,206 @@ async def test_a_streams_end_last_event_usage_and_done(gw):
     tail = b"".join(reads[1:]).decode()
     last_event, usage, done = tail.index('"finish_reason":"length"'), tail.index('"usage":{'), tail.index("[DONE]")
     assert last_event < usage < done and tail.endswith("data: [DONE]\n\n")
-    assert f"id: {sub.request_id.rsplit('-', 1)[0]}:4\n" in tail  # 3 tokens consumed, plus 1: finished
+    rid, token = sub.request_id.rsplit('-', 1)[0], resp.headers["X-Resume-Token"]
+    assert f"id: {rid}:{token}:4\n" in tail  # 3 tokens consumed, plus 1: finished
+
+
+# ----------------------------------------------------------------------------- abuse: huge prompts
+
+
+async def _time_stream_chunks(g, sub_request_id: str, resp: aiohttp.ClientResponse, arrivals: list[float]):
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            arrivals.append(time.monotonic())
+
+
+async def test_huge_prompts_are_refused_without_stalling_other_streams(redis_server, text_model):
+    """Tokenizing a huge prompt runs off the event loop: while four are tokenized and refused (400), a
+    running stream's chunks keep coming; on the loop, the stream stalled for every one of them."""
+    runner, url = await start_gateway(redis_server, text_model, "--max-body-bytes", "8MiB",
+                                      "--max-waiting-requests", "16", "--max-queued-prompt-tokens", "100000000")
+    g = SimpleNamespace(url=url, redis=aioredis.Redis.from_url(redis_server), keys=Keys("t"),
+                        tok=Tokenizer(str(text_model)))
+    huge = ("hello wörld 🙂 " * 20000)[:250_000]
+    t0 = time.perf_counter()
+    g.tok.encode(huge)
+    tokenize_s = time.perf_counter() - t0  # one huge prompt, on this machine, now
+    # a context the prompts fit by characters (so they are tokenized), a KV cache they do not (so 400)
+    await add_worker(g, max_model_len=10_000_000, num_blocks=100)
+    reader = RequestsReader(g)
+    stop = asyncio.Event()
+    token = g.tok.encode("a", add_special_tokens=False)[0]
+    arrivals: list[float] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True,
+                                                                  "max_tokens": 1000})
+            sub = await reader.next()
+
+            async def play():  # a token every 10 ms until told to stop
+                for off in range(1000):
+                    if stop.is_set():
+                        break
+                    await publish(g, TokenEvent(sub.request_id, off, [token]))
+                    await asyncio.sleep(0.01)
+
+            player = asyncio.create_task(play())
+            timing = asyncio.create_task(_time_stream_chunks(g, sub.request_id, resp, arrivals))
+            await asyncio.sleep(1.0)
+            baseline = list(arrivals)
+            start = time.monotonic()
+
+            async def refused() -> tuple[int, dict]:
+                async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": huge}) as r:
+                    return r.status, await r.json()
+
+            answers = await asyncio.gather(*[refused() for _ in range(4)])
+            end = time.monotonic()
+            await asyncio.sleep(0.3)
+            stop.set()
+            await player
+            timing.cancel()
+            resp.close()
+    finally:
+        await runner.cleanup()
+        await g.redis.aclose()
+    for status, body in answers:
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    during = [t for t in arrivals if start <= t <= end + 0.3]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    base_gaps = sorted(b - a for a, b in zip(baseline, baseline[1:]))
+    assert len(during) > 10 and gaps
+    # before: one gap of about four tokenizations; now about the baseline's
+    assert max(gaps) < tokenize_s / 2, (max(gaps), tokenize_s, base_gaps[len(base_gaps) // 2], max(base_gaps))
+
+
+async def test_a_prompt_longer_in_characters_than_the_context_can_hold_is_400_untokenized(gw):
+    await add_worker(gw, max_model_len=256)
+    await asyncio.sleep(0.6)  # the worker list is cached for 0.5 s
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "x" * 60_000})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "prompt", "context_length_exceeded")
+    assert "characters" in body["error"]["message"]
+    status, body = await post(gw, "/v1/chat/completions",
+                              {"model": MODEL, "messages": [{"role": "user", "content": "x" * 60_000}]})
+    assert status == 400
+    assert_openai_error(body, "invalid_request_error", "messages", "context_length_exceeded")
+
+
+# ----------------------------------------------------------------------------- Redis restarted
+
+
+async def test_after_redis_restarts_with_its_data_the_next_requests_succeed(text_model, tmp_path):
+    """Redis stopped and started again with its data (AOF) under a live gateway: the pooled connections are
+    dead, and each command on one is retried on a new connection instead of answering 503."""
+    server = EmbeddedRedis(data_dir=str(tmp_path)).start()
+    runner, url = await start_gateway(server.url, text_model, "--max-waiting-requests", "64")
+    g = SimpleNamespace(redis=aioredis.Redis.from_url(server.url), keys=Keys("t"))
+    try:
+        await add_worker(g, max_model_len=200)
+        async with aiohttp.ClientSession() as http:
+            async def models() -> tuple[int, dict]:
+                async with http.get(url + "/v1/models") as r:
+                    return r.status, await r.json()
+
+            # concurrent requests: the gateway's pool opens a connection for each
+            assert [s for s, _ in await asyncio.gather(*[models() for _ in range(20)])] == [200] * 20
+            server.stop()
+            server.start()
+            await asyncio.sleep(0.6)  # the gateway's worker list (cached 0.5 s) is read from Redis again
+            answers = await asyncio.gather(*[models() for _ in range(20)])
+            assert [s for s, _ in answers] == [200] * 20, answers
+            # the data came back: the worker is still known
+            assert all(body["data"][0]["max_model_len"] == 200 for _, body in answers)
+    finally:
+        await runner.cleanup()
+        await g.redis.aclose()
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- clients that never read
+
+
+def _never_reading_client(url: str, body: dict) -> socket.socket:
+    """A raw HTTP client that sends a request and then never reads (a small receive buffer fills fast)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return s
+
+
+async def _slow_reader_stack(redis_server, text_model, *flags):
+    runner, url = await start_gateway(redis_server, text_model, "--max-body-bytes", "8MiB",
+                                      "--max-queued-prompt-tokens", "100000000", *flags)
+    g = SimpleNamespace(url=url, redis=aioredis.Redis.from_url(redis_server), keys=Keys("t"),
+                        tok=Tokenizer(str(text_model)))
+    await add_worker(g, max_model_len=10_000_000, num_blocks=20_000)
+    # each of the n choices opens with the echoed prompt: megabytes, more than any socket buffer holds
+    longest = max(range(g.tok.vocab_size), key=lambda t: len(g.tok.decode([t])))
+    echo = {"model": MODEL, "prompt": [longest] * 100_000, "echo": True, "n": P.MAX_N, "stream": True,
+            "max_tokens": 1}
+    assert len(g.tok.decode(echo["prompt"])) * P.MAX_N > 5_000_000
+    return runner, g, echo
+
+
+async def _cancelled_within(reader: RequestsReader, seq_ids: set[str], timeout: float) -> float:
+    start = time.monotonic()
+    while seq_ids:
+        msg = await reader.next(timeout=max(0.1, timeout - (time.monotonic() - start)))
+        if isinstance(msg, CancelRequest):
+            seq_ids.discard(msg.request_id)
+    return time.monotonic() - start
+
+
+async def test_clients_that_never_read_are_dropped_within_the_write_deadline(redis_server, text_model):
+    """Three streams that never read fill --max-waiting-requests 3: each is dropped when a write waits past
+    --client-write-timeout, its request cancelled at once, and a normal client is served (not 429)."""
+    runner, g, echo = await _slow_reader_stack(redis_server, text_model, "--max-waiting-requests", "3",
+                                               "--client-write-timeout", "1", "--resume-grace", "30")
+    reader = RequestsReader(g)
+    slow = []
+    try:
+        for _ in range(3):
+            slow.append(await asyncio.to_thread(_never_reading_client, g.url, echo))
+        subs = {(await reader.next(timeout=30)).request_id for _ in range(3 * P.MAX_N)}
+        # each echo is written at once and blocks: cancelled within the deadline (plus this busy machine's slack)
+        assert await _cancelled_within(reader, subs, timeout=10.0) < 10.0
+        async with aiohttp.ClientSession() as http:
+            async with http.post(g.url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 5}) as r:
+                assert r.status == 200
+                sub = await reader.next()
+                await play_text(g, sub.request_id, "Hello there")
+                text = "".join(d["choices"][0]["text"] for d in (await read_sse(r))[1])
+        assert text == "Hello there"
+    finally:
+        for s in slow:
+            s.close()
+        await runner.cleanup()
+        await g.redis.aclose()
+
+
+async def test_a_stream_whose_events_pile_up_past_the_cap_is_dropped(redis_server, text_model):
+    """The write deadline is long here; what ends the stream is its events waiting beyond
+    --stream-buffer-events while the client does not read."""
+    runner, g, echo = await _slow_reader_stack(redis_server, text_model, "--client-write-timeout", "600",
+                                               "--stream-buffer-events", "16", "--resume-grace", "30")
+    reader = RequestsReader(g)
+    client = None
+    try:
+        client = await asyncio.to_thread(_never_reading_client, g.url, {**echo, "max_tokens": 100})
+        subs = {(await reader.next(timeout=30)).request_id for _ in range(P.MAX_N)}
+        token = g.tok.encode("a", add_special_tokens=False)[0]
+        for off in range(40):
+            await publish(g, TokenEvent(min(subs), off, [token]))
+            await asyncio.sleep(0.01)
+        assert await _cancelled_within(reader, subs, timeout=10.0) < 10.0
+    finally:
+        if client is not None:
+            client.close()
+        await runner.cleanup()
+        await g.redis.aclose()

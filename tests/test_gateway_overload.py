@@ -103,7 +103,7 @@ async def test_429_with_retry_after_by_requests_and_by_queued_prompt_tokens(make
         assert "prompt tokens queued" in err["error"]["message"]
     # the first token arrives: its prompt is no longer queued, the second request is let in
     await publish(g, TokenEvent(sub1.request_id, 0, [7]))
-    assert (await first.content.readline()).startswith(b"id: ")
+    assert (await first.content.readline()).startswith(b"data: {")
     second = await g.http.post(g.url + "/v1/completions", json={**body, "prompt": [5] * 5})
     assert second.status == 200
     await reader.next()

@@ -224,3 +224,32 @@ def test_request_stream_drops_duplicates_trims_overlaps_and_holds_gaps_for_a_fil
     assert [(e.offset, e.token_ids) for e in got] == [(0, [1, 2]), (2, [3]), (3, [4, 5]), (5, [6])]
     assert got[1].logprobs == [[-2.0, []]]
     assert "a-0" not in backend._routes  # final event: the route is gone
+
+
+def test_a_choice_cut_by_max_tokens_mid_character_ends_before_it(tok):
+    """finish_reason 'length' after half of a multi-byte character: the text ends before the character
+    instead of in U+FFFD."""
+    ids = tok.encode("Hello 🙂", add_special_tokens=False)[:-1]
+    out = SequenceOutput(0, "r-0", tok, tok.encode("x"), [])
+    d1 = out.on_event(TokenEvent("r-0", 0, ids[:3], None))
+    d2 = out.on_event(TokenEvent("r-0", 3, ids[3:], "length"))
+    assert d2.finish_reason == "length" and out.num_tokens == len(ids)
+    assert d1.text + d2.text == out.text == "Hello "
+
+
+def test_integers_beyond_64_bits_and_template_argument_clashes_are_400_naming_the_field():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert error_of(P.CompletionRequest, {"prompt": "hi", "seed": 1 << 64}).param == "seed"
+    assert error_of(P.CompletionRequest, {"prompt": "hi", "seed": -(1 << 63) - 1}).param == "seed"
+    assert error_of(P.ChatCompletionRequest, {**chat, "top_k": 1 << 63}).param == "top_k"
+    assert error_of(P.ChatCompletionRequest, {**chat, "stop_token_ids": [2, 1 << 64]}).param == "stop_token_ids"
+    too_many = error_of(P.CompletionRequest, {"prompt": "hi", "stop_token_ids": [1] * (P.MAX_STOP_TOKEN_IDS + 1)})
+    assert too_many.param == "stop_token_ids"
+    for name in ("messages", "add_generation_prompt"):
+        e = error_of(P.ChatCompletionRequest, {**chat, "chat_template_kwargs": {name: 1}})
+        assert e.param == "chat_template_kwargs" and name in e.message
+    req = parse(P.ChatCompletionRequest, {**chat, "stop_token_ids": [3, 99], "seed": (1 << 63) - 1})
+    req.check_token_ids(100)
+    with pytest.raises(APIError) as e:
+        req.check_token_ids(99)
+    assert e.value.status == 400 and e.value.param == "stop_token_ids"

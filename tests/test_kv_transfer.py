@@ -4,6 +4,8 @@ another to the same greedy tokens."""
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -292,14 +294,61 @@ def test_stale_shared_memory_transfers_are_removed(tmp_path):
     from workers.kv_transfer.shm_transport import remove_stale_transfers
 
     cache = random_cache(torch.bfloat16)
-    ShmKVSender("t-old", cache, [1]).abort()  # abort unlinks what it created (in /dev/shm)
-    assert not transfer_path("t-old").exists()
+    ShmKVSender("t-old", cache, [1], directory=tmp_path).abort()  # abort unlinks what it created
+    assert not transfer_path("t-old", tmp_path).exists()
     ShmKVSender("t-orphan", cache, [1], directory=tmp_path).send_all(16)  # nobody ever receives it
     ShmKVSender("t-fresh", cache, [2], directory=tmp_path).send_all(16)
     old = time.time() - 600
     os.utime(transfer_path("t-orphan", tmp_path), (old, old))
     assert remove_stale_transfers(300, tmp_path) == 1
     assert not transfer_path("t-orphan", tmp_path).exists() and transfer_path("t-fresh", tmp_path).exists()
+
+
+OTHER_UID = 54321  # a local user that is not this one (the tests run as root, so they can chown to it)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_a_transfer_file_planted_by_another_user_is_refused_and_nothing_applied(tmp_path):
+    """Another local user creates the file a receiver will look for (the name it expects) with KV of its
+    own: the receiver refuses a file it does not own alone, and writes nothing."""
+    src, dst = random_cache(torch.bfloat16), random_cache(torch.bfloat16, seed=1)
+    before = snapshot(dst)
+    for tid, uid, mode in (("t-foreign", OTHER_UID, 0o600), ("t-shared", os.geteuid(), 0o666)):
+        ShmKVSender(tid, src, [3, 4, 5], directory=tmp_path).send_all(40)  # a complete, valid transfer...
+        path = transfer_path(tid, tmp_path)
+        os.chown(path, uid, -1)  # ...whose file is another user's, or writable by anyone
+        os.chmod(path, mode)
+        with pytest.raises(KVTransferError, match="not private"):
+            ShmKVReceiver(directory=tmp_path).receive(tid, dst, [0, 1, 2], timeout=2)
+        assert_untouched(dst, before)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_the_transfer_directory_is_the_stacks_own_and_ids_are_unguessable(tmp_path):
+    from scheduler.policy import SchedulerConfig, WorkerPolicy
+    from workers.kv_transfer.shm_transport import private_dir
+
+    d = private_dir("ps", base=tmp_path)
+    assert d.name == f"phaseserve-kv-{os.geteuid()}-ps" and (d.stat().st_mode & 0o777) == 0o700
+    assert private_dir("ps", base=tmp_path) == d  # the stack's workers share it
+    assert private_dir("{other}", base=tmp_path) != d  # another stack (key prefix) has its own
+    # a directory made first by another user, or open to others, is refused, as are senders and receivers in it
+    taken = tmp_path / f"phaseserve-kv-{os.geteuid()}-taken"
+    taken.mkdir(mode=0o700)
+    os.chown(taken, OTHER_UID, -1)
+    with pytest.raises(KVTransferError, match="not private"):
+        private_dir("taken", base=tmp_path)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    with pytest.raises(KVTransferError, match="not private"):
+        ShmKVReceiver(directory=loose)
+    with pytest.raises(KVTransferError, match="not private"):
+        ShmKVSender("t-1", random_cache(torch.bfloat16), [1], directory=loose)
+    # transfer ids (so file names) are random, not a counter another user could predict
+    policy = WorkerPolicy(SchedulerConfig(num_blocks=8, block_size=16, max_model_len=64), "w", transfer_prefix="e1")
+    ids = [next(policy._transfer_ids) for _ in range(50)]
+    assert len(set(ids)) == 50 and all(re.fullmatch(r"e1-[0-9a-f]{24}", i) for i in ids)
 
 
 KILLED_SENDER = """

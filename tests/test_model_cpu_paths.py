@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
+from kernels import cpu_isa, native
 from kernels import reference as ref
 from model_factory import make_model
 from phaseserve.params import SamplingParams
@@ -235,9 +237,16 @@ def test_decode_buckets_split_only_where_padding_would_be_large():
         assert -(-lengths[b - 1] // bs) <= max(2 * -(-lengths[a] // bs), MIN_BUCKET_BLOCKS)
 
 
-def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path):
-    """A long sequence decoding beside short ones is attended in its own bucket; every sequence's
-    greedy tokens match a run of that sequence alone."""
+@pytest.mark.parametrize("decode_path", ["torch", "native"])
+def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypatch, decode_path):
+    """A long sequence decoding beside short ones: every sequence's greedy tokens match a run of that
+    sequence alone. The torch decode path (which pads each call to its longest context) attends the long one
+    in its own bucket; the native one reads each sequence's own length and takes all in one call."""
+    if decode_path == "torch":
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    elif not cpu_isa.supports(native.REQUIRES["attention_f32"]):
+        pytest.skip(f"the fp32 native attention needs {native.REQUIRES['attention_f32']}")
+    monkeypatch.setattr(kernels, "_attention_choice", {})
     path = make_model(tmp_path, "llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (9, 300, 12, 5)]
@@ -246,7 +255,6 @@ def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path):
     for seq, prompt in zip(together, prompts):
         alone = run(runner, [prompt], greedy, chunk_size=512)[0]
         assert seq.outputs == alone.outputs
-    # the step's decodes really were split: 3 short ones together, the 300-token one alone
     runner = ModelRunner(path, dtype="float32", num_blocks=128)
     bs = runner.block_size
     starts = [SeqStart(f"s{i}", "g", p, greedy) for i, p in enumerate(prompts)]
@@ -254,5 +262,8 @@ def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path):
     runner.execute(StepPlan(0, "w", starts, [ScheduledChunk(f"s{i}", 0, len(p), tables[i])
                                              for i, p in enumerate(prompts)]))
     inp, ordered = runner._inputs([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
-    assert [c.seq_id for c in ordered] == ["s3", "s0", "s2", "s1"]
-    assert [g.block_tables.shape for g in inp.groups] == [(3, 1), (1, -(-301 // bs))]
+    if decode_path == "torch":  # the step's decodes really were split: 3 short ones together, the long one alone
+        assert [c.seq_id for c in ordered] == ["s3", "s0", "s2", "s1"]
+        assert [g.block_tables.shape for g in inp.groups] == [(3, 1), (1, -(-301 // bs))]
+    else:
+        assert [g.block_tables.shape for g in inp.groups] == [(4, -(-301 // bs))]

@@ -1,5 +1,7 @@
 """Sampling: seeded reproducibility, filters and penalties, logprobs."""
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -8,7 +10,7 @@ import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from workers.runner import ModelRunner
-from workers.sampler import SampleRow, Sampler
+from workers.sampler import SampleRow, Sampler, stop_id_tensor
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(10, 50)), [300, 4]]
 
@@ -113,3 +115,47 @@ def test_bf16_logits_sample_exactly_as_their_fp32_copy():
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
     # the min_tokens row really had its top token masked, the penalised row still picks a real token
     assert got.token_ids[3] != int(logits[3].float().argmax())
+
+
+def test_a_tiny_temperature_samples_greedy_not_nan():
+    """logits / 1e-35 overflow to inf and their softmax to NaN: below vLLM's 1e-5 a temperature is greedy."""
+    V = 1000
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 5
+    want = logits.argmax(dim=1).tolist()
+    for temperature in (1e-6, 1e-31, 1e-40, 5e-324):
+        tiny = SampleRow(sampled(temperature=temperature, seed=1), 0, [], 0, frozenset())
+        plain = SampleRow(sampled(seed=2), 0, [], 0, frozenset())
+        # alone (the all-greedy path) and beside a sampled row (the sampling kernel's path)
+        assert Sampler(V, seed=0)(logits[:1], [tiny]).token_ids == want[:1]
+        got = Sampler(V, seed=0)(logits[:2], [tiny, plain]).token_ids
+        assert got[0] == want[0], temperature
+
+
+def _min_tokens_step_seconds(rows: list[SampleRow], logits: torch.Tensor, repeats: int = 15) -> float:
+    sampler = Sampler(logits.shape[1], seed=0)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sampler(logits, rows)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_a_long_stop_list_costs_a_min_tokens_step_little_beyond_a_plain_one(runner):
+    """The min_tokens mask indexes with a tensor each sequence built once (the runner's SequenceState), not a
+    list of (row, id) pairs rebuilt on every step; the step's cost is compared with the same step's without
+    a stop list, on the same machine."""
+    V, B = 32000, 16
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
+    stops = frozenset(range(7, 7 + 1024))  # the gateway's cap of stop_token_ids
+    plain = [SampleRow(sampled(seed=i, min_tokens=4), 0, [1, 2], 2, frozenset({2})) for i in range(B)]
+    long = [SampleRow(sampled(seed=i, min_tokens=4), 0, [1, 2], 2, stops, stop_id_tensor(stops, V))
+            for i in range(B)]
+    out = Sampler(V, seed=0)(logits, long).token_ids
+    assert not set(out) & stops  # the mask is applied
+    base = _min_tokens_step_seconds(plain, logits)
+    assert _min_tokens_step_seconds(long, logits) < 2 * base
+    # the runner builds each sequence's stop tensor once, when the sequence starts
+    (s,) = runner_driver.run(runner, [PROMPTS[0]], sampled(max_tokens=6, min_tokens=4, seed=1,
+                                                             stop_token_ids=list(range(0, 300))))
+    assert len(s.outputs) >= 4 and not set(s.outputs[:4]) & set(range(300))

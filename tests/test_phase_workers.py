@@ -115,7 +115,7 @@ async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_ser
                 # the transfer's bytes are corrupted in flight: the checksum must refuse them
                 if r.transport == "shm":
                     from workers.kv_transfer.shm_transport import transfer_path
-                    with open(transfer_path(r.transfer_id), "r+b") as f:
+                    with open(transfer_path(r.transfer_id, handoffs.shm_dir()), "r+b") as f:
                         f.seek(-1, 2)
                         last = f.read(1)
                         f.seek(-1, 2)
@@ -180,7 +180,8 @@ def test_the_policy_hands_off_after_the_first_token_and_recomputes_a_failed_rece
     req = SubmitRequest("a", "gw", list(range(5, 45)), SamplingParams(max_tokens=5, temperature=0.0))
     src.add_request(req)
     plan = src.schedule()
-    assert plan.starts[0].send_kv.transfer_id == "e1-1-0" and plan.starts[0].send_kv.transport == "shm"
+    transfer_id = plan.starts[0].send_kv.transfer_id
+    assert transfer_id.startswith("e1-1-") and plan.starts[0].send_kv.transport == "shm"
     assert [(c.start_pos, c.num_tokens) for c in plan.chunks] == [(0, 40)]
     assert src.schedule() is None  # its prefill is planned whole: no decode on the prefill worker
     src.update(StepResult(plan.step_id, "p", [TokenEvent("a", 0, [7])]))
@@ -194,7 +195,7 @@ def test_the_policy_hands_off_after_the_first_token_and_recomputes_a_failed_rece
     plan = dst.schedule()
     (start,), (receive,), (chunk,) = plan.starts, plan.receives, plan.chunks
     assert (start.num_cached, start.output_ids, start.send_kv) == (40, [7], None)
-    assert (receive.transfer_id, receive.num_tokens, receive.block_ids) == ("e1-1-0", 40, chunk.block_table[:3])
+    assert (receive.transfer_id, receive.num_tokens, receive.block_ids) == (transfer_id, 40, chunk.block_table[:3])
     assert (chunk.start_pos, chunk.num_tokens, len(chunk.block_table)) == (40, 1, 3)
     dst.update(StepResult(plan.step_id, "d", []))  # the receive failed: no token came
     assert dst.num_waiting == 1 and dst.num_used_blocks == 0
@@ -239,10 +240,11 @@ def test_a_prefill_worker_drops_only_the_transfers_nobody_will_take(tmp_path):
 
     try:
         run(starts=starts, chunks=[ScheduledChunk(n, 0, 20, tables[n]) for n in ids])
-        assert all(transfer_path(t).exists() for t in ids.values())  # all closed with the first token
+        d = handoffs.shm_dir()
+        assert all(transfer_path(t, d).exists() for t in ids.values())  # all closed with the first token
         run(chunks=[ScheduledChunk("kept", 20, 1, tables["kept"])], releases=["handed", "last"])
-        assert transfer_path(ids["handed"]).exists()  # the decode worker's to take
-        assert not transfer_path(ids["kept"]).exists() and not transfer_path(ids["last"]).exists()
+        assert transfer_path(ids["handed"], d).exists()  # the decode worker's to take
+        assert not transfer_path(ids["kept"], d).exists() and not transfer_path(ids["last"], d).exists()
     finally:
         for t in ids.values():
-            transfer_path(t).unlink(missing_ok=True)
+            transfer_path(t, handoffs.shm_dir()).unlink(missing_ok=True)

@@ -1,5 +1,6 @@
 """Weight-only quantization: the block-32 int8/int4 format (kernels/quant.py), GGUF Q8_0/Q4_0/Q4_1
-mapped without a round trip, quant_linear (native AVX512-BF16 op, Triton under the interpreter) against
+mapped without a round trip, quant_linear (native AVX512-BF16 op, the float32 AVX2 op's dispatch (its own
+tests: tests/test_native_quant_f32.py), Triton under the interpreter) against
 the torch reference, --quantization choosing each linear's form, and whole models that run quantized.
 
 TRITON_INTERPRET is set before anything imports triton (as tests/test_triton_kernels.py explains)."""
@@ -17,10 +18,12 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from kernels import cpu_isa, reference  # noqa: E402
 from kernels.native_quant import PackedQuantWeight  # noqa: E402
+from kernels.native_quant_f32 import PackedQuantF32Weight  # noqa: E402
 from kernels.quant import BLOCK, QuantizationError, QuantizedWeight, from_gguf, quantize  # noqa: E402
 from model_factory import make_model  # noqa: E402
+from native_ops import cpu_has_avx512_bf16  # noqa: E402
 from test_model_logits import run_schedule  # noqa: E402
 from workers.linear import Linear, QuantizedLinear  # noqa: E402
 from workers.loader import load_checkpoint  # noqa: E402
@@ -29,11 +32,6 @@ from workers.runner import ModelRunner  # noqa: E402
 
 ROWS = (1, 5, 16, 33, 100)
 GGUF_KINDS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
-
-
-def cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512_bf16" in f.read()
 
 
 @dataclass
@@ -131,17 +129,22 @@ def test_quant_linear_reads_strided_rows():
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16: the torch path is right")
 def test_native_op_runs_on_this_cpu():
     """This CPU reports AVX512-BF16: the quantized matmul must be the native op, not a silent torch fallback."""
-    assert kernels.native_quant_available()
+    assert kernels.native_quant_available(torch.bfloat16)
     packed = kernels.pack_quantized(quantize(weight(), "int4"), torch.bfloat16)
     assert isinstance(packed, PackedQuantWeight)
     assert isinstance(QuantizedLinear(quantize(weight(), "int8"), dtype=torch.bfloat16).weight, PackedQuantWeight)
 
 
-def test_fp32_activations_take_the_reference_path():
+def test_fp32_activations_take_the_avx2_op_where_it_runs():
+    """float32 activations: the AVX2 op's layout where this CPU runs it (the avx2 level or above), else the
+    QuantizedWeight and the torch reference; the same product either way."""
     qw = quantize(weight(), "int8")
-    assert kernels.pack_quantized(qw, torch.float32) is qw
+    packed = kernels.pack_quantized(qw, torch.float32)
+    assert isinstance(packed, PackedQuantF32Weight) == cpu_isa.supports("avx2")
+    assert kernels.native_quant_available(torch.float32) == cpu_isa.supports("avx2")
+    assert kernels.native_quant_available(torch.float16) is False
     x = torch.randn(3, 96)
-    torch.testing.assert_close(kernels.quant_linear(x, qw), x @ qw.dequantize().T)
+    torch.testing.assert_close(kernels.quant_linear(x, packed), x @ qw.dequantize().T)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -156,14 +159,24 @@ def test_triton_quant_linear_interpreted(kind):
 # ---------------------------------------------------------------------- --quantization
 
 
+def kernel_dtype() -> torch.dtype:
+    """The activations' dtype a native quantized matmul runs for on this process (bf16 on AVX512-BF16, else
+    float32 on AVX2): where `auto` keeps GGUF blocks."""
+    return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+
+
+@pytest.mark.skipif(not cpu_isa.supports("avx2"), reason="no native quantized matmul below AVX2")
 def test_modes_choose_each_weights_form():
     dense = weight().bfloat16()
     q4_1 = gguf_blocks(weight(), "Q4_1")
     q8_0 = gguf_blocks(weight(), "Q8_0")
-    auto = Quantization("auto", torch.bfloat16, torch.device("cpu"))
+    auto = Quantization("auto", kernel_dtype(), torch.device("cpu"))
     assert isinstance(auto.linear([dense]), Linear)  # a float checkpoint is served as trained
     kept = auto.linear([q4_1])
     assert isinstance(kept, QuantizedLinear) and kept.kind == "int4"
+    # bf16 without AVX512-BF16: no fast kernel reads the blocks, so auto dequantizes them
+    bf16_auto = Quantization("auto", torch.bfloat16, torch.device("cpu")).linear([q4_1])
+    assert isinstance(bf16_auto, QuantizedLinear) == cpu_has_avx512_bf16()
     assert isinstance(Quantization("none", torch.bfloat16, torch.device("cpu")).linear([q4_1]), Linear)
     int8 = Quantization("int8", torch.bfloat16, torch.device("cpu"))
     assert int8.linear([dense]).kind == "int8"
@@ -263,21 +276,24 @@ def test_quantization_setting(monkeypatch):
         settings.parse("worker", ["--quantization", "int3"])
 
 
+@pytest.mark.skipif(not cpu_isa.supports("avx2"), reason="no native quantized matmul below AVX2")
 def test_gguf_model_keeps_its_blocks(tmp_path):
-    """A GGUF with Q4_1 linears and a Q8_0 (tied) embedding, served with --quantization auto in bf16:
-    the linears stay int4, the lm_head and the lookup table int8, straight from the file's blocks, and
-    the logits are those of the same weights dequantized to bf16 (`none`)."""
+    """A GGUF with Q4_1 linears and a Q8_0 (tied) embedding, served with --quantization auto in the dtype a
+    native kernel runs for here (bf16 on AVX512-BF16, float32 on AVX2): the linears stay int4, the lm_head
+    and the lookup table int8, straight from the file's blocks, and the logits are those of the same
+    weights dequantized to that dtype (`none`)."""
+    dtype = str(kernel_dtype()).removeprefix("torch.")
     from gguf_factory import write_gguf
     from phaseserve.gguf_files import write_model_folder
 
     path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
                       types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")
     folder = write_model_folder(path, tmp_path / "q-folder")
-    kept = ModelRunner(folder, dtype="bfloat16", num_blocks=64)  # auto
+    kept = ModelRunner(folder, dtype=dtype, num_blocks=64)  # auto
     m = kept.model
     assert {layer.gate_up.kind for layer in m.layers} == {"int4"} and m.layers[0].qkv.kind == "int4"
     assert m.lm_head.kind == "int8" and isinstance(m.embed, QuantizedWeight) and m.embed.kind == "int8"
-    dense = ModelRunner(folder, dtype="bfloat16", num_blocks=64, quantization="none")
+    dense = ModelRunner(folder, dtype=dtype, num_blocks=64, quantization="none")
     assert isinstance(dense.model.layers[0].gate_up, Linear)
     got = run_schedule(kept, [SEQ], SCHEDULE)[0]
     ref = run_schedule(dense, [SEQ], SCHEDULE)[0]

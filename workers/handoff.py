@@ -32,7 +32,7 @@ from phaseserve.redis_client import connect
 from phaseserve.wire import KVHandoffResult, KVReceive, KVSend, StepPlan
 from workers.kv_transfer import KVReceiver, KVSender, KVTransferError
 from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
-from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, remove_stale_transfers
+from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, private_dir, remove_stale_transfers
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +59,7 @@ class KVHandoffs:
         self._receivers: dict[str, KVReceiver] = {}
         self._next_sweep = 0.0
         self._uses_shm = False  # this worker sent through shared memory: it sweeps what nobody took
+        self._shm_dir = None  # the stack's private directory of shared-memory transfers, made on first use
         self.num_sent: Counter[str] = Counter()  # transfers completed, by transport
 
     def _redis(self):
@@ -68,9 +69,14 @@ class KVHandoffs:
             self._client = connect(self.redis_url, name=f"{self.key_prefix}:kv-transfer")
         return self._client
 
+    def shm_dir(self):
+        if self._shm_dir is None:
+            self._shm_dir = private_dir(self.key_prefix)
+        return self._shm_dir
+
     def _receiver(self, transport: str) -> KVReceiver:
         if transport not in self._receivers:
-            self._receivers[transport] = (ShmKVReceiver() if transport == "shm"
+            self._receivers[transport] = (ShmKVReceiver(directory=self.shm_dir()) if transport == "shm"
                                           else RedisKVReceiver(self._redis(), prefix=self.key_prefix))
         return self._receivers[transport]
 
@@ -79,7 +85,7 @@ class KVHandoffs:
         ids = (list(block_ids) + [-1] * n)[:n]  # later blocks are learned chunk by chunk
         t = out.send.transfer_id
         if out.send.transport == "shm":
-            return ShmKVSender(t, self.runner.kv, ids)
+            return ShmKVSender(t, self.runner.kv, ids, directory=self.shm_dir())
         return RedisKVSender(self._redis(), t, self.runner.kv, ids, prefix=self.key_prefix)
 
     # ------------------------------------------------------------------ around a step
@@ -171,5 +177,5 @@ class KVHandoffs:
         now = time.monotonic()
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_EVERY_S
-            remove_stale_transfers(STALE_TRANSFER_S)
+            remove_stale_transfers(STALE_TRANSFER_S, self.shm_dir())
 

@@ -4,6 +4,9 @@ bf16 on a CPU with AVX512-BF16: the native GEMM (kernels/native/bf16_gemm.cpp, w
 by kernels.pack_bf16_linear), at every row count: decode steps read the weights once at near DRAM speed
 and run the multiply-adds under the stream; prefill runs as fast as oneDNN (docs/model-runner.md). Its rows
 do not depend on each other or on the thread count.
+float32 on an AVX2 CPU (no AVX512-BF16) with a weight of bf16 values (a bf16 checkpoint served in float32):
+the weight kept as bf16 for the native op (kernels/native/quant_gemm_f32.cpp, bf16_linear): decode reads half
+the bytes of float32, the products are unchanged.
 Otherwise (fp32, or no native op) the weight is reordered into oneDNN's blocked layout (what
 torch.compile's freezing pass does for CPU linears): `F.linear` on a plain [out, in] bf16 matrix streams
 it at ~10-15 GB/s on one thread, the prepacked oneDNN matmul at ~30-40 GB/s. Results match `F.linear`
@@ -38,9 +41,11 @@ class Linear:
         self.native = kernels.pack_bf16_linear(weight) if pack else None
         if self.native is not None and bias is not None:
             self.bias = bias.to(torch.bfloat16).contiguous()
-        self.packed = self.native is None and pack and _can_pack(weight)
+        # float32 on an AVX2 CPU: a weight of bf16 values (a bf16 checkpoint) kept as bf16 for the native op
+        self.native_f32 = kernels.pack_bf16_weight_f32(weight) if pack and self.native is None else None
+        self.packed = self.native is None and self.native_f32 is None and pack and _can_pack(weight)
         # the packed tensor is opaque (layout torch._mkldnn): only the matmul below can read it
-        if self.native is not None:
+        if self.native is not None or self.native_f32 is not None:
             self.weight = None
         elif self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -51,11 +56,15 @@ class Linear:
         return self.out_features * self.in_features
 
     def nbytes(self) -> int:
-        return self.numel() * self.dtype.itemsize + (self.bias.nbytes if self.bias is not None else 0)
+        held = self.native_f32.nbytes() if self.native_f32 is not None else self.numel() * self.dtype.itemsize
+        return held + (self.bias.nbytes if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return kernels.bf16_linear(x, self.native, self.bias)
+        if self.native_f32 is not None:
+            y = kernels.bf16_weight_linear_f32(x, self.native_f32)
+            return y if self.bias is None else y + self.bias
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

@@ -9,9 +9,10 @@ the model multiplies with: a plain tensor (Linear, bf16/fp32) or a block-quantiz
   int8  every linear block-32 int8 (GGUF Q8_0 kept as is; other GGUF types and tensors quantized)
   int4  every linear block-32 int4 (GGUF Q4_0 / Q4_1 kept as is; others quantized)
   auto  a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay as stored (int8 / int4: no round trip, the
-        file's own numbers, and decoding is faster than bf16 (bench/bench_quant.py)); every other
-        weight, and everything when no fast quantized kernel runs here, as in `none`. A safetensors
-        checkpoint is thus served exactly as trained; quantizing it is an explicit choice.
+        file's own numbers, and decoding is faster than dense (bench/bench_quant.py)) where a fast
+        quantized kernel runs for the model's dtype (CUDA; on CPU bf16 with AVX512-BF16, float32 with
+        AVX2 + FMA); every other weight, and everything where no such kernel runs, as in `none`. A
+        safetensors checkpoint is thus served exactly as trained; quantizing it is an explicit choice.
 
 Embedding lookups read a few rows a step: a table kept quantized (GGUF, int8/int4) is dequantized row by
 row at lookup; a float table stays float. The lm_head follows the linears' rule (tied: from the table).
@@ -39,10 +40,16 @@ def is_gguf_quantized(w: Any) -> bool:
     return hasattr(w, "ggml_type") and hasattr(w, "raw") and hasattr(w, "dequantize")
 
 
-def _fast_quantized_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+def _quantized_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The fast matmul that reads quantized weights here for activations of `dtype` (its name, for the log),
+    or None: Triton on CUDA; on CPU the native op for the dtype (bf16 on AVX512-BF16, float32 on AVX2 + FMA)."""
     if device.type == "cuda":
-        return True
-    return dtype == torch.bfloat16 and kernels.native_quant_available()
+        return "triton"
+    return kernels.native_quant_kernel(dtype)
+
+
+def _fast_quantized_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    return _quantized_kernel(device, dtype) is not None
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,9 @@ class Quantization:
         if self.mode not in MODES:
             raise QuantizationError(f"unknown quantization {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.mode in ("int8", "int4") and not _fast_quantized_kernel(self.device, self.dtype):
-            log.warning("no fast quantized matmul here (needs bf16 on a CPU with AVX512-BF16, or CUDA): "
-                        "every quantized linear dequantizes its weight on each call", quantization=self.mode,
-                        dtype=str(self.dtype))
+            log.warning("no fast quantized matmul here (needs bf16 on a CPU with AVX512-BF16, float32 on one "
+                        "with AVX2 + FMA, or CUDA): every quantized linear dequantizes its weight on each call",
+                        quantization=self.mode, dtype=str(self.dtype))
 
     def _keeps_gguf(self, w: Any) -> bool:
         if w.ggml_type not in GGUF_TYPES:
@@ -104,8 +111,8 @@ class Quantization:
         native = sum(not isinstance(lin.weight, QuantizedWeight) for lin in quantized)
         log.info("linear weights", quantization=self.mode, kinds=kinds,
                  embedding=getattr(table, "kind", str(getattr(table, "dtype", "")).removeprefix("torch.")),
-                 matmul=("none quantized" if not quantized else "native avx512-bf16" if native == len(quantized)
-                         else "triton" if self.device.type == "cuda" else "torch reference (slow)"),
+                 matmul=("none quantized" if not quantized else _quantized_kernel(self.device, self.dtype)
+                         if native == len(quantized) or self.device.type == "cuda" else "torch reference (slow)"),
                  bytes=sum(lin.nbytes() for lin in linears))
 
     def embedding(self, w: Any) -> torch.Tensor | QuantizedWeight:

@@ -22,7 +22,7 @@ from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.loader import ModelConfig, load_checkpoint
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
-from workers.sampler import SampleRow, Sampler
+from workers.sampler import SampleRow, Sampler, stop_id_tensor
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +82,7 @@ class SequenceState:
     token_ids: list[int]  # prompt + outputs
     finished: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
 
@@ -151,9 +152,10 @@ class ModelRunner:
     def _start(self, s) -> None:
         params = s.params
         tokens = list(s.prompt_ids) + list(s.output_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.seqs[s.seq_id] = SequenceState(
-            s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens,
-            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
+            stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
             num_computed=s.num_cached,
         )
 
@@ -294,7 +296,8 @@ class ModelRunner:
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
-        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids) for s in sampling]
+        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
+                for s in sampling]
         out = self.sampler(logits, rows)
         events = []
         for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs):

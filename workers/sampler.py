@@ -39,6 +39,16 @@ class SampleRow:
     token_ids: list[int]  # prompt + outputs so far (not copied: only penalties read it)
     prompt_len: int
     stop_ids: frozenset[int]  # eos + stop_token_ids: masked while min_tokens is not reached
+    # stop_ids as a tensor (stop_id_tensor), built once per sequence by its owner, not on every step
+    stop_tensor: torch.Tensor | None = None
+
+    def stop_id_tensor(self, vocab_size: int) -> torch.Tensor:
+        return self.stop_tensor if self.stop_tensor is not None else stop_id_tensor(self.stop_ids, vocab_size)
+
+
+def stop_id_tensor(stop_ids: frozenset[int], vocab_size: int) -> torch.Tensor:
+    """The in-vocabulary ids of a stop set as an int64 tensor (what the min_tokens mask indexes with)."""
+    return torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab_size), dtype=torch.int64)
 
 
 @dataclass
@@ -79,11 +89,15 @@ class Sampler:
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
             x = x - freq * out_counts - pres * (out_counts > 0).float()
             logits = logits.index_copy(0, sel, x)
-        banned = [(i, t) for i, r in enumerate(rows) if r.offset < r.params.min_tokens for t in r.stop_ids
-                  if t < self.vocab_size]
-        if banned:
-            ri, ti = torch.tensor(banned, device=logits.device).T
-            logits = logits.float().index_put((ri, ti), torch.tensor(float("-inf"), device=logits.device))
+        masked = [(i, r.stop_id_tensor(self.vocab_size)) for i, r in enumerate(rows)
+                  if r.offset < r.params.min_tokens and r.stop_ids]
+        masked = [(i, ids) for i, ids in masked if len(ids)]
+        if masked:
+            ti = torch.cat([ids for _, ids in masked])
+            ri = torch.repeat_interleave(torch.tensor([i for i, _ in masked]),
+                                         torch.tensor([len(ids) for _, ids in masked]))
+            dev = logits.device
+            logits = logits.float().index_put((ri.to(dev), ti.to(dev)), torch.tensor(float("-inf"), device=dev))
         return logits
 
     def _noise(self, rows: list[SampleRow], V: int, device) -> torch.Tensor:
@@ -115,7 +129,9 @@ class Sampler:
             # argmax of their fp32 copy, without making that copy
             tokens = kernels.argmax(logits)
         else:
-            temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
+            # 0 selects the kernels' greedy path (a tiny temperature would overflow the logits to NaN)
+            temperature = torch.tensor([0.0 if x.greedy else x.temperature for x in p], dtype=torch.float32,
+                                       device=dev)
             top_k = torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev)
             top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
             min_p = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)

@@ -3,8 +3,8 @@
 `load(name)` compiles `kernels/native/<name>.cpp` into torch's extension cache (reused by later
 processes while the source is unchanged) and returns `torch.ops.phaseserve_<name>`, the namespace its
 `STABLE_TORCH_LIBRARY(phaseserve_<name>, m)` (or `TORCH_LIBRARY`) block registers; or None, with a log
-line saying why, where native ops cannot run: PHASESERVE_NATIVE=0, not Linux on x86-64, no C++
-compiler, a failed build, or a CPU without the instructions the file needs (its `supported()` op says).
+line saying why, where native ops cannot run: PHASESERVE_NATIVE=0, not Linux on x86-64, a CPU below the
+level the file needs (REQUIRES; checked before anything is compiled), no C++ compiler, or a failed build.
 
 Hot functions carry `__attribute__((target(...)))` and the CPU is checked at run time: the build never
 uses -march=native, so one cache serves every CPU of the architecture. Only kernels/__init__.py (the
@@ -25,12 +25,26 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels import cpu_isa
+
 log = structlog.get_logger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SHARED_HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))  # included by the ops
 ENV_SWITCH = "PHASESERVE_NATIVE"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
+
+# the CPU level (kernels/cpu_isa.py) each op's file is written for; its `supported()` op checks the same
+REQUIRES = {
+    "attention_f32": "avx2",
+    "bf16_gemm": "avx512-bf16",
+    "decode_attention": "avx512-bf16",
+    "extend_attention": "avx512-bf16",
+    "layer_ops": "avx512-bf16",
+    "layer_ops_f32": "avx2",
+    "quant_gemm": "avx512-bf16",
+    "quant_gemm_f32": "avx2",
+}
 
 _loaded: dict[str, object | None] = {}
 _lock = threading.Lock()
@@ -67,6 +81,14 @@ def _unsupported_platform() -> str | None:
     return None
 
 
+def _unsupported_cpu(name: str) -> str | None:
+    required = REQUIRES[name]
+    if cpu_isa.supports(required):
+        return None
+    capped = f", capped by {cpu_isa.ENV_CAP}" if cpu_isa.cap() is not None else ""
+    return f"needs {required}; this CPU runs {cpu_isa.level()}{capped}"
+
+
 def _put_ninja_on_path() -> None:
     """cpp_extension runs `ninja` from PATH; the ninja wheel's binary sits in the venv's bin, which is not on
     PATH when the venv's python is run without activating it."""
@@ -90,7 +112,7 @@ def _load(name: str):
     source = SOURCE_DIR / f"{name}.cpp"
     if not source.is_file():
         raise ValueError(f"no native op source {source}")
-    reason = _unsupported_platform()
+    reason = _unsupported_platform() or _unsupported_cpu(name)
     if reason is not None:
         log.warning("native op unavailable, torch path runs", op=name, reason=reason)
         return None
@@ -116,6 +138,6 @@ def _load(name: str):
     ops = getattr(torch.ops, module)
     if hasattr(ops, "supported") and not ops.supported():
         log.warning("native op unavailable, torch path runs", op=name,
-                    reason="this CPU lacks the instructions it needs (AVX512-BF16)")
+                    reason=f"this CPU lacks the instructions it needs ({REQUIRES[name]})")
         return None
     return ops

@@ -29,7 +29,8 @@
 
 #include <immintrin.h>
 
-#include "cpu_features.h"
+#include "avx2_math.h"
+#include "row_tensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -80,65 +81,7 @@ AVX512_BF16 inline void store_rounded(uint16_t* p, __m512 lo, __m512 hi) {
   _mm512_storeu_si512(p, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi)));
 }
 
-// A new dense CPU tensor (bf16 unless told). aoti_torch_empty_strided calls at::empty_strided directly; the stable
-// new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a small op's cost).
-Tensor empty(const std::vector<int64_t>& shape, int32_t dtype = aoti_torch_dtype_bfloat16()) {
-  std::vector<int64_t> strides(shape.size());
-  int64_t stride = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = stride;
-    stride *= shape[i];
-  }
-  AtenTensorHandle handle = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
-                                                         strides.data(), dtype, aoti_torch_device_type_cpu(), 0,
-                                                         &handle));
-  return Tensor(handle);
-}
-
 // ------------------------------------------------------------------------------------------------ rms norm
-
-int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
-  if (x <= 2) return 1;
-  return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
-}
-
-// sum(sq[0..n)) for n floats in the order of ATen's vectorized inner sum (SumKernel.cpp: vectorized_inner_sum
-// -> row_sum -> multi_row_sum, ilp 4, 4 cascade levels) as torch runs it on every x86 CPU: from its AVX2
-// build, 8 lanes (SumKernel.cpp registers no AVX512 sum: "slower with AVX512"). So the rms statistic is
-// torch's bit for bit.
-AVX512_BF16 float torch_order_sum(const float* sq, int64_t n) {
-  const int64_t vecs = n / 8, rows = vecs / 4;
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / 4);
-  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
-  __m256 acc[4][4];
-  for (auto& level : acc)
-    for (auto& a : level) a = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + level_step <= rows;) {
-    for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
-    for (int64_t j = 1; j < 4; ++j) {
-      for (int k = 0; k < 4; k++) {
-        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
-        acc[j - 1][k] = _mm256_setzero_ps();
-      }
-      if ((i & (level_mask << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < rows; ++i)
-    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + (i * 4 + k) * 8));
-  for (int64_t j = 1; j < 4; ++j)
-    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
-  for (int64_t v = rows * 4; v < vecs; v++) acc[0][0] = _mm256_add_ps(acc[0][0], _mm256_loadu_ps(sq + v * 8));
-  for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
-  float total = 0.0f;
-  for (int64_t e = vecs * 8; e < n; e++) total += sq[e];
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc[0][0]);
-  for (float lane : lanes) total += lane;
-  return total;
-}
 
 // One row: h = bf16(x + r) (when r), then out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))).
 // sq: n floats of scratch. 32 elements a step where it can (one permute stores them), then 16 masked.
@@ -188,23 +131,6 @@ void check_rows(const Tensor& t, const char* name, const char* op) {
                   " must be a bfloat16 CPU tensor");
 }
 
-// t's leading dims as rows of one stride (returned), the last dim dense: t itself when it is laid out so
-// (a GEMM output, or a slice of rows of one), else a contiguous copy.
-int64_t as_rows(Tensor& t) {
-  const int64_t d = t.dim();
-  bool rows = t.stride(d - 1) == 1 || t.size(d - 1) == 1;
-  for (int64_t i = d - 3; i >= 0 && rows; i--)
-    rows = t.size(i + 1) == 1 || t.stride(i) == t.stride(i + 1) * t.size(i + 1);
-  if (!rows) t = torch::stable::contiguous(t);
-  return d >= 2 ? t.stride(d - 2) : t.size(d - 1);
-}
-
-int64_t rows_of(const Tensor& t) {
-  int64_t rows = 1;
-  for (int64_t i = 0; i + 1 < t.dim(); i++) rows *= t.size(i);
-  return rows;
-}
-
 std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
   STD_TORCH_CHECK(cpu_supported(), "add_rms_norm: this CPU lacks AVX512-BF16");
   check_rows(x, "x", "add_rms_norm");
@@ -223,8 +149,8 @@ std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor 
   }
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
-  Tensor out = empty(shape);
-  Tensor h = residual != nullptr ? empty(shape) : out;
+  Tensor out = empty(shape, aoti_torch_dtype_bfloat16());
+  Tensor h = residual != nullptr ? empty(shape, aoti_torch_dtype_bfloat16()) : out;
   const int64_t rows = rows_of(x);
   if (rows == 0 || n == 0) return {out, h};
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
@@ -329,7 +255,7 @@ Tensor silu_and_mul(Tensor x) {
   std::vector<int64_t> shape(x.dim());
   for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
   shape.back() = inter;
-  Tensor out = empty(shape);
+  Tensor out = empty(shape, aoti_torch_dtype_bfloat16());
   if (rows == 0 || inter == 0) return out;
   const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   auto* op = static_cast<uint16_t*>(out.mutable_data_ptr());

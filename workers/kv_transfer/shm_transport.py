@@ -7,6 +7,11 @@ the magic last: a receiver that sees the magic sees a complete transfer. The rec
 over the mapping and scatters from it into its cache (the mapping is the staging buffer), then unlinks the
 file. A plain file rather than multiprocessing.shared_memory: Python 3.11's resource tracker unlinks
 segments that an attaching process registered when that process exits.
+
+Private: the files live in a directory of the stack's own (`private_dir`, mode 0700, owned by the
+workers' user), their names carry the scheduler's random transfer ids, and the receiver maps a file only
+if it is a regular file of its own user that no one else can read or write. Another local user can
+neither read a prompt's KV nor plant a file for a receiver to apply.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import struct
 import time
 from pathlib import Path
@@ -39,13 +45,37 @@ POLL_S = 0.0005
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
-def transfer_path(transfer_id: str, directory: Path = SHM_DIR) -> Path:
+def private_dir(stack: str, base: Path = SHM_DIR) -> Path:
+    """The stack's transfer directory (stack: its key prefix), made 0700 if absent; a clear error if it exists
+    but is not this user's alone (another user made it first, or it is a link)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", stack)[:64]
+    path = base / f"phaseserve-kv-{os.geteuid()}-{safe}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    check_private(path, directory=True)
+    return path
+
+
+def check_private(path: Path, directory: bool = False, st: os.stat_result | None = None) -> None:
+    """Refuse what this user does not own alone: another owner, group or other permissions, a link, or a file of
+    the wrong kind (st: the stat of an open file, so what is checked is what gets mapped)."""
+    st = st or os.lstat(path)
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    if not kind_ok or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise KVTransferError(f"{path} is not private to this user (owner uid {st.st_uid}, mode "
+                              f"{stat.filemode(st.st_mode)}; want uid {os.geteuid()}, no group or other access): "
+                              "refused")
+
+
+def transfer_path(transfer_id: str, directory: Path) -> Path:
     if not _SAFE_ID.match(transfer_id):
         raise ValueError(f"transfer id {transfer_id!r}: use 1-128 letters, digits, '.', '_' or '-'")
     return directory / f"phaseserve-kv-{transfer_id}"
 
 
-def remove_stale_transfers(max_age_s: float, directory: Path = SHM_DIR) -> int:
+def remove_stale_transfers(max_age_s: float, directory: Path) -> int:
     """Unlink transfer files untouched for max_age_s: ones whose receiver never came (its worker died, or
     the scheduler gave the sequence to another). Run now and then by whoever owns the host's workers."""
     now = time.time()
@@ -63,12 +93,13 @@ def remove_stale_transfers(max_age_s: float, directory: Path = SHM_DIR) -> int:
 
 
 class ShmKVSender(KVSender):
-    def __init__(self, transfer_id: str, cache: KVCache, block_ids: list[int], *, directory: Path = SHM_DIR):
+    def __init__(self, transfer_id: str, cache: KVCache, block_ids: list[int], *, directory: Path):
         super().__init__(transfer_id, cache, block_ids)
+        check_private(directory, directory=True)
         self.path = transfer_path(transfer_id, directory)
         self.total = len(self.block_ids) * self.layout.piece_bytes_per_block
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             raise KVTransferError(f"transfer id {transfer_id} is in use ({self.path}); a retry needs a new id") from None
         try:
@@ -109,7 +140,8 @@ class ShmKVSender(KVSender):
 
 
 class ShmKVReceiver(KVReceiver):
-    def __init__(self, *, directory: Path = SHM_DIR):
+    def __init__(self, *, directory: Path):
+        check_private(directory, directory=True)
         self.directory = directory
 
     def receive(self, transfer_id: str, cache: KVCache, block_ids: list[int],
@@ -136,13 +168,20 @@ class ShmKVReceiver(KVReceiver):
         while True:
             if mm is None:
                 try:
-                    with open(path, "r+b") as f:
-                        size = os.fstat(f.fileno()).st_size
-                        if size >= HEADER_BYTES:  # created but not yet sized: look again
-                            # the pages exist: map them all in one call instead of one fault per page
-                            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | POPULATE)
+                    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
                 except FileNotFoundError:
-                    pass
+                    fd = None
+                except OSError as e:  # a link (ELOOP), or not ours to open
+                    raise KVTransferError(f"transfer {transfer_id}: cannot open {path}: {e.strerror}: refused") from e
+                if fd is not None:
+                    try:
+                        st = os.fstat(fd)
+                        check_private(path, st=st)  # only a file its sender (this user) made, readable by no one else
+                        if st.st_size >= HEADER_BYTES:  # created but not yet sized: look again
+                            # the pages exist: map them all in one call instead of one fault per page
+                            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | POPULATE)
+                    finally:
+                        os.close(fd)
             if mm is not None and mm[:len(MAGIC)] == MAGIC:
                 return mm
             if time.monotonic() >= deadline:

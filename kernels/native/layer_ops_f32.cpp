@@ -1,0 +1,353 @@
+// A decoder layer's elementwise work for float32 CPU tensors, for CPUs with AVX2 + FMA: the ops of
+// layer_ops.cpp (bf16) with the same semantics (kernels/__init__.py dispatches here; kernels/reference.py is
+// the oracle):
+//   add_rms_norm(x, residual?, weight, eps) -> (norm(x + residual) * weight, x + residual)
+//   silu_and_mul(x [T, 2I], torch_block) -> silu(gate) * up [T, I]
+//   rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots): rotates q and k in place
+//     (neox rotate-half) and stores the rotated k and v at their cache slots (slots < 0 skipped); returns
+//     false, doing nothing, for dtypes and layouts it does not take (the caller runs torch)
+//   argmax(logits [R, V]) -> int64 [R]: torch.argmax(logits, dim=-1)
+//
+// Bit-identical to the torch reference, so an fp32 model's layers give the same values natively as with
+// torch: the same separate fp32 operations in the same order (no FMA contraction: see the pragma), the rms
+// statistic summed in the order of torch's vectorized CPU sum (avx2_math.h), silu's exp as torch computes
+// it: Sleef's expf_u10 in its vector loop and the C library's expf for the elements past the loop's last
+// whole step of `torch_block` floats (2 vectors of torch's CPU capability: the caller passes it).
+// tests/test_native_layer_ops_f32.py checks equality. Rows are independent and a row's arithmetic never
+// depends on the batch or the thread count.
+//
+// Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_layer_ops_f32.
+
+#pragma GCC optimize("fp-contract=off")  // torch rounds a*b and the sum separately: never fuse to an FMA
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include "avx2_math.h"
+#include "row_tensors.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int64_t ELEMS_PER_THREAD = 32768;  // below this much work a call stays on the calling thread
+
+void check_rows(const Tensor& t, const char* name, const char* op) {
+  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Float && t.dim() >= 1, op, ": ", name,
+                  " must be a float32 CPU tensor");
+}
+
+// ------------------------------------------------------------------------------------------------ rms norm
+
+// One row: h = x + r (when r), then out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). sq: n floats of scratch.
+AVX2_FMA void rms_norm_row(const float* x, const float* r, const float* w, float* h_out, float* out, int64_t n,
+                           float eps, float* sq) {
+  const float* h = r != nullptr ? h_out : x;
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    __m256 v = _mm256_loadu_ps(x + c);
+    if (r != nullptr) {
+      v = _mm256_add_ps(v, _mm256_loadu_ps(r + c));
+      _mm256_storeu_ps(h_out + c, v);
+    }
+    _mm256_storeu_ps(sq + c, _mm256_mul_ps(v, v));
+  }
+  for (; c < n; c++) {
+    const float v = r != nullptr ? (h_out[c] = x[c] + r[c]) : x[c];
+    sq[c] = v * v;
+  }
+  // torch: sum(h^2).div_(n).add_(eps), then rsqrt as 1 / sqrt
+  const float mean = torch_order_sum(sq, n) / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (c = 0; c + 8 <= n; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(h + c), iv)));
+  for (; c < n; c++) out[c] = w[c] * (h[c] * inv);
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "add_rms_norm: this CPU lacks AVX2 and FMA");
+  check_rows(x, "x", "add_rms_norm");
+  check_rows(weight, "weight", "add_rms_norm");
+  const int64_t n = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
+  if (weight.stride(0) != 1) weight = torch::stable::contiguous(weight);
+  const int64_t xs = as_rows(x);
+  int64_t rs = 0;
+  if (residual != nullptr) {
+    check_rows(*residual, "residual", "add_rms_norm");
+    STD_TORCH_CHECK(shape_of(*residual) == shape_of(x), "add_rms_norm: residual shape differs from x's");
+    rs = as_rows(*residual);
+  }
+  Tensor out = empty(shape_of(x), aoti_torch_dtype_float32());
+  Tensor h = residual != nullptr ? empty(shape_of(x), aoti_torch_dtype_float32()) : out;
+  const int64_t rows = rows_of(x);
+  if (rows == 0 || n == 0) return {out, h};
+  const float* xp = x.const_data_ptr<float>();
+  const float* rp = residual != nullptr ? residual->const_data_ptr<float>() : nullptr;
+  const float* wp = weight.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  float* hp = h.mutable_data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sq(n);
+    for (int64_t i = begin; i < end; i++)
+      rms_norm_row(xp + i * xs, rp != nullptr ? rp + i * rs : nullptr, wp, hp + i * n, op + i * n, n, feps,
+                   sq.data());
+  });
+  return {out, h};
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, double eps) { return std::get<0>(add_rms_norm_impl(x, nullptr, weight, eps)); }
+
+std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor weight, double eps) {
+  return add_rms_norm_impl(x, &residual, weight, eps);
+}
+
+// ------------------------------------------------------------------------------------------------ silu * up
+
+// One row: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)); exp as torch's loop computes it (see the top).
+AVX2_FMA void silu_and_mul_row(const float* x, float* out, int64_t inter, int64_t vector_end) {
+  const float* up = x + inter;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t c = 0;
+  for (; c < vector_end; c += 8) {
+    const __m256 g = _mm256_loadu_ps(x + c);
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, sleef_expf(_mm256_xor_ps(g, sign))));
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(s, _mm256_loadu_ps(up + c)));
+  }
+  for (; c < inter; c++) out[c] = x[c] / (1.0f + std::exp(-x[c])) * up[c];
+}
+
+// torch_block: floats per step of torch's vectorized loop (32 for its AVX512 kernels, 16 for AVX2; 0: torch
+// computes every exp with the C library's expf).
+Tensor silu_and_mul(Tensor x, int64_t torch_block) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "silu_and_mul: this CPU lacks AVX2 and FMA");
+  check_rows(x, "x", "silu_and_mul");
+  STD_TORCH_CHECK(torch_block >= 0 && torch_block % 8 == 0, "silu_and_mul: torch_block must be a multiple of 8");
+  const int64_t width = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be even (gate | up), got ", width);
+  const int64_t xs = as_rows(x);
+  const int64_t inter = width / 2, rows = rows_of(x);
+  std::vector<int64_t> shape = shape_of(x);
+  shape.back() = inter;
+  Tensor out = empty(shape, aoti_torch_dtype_float32());
+  if (rows == 0 || inter == 0) return out;
+  const int64_t vector_end = torch_block == 0 ? 0 : inter / torch_block * torch_block;
+  const float* xp = x.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) silu_and_mul_row(xp + i * xs, op + i * inter, inter, vector_end);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ rotary + KV
+
+// Rotates the first 2 * half features of each of the token's heads in place: (x1, x2) -> (x1 c - x2 s,
+// x2 c + x1 s), each product rounded on its own, as the reference does.
+AVX2_FMA inline void rotate_heads(float* base, int64_t sh, int64_t heads, const float* cos, const float* sin,
+                                  int64_t half) {
+  for (int64_t h = 0; h < heads; h++) {
+    float* x = base + h * sh;
+    int64_t c = 0;
+    for (; c + 8 <= half; c += 8) {
+      const __m256 x1 = _mm256_loadu_ps(x + c), x2 = _mm256_loadu_ps(x + half + c);
+      const __m256 cv = _mm256_loadu_ps(cos + c), sv = _mm256_loadu_ps(sin + c);
+      _mm256_storeu_ps(x + c, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+      _mm256_storeu_ps(x + half + c, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    }
+    for (; c < half; c++) {
+      const float x1 = x[c], x2 = x[half + c];
+      x[c] = x1 * cos[c] - x2 * sin[c];
+      x[half + c] = x2 * cos[c] + x1 * sin[c];
+    }
+  }
+}
+
+inline void copy_heads(float* dst, const float* src, int64_t src_sh, int64_t heads, int64_t d) {
+  for (int64_t h = 0; h < heads; h++) std::copy(src + h * src_sh, src + h * src_sh + d, dst + h * d);
+}
+
+bool is_f32_heads(const Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == ScalarType::Float && t.dim() == 3 && t.stride(2) == 1;
+}
+
+template <typename Index>
+void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  const int64_t half = cos_sin.size(1) / 2, max_pos = cos_sin.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; t++) {  // checked before anything is written
+    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_and_write_kv: position ", pos[t],
+                    " is outside the cos/sin cache [0, ", max_pos, ")");
+    STD_TORCH_CHECK(slot[t] < num_slots, "rotary_and_write_kv: slot ", slot[t], " is outside the cache (",
+                    num_slots, " slots)");
+  }
+  float* qp = q.mutable_data_ptr<float>();
+  float* kp = k.mutable_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  float* kc = k_cache.mutable_data_ptr<float>();
+  float* vc = v_cache.mutable_data_ptr<float>();
+  const float* cs = cos_sin.const_data_ptr<float>();
+  const int64_t cs_stride = cos_sin.stride(0);
+  const int64_t qst = q.stride(0), qsh = q.stride(1), kst = k.stride(0), ksh = k.stride(1);
+  const int64_t vst = v.stride(0), vsh = v.stride(1);
+  const int64_t per_token = (H + 2 * KVH) * D;
+  torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / per_token), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const float* cos = cs + static_cast<int64_t>(pos[t]) * cs_stride;
+      const float* sin = cos + half;
+      rotate_heads(qp + t * qst, qsh, H, cos, sin, half);
+      float* kt = kp + t * kst;
+      rotate_heads(kt, ksh, KVH, cos, sin, half);
+      const int64_t s = slot[t];
+      if (s >= 0) {
+        copy_heads(kc + s * KVH * D, kt, ksh, KVH, D);
+        copy_heads(vc + s * KVH * D, vp + t * vst, vsh, KVH, D);
+      }
+    }
+  });
+}
+
+// false (nothing done) for dtypes and layouts the op does not take: q, k, v, caches float32 with a dense
+// head_dim, contiguous caches, an fp32 cos/sin cache, int64 or int32 positions and slots. The caller then
+// runs torch. Shapes that disagree or indices out of range are errors.
+bool rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
+                         Tensor v_cache, Tensor slots) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "rotary_and_write_kv: this CPU lacks AVX2 and FMA");
+  const auto index_type = positions.scalar_type();
+  if (!is_f32_heads(q) || !is_f32_heads(k) || !is_f32_heads(v) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
+      k_cache.scalar_type() != ScalarType::Float || v_cache.scalar_type() != ScalarType::Float ||
+      !k_cache.is_cpu() || !v_cache.is_cpu() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
+      cos_sin.scalar_type() != ScalarType::Float || !cos_sin.is_cpu() || cos_sin.dim() != 2 ||
+      cos_sin.stride(1) != 1 || (index_type != ScalarType::Long && index_type != ScalarType::Int) ||
+      slots.scalar_type() != index_type || positions.dim() != 1 || slots.dim() != 1 || positions.stride(0) != 1 ||
+      slots.stride(0) != 1 || !positions.is_cpu() || !slots.is_cpu())
+    return false;
+  const int64_t T = q.size(0), D = q.size(2), KVH = k.size(1);
+  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
+                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
+  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.size(0) == k_cache.size(0) &&
+                      v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == KVH && v_cache.size(3) == D,
+                  "rotary_and_write_kv: cache shapes [blocks, block_size, KVH, D] disagree with k");
+  const int64_t rd = cos_sin.size(1);
+  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
+                  " must be even, positive and <= head_dim ", D);
+  STD_TORCH_CHECK(positions.size(0) == T && slots.size(0) == T, "rotary_and_write_kv: positions and "
+                  "slot_mapping must be [", T, "]");
+  if (T == 0) return true;
+  if (index_type == ScalarType::Long)
+    rotate_and_write(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  else
+    rotate_and_write(positions.const_data_ptr<int32_t>(), slots.const_data_ptr<int32_t>(), q, k, v, cos_sin,
+                     k_cache, v_cache);
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------------ argmax
+
+// The first index of the row's maximum, as torch's argmax finds it: a NaN is the maximum (the first NaN
+// wins), equal values (+0 and -0 too) go to the lowest index. Four accumulators of 8 lanes, each seeing its
+// indices in increasing order and keeping its first maximum on a strict >; the lowest index among the lanes
+// holding the overall maximum is then the row's first.
+AVX2_FMA int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int ACC = 4;
+  __m256 best[ACC];
+  __m256i at[ACC];
+  for (int a = 0; a < ACC; a++) {
+    best[a] = _mm256_set1_ps(-INFINITY);
+    at[a] = _mm256_set1_epi32(INT32_MAX);  // a lane that never sees a value above -inf never wins below
+  }
+  __m256 nan = _mm256_setzero_ps();
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t c = 0;
+  for (; c + 8 * ACC <= n; c += 8 * ACC) {
+    for (int a = 0; a < ACC; a++) {
+      const __m256 v = _mm256_loadu_ps(x + c + 8 * a);
+      const __m256 gt = _mm256_cmp_ps(v, best[a], _CMP_GT_OQ);
+      best[a] = _mm256_blendv_ps(best[a], v, gt);
+      at[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at[a]), _mm256_castsi256_ps(idx), gt));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      idx = _mm256_add_epi32(idx, step);
+    }
+  }
+  float top = -INFINITY;
+  int64_t top_at = INT64_MAX;
+  bool tail_nan = false;
+  for (; c < n; c++) {  // the tail, one by one
+    tail_nan |= std::isnan(x[c]);
+    if (x[c] > top) top = x[c], top_at = c;
+  }
+  if (tail_nan || _mm256_movemask_ps(nan) != 0) {  // rare: the first NaN
+    for (int64_t i = 0; i < n; i++)
+      if (std::isnan(x[i])) return i;
+  }
+  alignas(32) float b[ACC][8];
+  alignas(32) int32_t i[ACC][8];
+  for (int a = 0; a < ACC; a++) {
+    _mm256_store_ps(b[a], best[a]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(i[a]), at[a]);
+  }
+  for (int a = 0; a < ACC; a++)
+    for (int l = 0; l < 8; l++)
+      if (i[a][l] != INT32_MAX && (b[a][l] > top || (b[a][l] == top && i[a][l] < top_at))) top = b[a][l], top_at = i[a][l];
+  return top_at == INT64_MAX ? 0 : top_at;  // every value -inf: torch returns the first
+}
+
+Tensor argmax(Tensor logits) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "argmax: this CPU lacks AVX2 and FMA");
+  check_rows(logits, "logits", "argmax");
+  STD_TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax: logits must be [rows, vocab > 0]");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  STD_TORCH_CHECK(n <= (int64_t(1) << 30), "argmax: vocab of ", n, " is too large");  // int32 lane indices
+  const int64_t stride = as_rows(logits);
+  Tensor out = empty({rows}, aoti_torch_dtype_int64());
+  if (rows == 0) return out;
+  const float* xp = logits.const_data_ptr<float>();
+  auto* op = out.mutable_data_ptr<int64_t>();
+  torch::stable::parallel_for(0, rows, std::max<int64_t>(1, ELEMS_PER_THREAD / n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) op[i] = argmax_row(xp + i * stride, n);
+  });
+  return out;
+}
+
+bool supported() { return cpu_supports_avx2_fma(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_layer_ops_f32, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x, int torch_block) -> Tensor");
+  m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> bool");
+  m.def("argmax(Tensor logits) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops_f32, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&rms_norm));
+  m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
+  m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));
+  m.impl("rotary_and_write_kv", TORCH_BOX(&rotary_and_write_kv));
+  m.impl("argmax", TORCH_BOX(&argmax));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops_f32, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}

@@ -1,0 +1,268 @@
+"""kernels/native/quant_gemm_f32.cpp: the quantized matmul for float32 activations on AVX2 + FMA, against the
+torch reference (kernels/reference.py: dequantize, then F.linear) and the exact product; each row's result
+bit-identical whatever the other rows of the call and the thread count; and the dispatch that sends a
+float32 model's quantized linears to it on an AVX2 process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import native_quant_f32, reference
+from kernels.quant import QuantizedWeight, from_gguf, quantize
+from native_ops import load_or_skip
+
+ROOT = Path(__file__).resolve().parent.parent
+# every row-count regime: the register tiles (1, 2, 4 rows + remainders), the unpacked-chunk path, its
+# 6-row tiles and their remainders, and the bf16 op's old switch at 96
+SWEEP = (1, 2, 3, 7, 16, 95, 96, 97, 128, 300)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_or_skip("quant_gemm_f32")
+
+
+def weight(out_f, in_f, seed=0) -> torch.Tensor:
+    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def gguf_weight(ggml_type: str, out_f: int, in_f: int, seed=0) -> QuantizedWeight:
+    """A weight as a GGUF file stores it (gguf-py's own quantizer), split into our format byte for byte."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    raw = gguf_quantize(weight(out_f, in_f, seed).numpy(), GGMLQuantizationType[ggml_type])
+    return from_gguf(ggml_type, torch.from_numpy(raw), (out_f, in_f))
+
+
+def rows(t: int, in_f: int, seed=1) -> torch.Tensor:
+    return torch.randn(t, in_f, generator=torch.Generator().manual_seed(seed))
+
+
+def native(ops, x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    p = native_quant_f32.pack(qw)
+    return ops.quant_linear(x.contiguous() if x.stride(-1) != 1 else x, p.data, p.bits, p.shape[0])
+
+
+def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight) -> None:
+    exact = x.double() @ qw.dequantize(torch.float64).T
+    scale = exact.abs().max()
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    # fp32 accumulation over K: a few units of fp32 rounding of the largest output
+    assert (got.double() - exact).abs().max() <= 2 ** -19 * scale
+    assert (got - reference.quant_linear(x, qw)).abs().max() <= 2 ** -18 * scale
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160), (200, 32)])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_matches_reference(ops, ggml_type, shape, t):
+    """GGUF blocks as stored, odd output counts (not a multiple of the 8-output group or of a tile) and
+    input dims of 1 to 5 blocks."""
+    qw = gguf_weight(ggml_type, *shape, seed=t)
+    x = rows(t, shape[1])
+    assert_close_to_reference(native(ops, x, qw), x, qw)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_at_load_matches_reference(ops, kind):
+    qw = quantize(weight(96, 256), kind)
+    x = rows(9, 256)
+    assert_close_to_reference(native(ops, x, qw), x, qw)
+
+
+def test_reads_strided_rows(ops):
+    qw = quantize(weight(40, 64), "int4")
+    big = rows(7, 128)
+    x = big[:, 32:96]  # rows 128 apart, not contiguous
+    assert not x.is_contiguous()
+    got = ops.quant_linear(x, *(lambda p: (p.data, p.bits, p.shape[0]))(native_quant_f32.pack(qw)))
+    assert torch.equal(got, native(ops, x.contiguous(), qw))
+    assert_close_to_reference(got, x, qw)
+    packed = kernels.pack_quantized(qw, torch.float32)
+    assert torch.equal(kernels.quant_linear(x.t().contiguous().t(), packed), got)  # columns strided: copied
+
+
+def test_padded_group_writes_only_real_outputs(ops):
+    """13 outputs: the last 8-output group holds 5 real ones; the op's output has 13 columns and the
+    padding never shows (a row of zeros in x still gives exact zeros)."""
+    qw = quantize(weight(13, 64), "int4")
+    x = torch.cat([rows(3, 64), torch.zeros(1, 64)])
+    got = native(ops, x, qw)
+    assert got.shape == (4, 13) and torch.equal(got[3], torch.zeros(13))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_rows_bit_identical_whatever_the_batch_and_threads(ops, ggml_type):
+    """Each row's result equals, bit for bit, the same row computed alone on one thread: for every row count
+    of the sweep (each regime and tile remainder) and on 1 or 2 threads."""
+    qw = gguf_weight(ggml_type, 200, 192)  # 25 groups: uneven per thread and per tile
+    x = rows(max(SWEEP), 192, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([native(ops, x[i:i + 1], qw) for i in range(x.shape[0])])
+        assert_close_to_reference(alone, x, qw)
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for t in SWEEP:
+                # a window that starts mid-way, so a row lands in a different tile position than alone
+                start = (7 * t) % (x.shape[0] - t + 1)
+                got = native(ops, x[start:start + t], qw)
+                assert torch.equal(got, alone[start:start + t]), f"{t} rows on {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rejects_bad_inputs(ops):
+    p = native_quant_f32.pack(quantize(weight(16, 64), "int8"))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.quant_linear(rows(2, 64).bfloat16(), p.data, p.bits, 16)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.quant_linear(rows(2, 96), p.data, p.bits, 16)
+    with pytest.raises(RuntimeError, match="outputs"):
+        ops.quant_linear(rows(2, 64), p.data, p.bits, 24)
+    with pytest.raises(TypeError, match="float32 activations"):
+        kernels.quant_linear(rows(2, 64).bfloat16(), p)
+
+
+def test_packing_is_a_reshuffle():
+    """Same bytes per weight as the QuantizedWeight, except the zero-padded last group."""
+    for kind in ("int8", "int4"):
+        qw = quantize(weight(64, 128), kind)
+        assert native_quant_f32.pack(qw).nbytes() == qw.nbytes()
+
+
+# ---------------------------------------------------------------------- dispatch in a float32 model
+
+DISPATCH = """
+import json, sys
+import torch
+import kernels
+from kernels import native
+from kernels.native_quant_f32 import PackedQuantF32Weight
+from workers.runner import ModelRunner
+sys.path.insert(0, "tests")
+from test_model_logits import run_schedule
+
+folder, seq = sys.argv[1], json.loads(sys.argv[2])
+kept = ModelRunner(folder, dtype="float32", num_blocks=64)  # quantization auto
+m = kept.model
+linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+dense = ModelRunner(folder, dtype="float32", num_blocks=64, quantization="none")
+got = run_schedule(kept, [seq], [[17, 1, 1, 1]])[0]
+ref = run_schedule(dense, [seq], [[17, 1, 1, 1]])[0]
+print(json.dumps({
+    "kinds": sorted({getattr(lin, "kind", "dense") for lin in linears}),
+    "packed_f32": all(isinstance(lin.weight, PackedQuantF32Weight) for lin in linears),
+    "kernel": kernels.native_quant_kernel(torch.float32),
+    "bf16_op_loaded": native.load("quant_gemm") is not None,
+    "max_diff": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
+}))
+"""
+
+
+def test_float32_model_on_an_avx2_process_runs_the_op(tmp_path):
+    """A GGUF (Q4_1 linears, Q8_0 tied embedding) served in float32 by a process capped to AVX2: `auto` keeps
+    every linear quantized in the f32 op's layout (the lm_head int8), the bf16 op is not even loaded, the
+    log names the kernel, and the logits are those of the same weights dequantized to float32 (`none`)."""
+    load_or_skip("quant_gemm_f32")
+    from gguf_factory import write_gguf
+    from model_factory import make_model
+    from phaseserve.gguf_files import write_model_folder
+
+    path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
+                      types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")
+    folder = write_model_folder(path, tmp_path / "q-folder")
+    seq = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    env = {**os.environ, "PHASESERVE_CPU_ISA": "avx2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", DISPATCH, str(folder), json.dumps(seq)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["kinds"] == ["int4", "int8"] and result["packed_f32"]
+    assert result["kernel"] == "native avx2" and not result["bf16_op_loaded"]
+    assert "matmul='native avx2'" in proc.stdout + proc.stderr
+    assert result["max_diff"] <= 1e-4 * result["scale"]
+
+
+# ---------------------------------------------------------------------- bf16-stored weights, float32 activations
+
+
+def bf16_weight(out_f, in_f, seed=0) -> torch.Tensor:
+    return weight(out_f, in_f, seed).bfloat16().float()  # a bf16 checkpoint's weight, served in float32
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160)])
+def test_bf16_weight_linear_matches_float32(ops, shape):
+    w = bf16_weight(*shape)
+    x = rows(33, shape[1])
+    p = native_quant_f32.pack_bf16(w)
+    assert p.nbytes() == -(-shape[0] // 8) * 8 * shape[1] * 2  # bf16: half of float32
+    got = ops.bf16_linear(x, p.data, shape[0])
+    exact = x.double() @ w.double().T
+    assert (got.double() - exact).abs().max() <= 2 ** -19 * exact.abs().max()
+
+
+def test_bf16_weight_rows_bit_identical_whatever_the_batch_and_threads(ops):
+    w = bf16_weight(200, 192)
+    p = native_quant_f32.pack_bf16(w)
+    x = rows(max(SWEEP), 192, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([ops.bf16_linear(x[i:i + 1], p.data, 200) for i in range(x.shape[0])])
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for t in SWEEP:
+                assert torch.equal(ops.bf16_linear(x[:t], p.data, 200), alone[:t]), f"{t} rows, {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+BF16_CHECKPOINT = """
+import json, os, sys
+import torch
+from workers.runner import ModelRunner
+sys.path.insert(0, "tests")
+from test_model_logits import run_schedule
+
+folder, seq = sys.argv[1], json.loads(sys.argv[2])
+native = ModelRunner(folder, dtype="float32", num_blocks=64)
+layers = native.model.layers
+os.environ["PHASESERVE_CPU_ISA"] = "auto"  # this CPU's own level: float32 linears take oneDNN
+onednn = ModelRunner(folder, dtype="float32", num_blocks=64)
+got = run_schedule(native, [seq], [[17, 1, 1, 1]])[0]
+ref = run_schedule(onednn, [seq], [[17, 1, 1, 1]])[0]
+print(json.dumps({
+    "native": [lin.native_f32 is not None for lin in (layers[0].qkv, layers[0].o, layers[0].gate_up, layers[0].down)],
+    "onednn": onednn.model.layers[0].qkv.native_f32 is None,
+    "max_diff": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
+}))
+"""
+
+
+def test_bf16_checkpoint_in_float32_on_an_avx2_process_keeps_bf16_weights(tmp_path):
+    """A bf16 checkpoint served in float32 by an AVX2 process: every linear whose input dim is a multiple of 32
+    keeps its weight as bf16 for the native op, with the logits of the float32 oneDNN path."""
+    load_or_skip("quant_gemm_f32")
+    from model_factory import make_model
+
+    folder = make_model(tmp_path, "llama", dtype="bfloat16")
+    seq = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    env = {**os.environ, "PHASESERVE_CPU_ISA": "avx2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", BF16_CHECKPOINT, str(folder), json.dumps(seq)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = json.loads((folder / "config.json").read_text())
+    dims = [config["hidden_size"]] * 3 + [config["intermediate_size"]]  # inputs of qkv, o, gate_up, down
+    assert result["native"] == [d % 32 == 0 for d in dims] and any(result["native"])
+    assert result["onednn"]
+    assert result["max_diff"] <= 1e-4 * result["scale"]
