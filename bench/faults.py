@@ -3,14 +3,17 @@
 `python -m bench.faults [--model DIR] [--dtype float32] [--faults ...] [--max-tokens 96]`
 
 For each fault, a fresh stack (redis-server with AOF, two workers, a scheduler (two for the standby
-fault), a gateway: each a process of its own, as `docker compose` runs them) serves 16 greedy and 4
-seeded sampled streams through the OpenAI API. Once every stream has streamed a few tokens the fault
-is injected; the table gives, per fault, the streams completed, the texts equal to the unfaulted run,
-and the longest stall a client saw (the longest wait for its next chunk).
+fault), a gateway: each a process of its own, as `docker compose` runs them, at default settings but a
+short heartbeat and lease) serves a warm-up (a few requests, so the scheduler has learned each worker's
+step costs, as on a server that has been serving), then 16 greedy and 4 seeded sampled streams through the
+OpenAI API. Once every stream has streamed a few tokens the fault is injected; the table gives, per
+fault, the streams completed, the texts equal to the unfaulted run, and the longest stall a client saw
+(the longest wait for its next chunk).
 
 Faults: worker-kill (kill -9 of a worker), scheduler-restart (kill -9, a new one started),
 scheduler-standby (kill -9 with a standby running), redis-restart (Redis stopped 5 s, restarted on
-its port from its AOF), worker-freeze (SIGSTOP of a worker's model process for 3 step deadlines),
+its port from its AOF), worker-freeze (SIGSTOP of a worker's model process for 30 s, the default
+--step-timeout: its learned step deadline, seconds, finds it first),
 lost-messages (one plan and one result deleted from their streams before their consumer reads them:
 the relay's blocked read is cut and the next plan deleted while it reconnects; the scheduler is paused
 while a result is deleted), gateway-kill (kill -9 of the gateway the clients stream from: each client
@@ -47,8 +50,9 @@ FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restar
           "lost-messages", "gateway-kill", "worker-drain")
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
-STEP_TIMEOUT_S = 2.0
 LEASE_TTL_S = 2.0
+FREEZE_S = 30.0  # the default --step-timeout: a frozen model must be found long before it
+WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 80  # enough steps on each worker for the scheduler to learn its costs
 CLIENT_LEASE_TTL_S = 1.0
 
 
@@ -102,14 +106,14 @@ class Stack:
 
     def scheduler(self, name: str) -> Service:
         return Service(name, [sys.executable, "-m", "scheduler", "--redis-url", self.redis_url,
-                              "--heartbeat-interval", "0.2", "--step-timeout", str(STEP_TIMEOUT_S),
-                              "--scheduler-lease-ttl", str(LEASE_TTL_S)], self.log_dir)
+                              "--heartbeat-interval", "0.2", "--scheduler-lease-ttl", str(LEASE_TTL_S)],
+                       self.log_dir)
 
     def worker(self, name: str) -> Service:
         return Service(name, [sys.executable, "-m", "workers", "--model", self.model, "--redis-url", self.redis_url,
                               "--worker-id", name, "--dtype", self.dtype, "--num-threads", "1",
                               "--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.0",
-                              "--step-timeout", str(STEP_TIMEOUT_S), "--kv-cache-memory", "128MiB"], self.log_dir)
+                              "--kv-cache-memory", "128MiB"], self.log_dir)
 
     def start(self) -> None:
         self.services["redis"] = self.redis_service().start()
@@ -223,7 +227,7 @@ class Stack:
             self.services["redis"] = self.redis_service().start()
         elif fault == "worker-freeze":
             self.services["w1"].signal(signal.SIGSTOP)
-            await asyncio.sleep(3 * STEP_TIMEOUT_S)
+            await asyncio.sleep(FREEZE_S)
             self.services["w1"].signal(signal.SIGCONT)
         elif fault == "lost-messages":
             plan = await loop.run_in_executor(None, self.delete_a_plan, "w1")
@@ -305,12 +309,21 @@ async def _read_stream(session: aiohttp.ClientSession, url: str, body: dict, hea
     return None
 
 
+async def warm_up(session: aiohttp.ClientSession, url: str, model: str, i: int) -> None:
+    body = {"model": model, "prompt": SUBJECTS[i % 8], "max_tokens": WARM_UP_TOKENS, "ignore_eos": True,
+            "temperature": 0.0}
+    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"warm-up request failed: HTTP {resp.status} {await resp.text()}")
+
+
 async def run_fault(stack: Stack, fault: str, max_tokens: int, timeout_s: float) -> list[Stream]:
     streams = [Stream(i) for i in range(20)]
     urls = [f"http://127.0.0.1:{port}/v1/completions" for port in (stack.port, stack.second_port) if port]
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{stack.port}/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
+        await asyncio.gather(*(warm_up(session, urls[0], model, i) for i in range(WARM_UP_REQUESTS)))
         tasks = [asyncio.create_task(run_stream(session, urls, model, s, max_tokens, timeout_s)) for s in streams]
         deadline = time.monotonic() + timeout_s
         while not all(s.chunks >= 8 or s.finish_reason or s.error for s in streams):  # mid-run

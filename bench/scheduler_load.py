@@ -45,6 +45,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import (
     FIELD, STREAM_MAXLEN, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WorkerInfo,
+    channel_message,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +210,8 @@ class FakeGateway:
         while not stop.is_set():
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.01 if self.rate else 0.05)
             while msg is not None:
-                for ev in TokenBatch.from_wire(msg["data"]).events:
+                batch = channel_message(msg["data"])
+                for ev in batch.events if isinstance(batch, TokenBatch) else ():  # not a SequenceProgress
                     if ev.finish_reason is not None:
                         self.finished += 1
                         self.errors += ev.error is not None

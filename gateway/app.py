@@ -27,8 +27,15 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     workers = await gw.backend.alive_workers(max_age_s=0.0)
+    stats = await gw.backend.scheduler_stats() or {}
+    roles: dict[str, int] = {}
+    for w in workers:
+        roles[w.role] = roles.get(w.role, 0) + 1
+    # live workers by role, and how many the scheduler plans on (a worker it has not adopted yet gets
+    # nothing): what `phaseserve up` waits on before it says it serves the layout asked for
     body = {"status": "ok" if workers and gw.backend.subscribed.is_set() else "unavailable",
-            "workers": [w.worker_id for w in workers], "token_channel": gw.backend.subscribed.is_set(),
+            "workers": [w.worker_id for w in workers], "worker_roles": roles,
+            "scheduler_workers": stats.get("num_workers", 0), "token_channel": gw.backend.subscribed.is_set(),
             "gateway_id": gw.gateway_id,
             # per worker, what it computes with (its heartbeat): for people checking which path serves them
             "worker_info": {w.worker_id: {"role": w.role, "host": w.host, "dtype": w.dtype,
@@ -76,4 +83,11 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         gw.prompts.close()
 
     app.cleanup_ctx.append(redis_side)
+
+    async def end_open_requests(_app: web.Application) -> None:
+        # on shutdown, before the server waits for the handlers: each ends with an error its client sees
+        # (an error event then [DONE] in a stream, a 503 otherwise), not a connection cut mid-stream
+        gw.backend.fail_open_requests()
+
+    app.on_shutdown.append(end_open_requests)
     return app

@@ -13,7 +13,8 @@ events after it and asks for a fill; a running request with no message for
 (the sweeper task). A resumed request (SSE Last-Event-ID) is not on this
 gateway's channel at all: the follower task reads its log with a blocking XREAD.
 A request with no new token for `progress_timeout_s` gets an error event
-(ERROR_TIMEOUT), never an endless wait.
+(ERROR_TIMEOUT), never an endless wait; the scheduler's SequenceProgress (a
+sequence waiting in its queue, or prefilling a long prompt) counts as progress.
 
 Client leases: while this gateway serves a client of a sequence, it refreshes
 `Keys.client_lease(seq)` (value: this serving's token) with the GatewayInfo
@@ -40,15 +41,17 @@ import structlog
 from gateway.slow_client import SlowClient
 from phaseserve import token_log
 from phaseserve.redis_client import blocking_pool_async, redacted
-from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent,
-                             WireError, WorkerInfo)
+from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenEvent,
+                             WireError, WorkerInfo, channel_message)
 
 log = structlog.get_logger("gateway.backend")
 
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
-# TokenEvent.error_kind of the gateway's own error: no token for progress_timeout_s (504)
+# TokenEvent.error_kind of the gateway's own errors: no token for progress_timeout_s (504); the gateway is
+# shutting down (503: retry, on another gateway)
 ERROR_TIMEOUT = "timeout"
+ERROR_SHUTDOWN = "shutdown"
 FILL_COUNT = 4096  # entries per sequence per fill read
 # delete each lease that still holds this serving's token (a resume elsewhere may have taken it meanwhile)
 _RELEASE_LEASES = """
@@ -204,6 +207,15 @@ class Backend:
         except asyncio.TimeoutError:
             log.warning("not subscribed yet; serving 503 until Redis answers", redis_url=redacted(self.redis_url))
 
+    def fail_open_requests(self) -> None:
+        """The gateway is shutting down: every open request ends now with an error (ERROR_SHUTDOWN) instead
+        of being cut off when the server stops waiting for its handler."""
+        for st in list(self._streams):
+            for seq_id, offset in list(st.expected.items()):
+                st.deliver(TokenEvent(seq_id, offset, [], "error", None,
+                                      "the gateway is shutting down; retry the request", ERROR_SHUTDOWN),
+                           from_log=True)
+
     async def close(self) -> None:
         # shutting down: requests waiting for a resume are decided now (cancelled unless another gateway took them)
         for token, (seq_ids, timer) in list(self._graces.items()):
@@ -264,9 +276,12 @@ class Backend:
 
     def _on_message(self, data: bytes) -> None:
         try:
-            batch = TokenBatch.from_wire(data)
+            batch = channel_message(data)
         except (WireError, KeyError, TypeError, ValueError) as e:
             log.warning("undecodable message on token channel", error=str(e))
+            return
+        if isinstance(batch, SequenceProgress):
+            self._on_progress(batch)
             return
         for ev in batch.events:
             stream = self._routes.get(ev.seq_id)
@@ -274,6 +289,15 @@ class Backend:
                 log.debug("tokens for unknown sequence", seq_id=ev.seq_id)  # finished or cancelled
                 continue
             stream.deliver(ev)
+
+    def _on_progress(self, progress: SequenceProgress) -> None:
+        """The scheduler vouches for sequences that show no token (queued, prefilling): progress for their
+        no-progress deadline, and nothing for a silence fill to look for."""
+        now = time.monotonic()
+        for seq_id in progress.seq_ids:
+            stream = self._routes.get(seq_id)
+            if stream is not None:
+                stream.last_progress = stream.last_message = now
 
     # ---------------------------------------------------------------- the token log: fills and follows
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import CLIENT_KEY
-from gateway.backend import ERROR_TIMEOUT, RequestStream
+from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
                             unavailable)
@@ -177,6 +177,8 @@ class Generation:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
+        if out.error_kind == ERROR_SHUTDOWN:
+            return unavailable(f"Generation stopped: {out.error}")
         return internal_error(f"Generation failed: {out.error or 'worker error'}")
 
     async def _submit(self) -> None:
@@ -259,8 +261,10 @@ class Generation:
         if self.stream is None:  # refused before anything was submitted
             return
         self.stream.close()
-        # a sequence the gateway gave up on (no progress) may still be queued or running somewhere
-        unfinished = [o.seq_id for o in self.outputs if not o.finished or o.error_kind == ERROR_TIMEOUT]
+        # a sequence the gateway gave up on (no progress, or it is shutting down) may still be queued or
+        # running somewhere
+        unfinished = [o.seq_id for o in self.outputs
+                      if not o.finished or o.error_kind in (ERROR_TIMEOUT, ERROR_SHUTDOWN)]
         finished = [o.seq_id for o in self.outputs if o.finished]
         if self.resumable:  # its client may resume the end at once: free the leases now, not at their expiry
             self.gw.backend.release_leases(finished, self._lease_token)

@@ -4,13 +4,18 @@ Starts Redis (an embedded private server unless --redis-url is given), then
 the scheduler, one worker (or --workers N mixed ones, plus --prefill-workers P
 and --decode-workers D with those roles, each on its share of the cores) and
 the gateway as child processes, waits until the
-gateway's /health answers 200, and says where it serves. Ctrl-C or SIGTERM
-stops every child (terminate, wait, kill); if any child dies, the rest are
-stopped and `up` exits non-zero. Children get PDEATHSIG so that even a
-SIGKILLed launcher leaves no orphans.
+gateway's /health answers 200 with every worker asked for live and adopted by
+the scheduler, and says where it serves. Ctrl-C or SIGTERM stops every child
+(terminate, wait, kill) and exits 0. A worker that dies is started again (its
+sequences are recomputed on the others, or on it once back), after a wait that
+doubles while it keeps dying soon after its start (WorkerRestarts); if any other
+child dies, the rest are stopped and `up` exits non-zero.
 
-Workers are stopped with SIGINT, which stops a worker at once: SIGTERM would make it drain (wait for the
-scheduler to move its sequences away), pointless when the scheduler and the gateway stop with it.
+Children run in sessions of their own: a Ctrl-C or a signal to `up`'s process group reaches `up` only, which
+stops them in order (the gateway first, Redis last), so nothing logs a Redis that went away first. They get
+a parent-death signal, so even a SIGKILLed launcher leaves no orphans. Workers are stopped with SIGINT (also
+their parent-death signal), which stops a worker at once: SIGTERM would make it drain (wait for the scheduler
+to move its sequences away), pointless when the scheduler and the gateway stop with it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import subprocess
 import sys
 import threading
 import time
+import json
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
@@ -148,6 +155,34 @@ def core_placement(values: dict) -> dict[str, list[int] | None] | None:
     return placement
 
 
+class WorkerRestarts:
+    """When to start a dead worker again: at once the first time, then after a wait that doubles (up to
+    `cap_s`) while it keeps dying within `stable_s` of its start, so one that crashes at start does not
+    spin. Pure: the caller passes the clock."""
+
+    def __init__(self, base_s: float = 1.0, cap_s: float = 30.0, stable_s: float = 60.0):
+        self.base_s, self.cap_s, self.stable_s = base_s, cap_s, stable_s
+        self.quick_deaths: dict[str, int] = {}  # name -> deaths in a row, each soon after its start
+
+    def delay(self, name: str, started_at: float, died_at: float) -> float:
+        """Seconds to wait before starting `name` again, given when this life of it started and died."""
+        if died_at - started_at >= self.stable_s:
+            self.quick_deaths[name] = 0
+        n = self.quick_deaths.get(name, 0)
+        self.quick_deaths[name] = n + 1
+        return 0.0 if n == 0 else min(self.cap_s, self.base_s * 2 ** (n - 1))
+
+
+def layout_ready(health: dict, roles: dict[str, str]) -> bool:
+    """Whether a /health body shows the worker layout `up` was asked for in effect: a live worker of each
+    role for every one asked for, and the scheduler planning on all of them (a worker it has not adopted
+    yet gets no sequence: a prefill worker alone would prefill and decode everything)."""
+    live = Counter(health.get("worker_roles") or {})
+    if any(live[role] < n for role, n in Counter(roles.values()).items()):
+        return False
+    return (health.get("scheduler_workers") or 0) >= len(roles)
+
+
 @dataclass
 class Stack:
     """The running children of one `up`, plus the embedded Redis if it started one."""
@@ -157,11 +192,15 @@ class Stack:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     output: object = None  # where the children write their logs (a file); None: the launcher's own stderr
     roles: dict[str, str] = field(default_factory=dict)  # worker process name -> its role (worker_roles)
+    placement: dict | None = None
+    started_at: dict[str, float] = field(default_factory=dict)  # process name -> when it was (re)started
+    restarts: WorkerRestarts = field(default_factory=WorkerRestarts)
+    restart_at: dict[str, float] = field(default_factory=dict)  # dead worker -> when to start it again
 
     def start(self) -> None:
         roles = self.roles = worker_roles(self.values)
         names, num_workers = list(roles), len(roles)
-        placement = core_placement(self.values)
+        placement = self.placement = core_placement(self.values)
         if placement:  # a pinned worker would count only its own cores when choosing threads
             self.values["num_threads"] = len(placement[names[0]])
             # its Redis relay runs beside the other services, off the model's cores
@@ -175,21 +214,44 @@ class Stack:
             log.info("embedded redis started", url=redacted(self.redis.url))
         for service in SERVICES:
             for name in names if service == "worker" else [service]:
-                cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
-                if service == "worker":
-                    cmd += ["--role", roles[name]]
-                cpus = placement[name] if placement else None
-                log.debug("starting", service=name, cmd=cmd, cpus=cpus)
-                # worker ids stay distinct without flags: each defaults to hostname-pid
-                self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.output,
-                                                    stderr=self.output, preexec_fn=child_setup(cpus),
-                                                    env=child_env(service, self.values))
+                self.spawn(name, service)
+
+    def spawn(self, name: str, service: str) -> None:
+        cmd = [sys.executable, "-m", MODULE[service], *child_argv(service, self.values)]
+        worker = service == "worker"
+        if worker:
+            cmd += ["--role", self.roles[name]]
+        cpus = self.placement[name] if self.placement else None
+        log.debug("starting", service=name, cmd=cmd, cpus=cpus)
+        # worker ids stay distinct without flags: each defaults to hostname-pid
+        self.procs[name] = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output, start_new_session=True,
+            preexec_fn=child_setup(cpus, signal.SIGINT if worker else signal.SIGTERM),
+            env=child_env(service, self.values))
+        self.started_at[name] = time.monotonic()
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():
-            if proc.poll() is not None:
+            if proc.poll() is not None and name not in self.restart_at:
                 return name, proc.returncode
         return None
+
+    def tend(self, now: float | None = None) -> None:
+        """Start again the workers that died (each after its WorkerRestarts wait). Raises LaunchError when
+        another service died: the stack cannot serve without it."""
+        now = time.monotonic() if now is None else now
+        while (dead := self.dead_child()) is not None:
+            name, code = dead
+            if name not in self.roles:
+                raise LaunchError(f"{name} exited with code {code}; stopping the stack")
+            delay = self.restarts.delay(name, self.started_at[name], now)
+            self.restart_at[name] = now + delay
+            log.warning("worker exited; starting it again", service=name, exit_code=code,
+                        restart_in_s=round(delay, 1))
+        for name, when in list(self.restart_at.items()):
+            if now >= when:
+                del self.restart_at[name]
+                self.spawn(name, "worker")
 
     def wait_healthy(self, url: str, timeout: float, stop: threading.Event) -> None:
         deadline = time.monotonic() + timeout
@@ -197,14 +259,18 @@ class Stack:
             dead = self.dead_child()
             if dead:
                 raise LaunchError(f"{dead[0]} exited with code {dead[1]} during start-up")
+            health = None
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
+                        health = json.loads(r.read())
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
+            if health is not None and layout_ready(health, self.roles):
+                return
             if time.monotonic() > deadline:
-                raise LaunchError(f"the stack did not become healthy within {timeout:.0f}s ({url}/health)")
+                raise LaunchError(f"the stack did not become healthy within {timeout:.0f}s ({url}/health"
+                                  + (f": {health}" if health else "") + ")")
             stop.wait(0.25)
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -282,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"phaseserve: model folder {values['model']}; redis {redacted(values['redis_url'])}; "
                   "Ctrl-C to stop", flush=True)
         while not stop.is_set():
-            dead = stack.dead_child()
-            if dead:
-                raise LaunchError(f"{dead[0]} exited with code {dead[1]}; stopping the stack")
+            stack.tend()
             stop.wait(0.2)
         log.info("stopping", signal=signal.Signals(got_signal[0]).name if got_signal else None)
     except LaunchError as e:

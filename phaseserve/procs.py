@@ -13,22 +13,22 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGTERM to this child when its parent dies (Linux), so a
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """preexec_fn: the kernel sends `sig` to this child when its parent dies (Linux), so a
     launcher killed with SIGKILL leaves no orphans. Elsewhere a no-op."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
 
 
-def child_setup(cpus: list[int] | None = None):
-    """preexec_fn of a service: die with the parent, and run on `cpus` when given."""
-    if cpus is None:
-        return die_with_parent
+def child_setup(cpus: list[int] | None = None, death_signal: int = signal.SIGTERM):
+    """preexec_fn of a service: die with the parent (by `death_signal`: a worker's is SIGINT, which stops it
+    at once where SIGTERM would drain it), and run on `cpus` when given."""
 
     def setup() -> None:
-        die_with_parent()
-        os.sched_setaffinity(0, cpus)
+        die_with_parent(death_signal)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
     return setup
 

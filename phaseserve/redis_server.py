@@ -118,7 +118,10 @@ class EmbeddedRedis:
         with os.fdopen(fd, "w") as f:
             f.write(self._config())
         self.proc = subprocess.Popen([binary, self.config_path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus))
+                                     stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus),
+                                     # a terminal's Ctrl-C must not stop it under the services still using
+                                     # it: its owner stops it, last
+                                     start_new_session=True)
         atexit.register(self.stop)
         client = redis.Redis(host=self.host, port=self.port, password=self.requirepass, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.start_timeout

@@ -115,8 +115,9 @@ SETTINGS: list[Setting] = [
             "seconds without a token on the channel after which a running request's tokens are re-read from "
             "its durable token log (pub/sub may drop messages)", ("gateway", "up")),
     Setting("request_progress_timeout", "PHASESERVE_REQUEST_PROGRESS_TIMEOUT", 60.0, float,
-            "a request with no new token for this many seconds (queueing included) ends with an error "
-            "(504, or an error event in a stream) and is cancelled", ("gateway", "up")),
+            "a request with no progress for this many seconds ends with an error (504, or an error event in a "
+            "stream) and is cancelled. Progress: a new token, or the scheduler's word that the request waits "
+            "in its queue or is prefilling a long prompt", ("gateway", "up")),
     Setting("client_write_timeout", "PHASESERVE_CLIENT_WRITE_TIMEOUT", 30.0, float,
             "seconds a streaming client may leave a write unread (its connection's buffers full); a slower "
             "client is disconnected and its request cancelled, freeing its slot; 0 = no deadline",
@@ -202,8 +203,18 @@ SETTINGS: list[Setting] = [
             "seconds a worker's model step may take (from when its plan is due) before the step counts as lost: "
             "the scheduler re-plans its sequences, and a worker whose model is stuck that long stops "
             "heartbeating and is treated as dead. The scheduler's value goes with each plan (scaled up for a "
-            "step larger than its token budget); a worker's own is for plans that carry none",
+            "step larger than its token budget); a worker's own is for plans that carry none. Once the "
+            "scheduler has learned a worker's step costs, a step's deadline is shorter: see "
+            "--step-timeout-factor",
             ("worker", "scheduler", "up")),
+    Setting("step_timeout_factor", "PHASESERVE_STEP_TIMEOUT_FACTOR", 10.0, float,
+            "once the scheduler has learned a worker's step costs, a step may take this many times its "
+            "predicted time (at least --step-timeout-floor, at most --step-timeout) before the worker's model "
+            "counts as frozen and its sequences move; a worker's first steps (still warming up) keep "
+            "--step-timeout. 0: always --step-timeout", ("scheduler", "up")),
+    Setting("step_timeout_floor", "PHASESERVE_STEP_TIMEOUT_FLOOR", 3.0, float,
+            "the least a step's learned deadline (--step-timeout-factor) may be, in seconds: a step slowed by "
+            "a busy machine is not a frozen one", ("scheduler", "up")),
     Setting("drain_timeout", "PHASESERVE_DRAIN_TIMEOUT", 30.0, float,
             "a worker given SIGTERM drains: the scheduler moves its waiting sequences to other workers at "
             "once, lets its running ones finish for up to this many seconds, then recomputes the rest "

@@ -9,6 +9,7 @@ Flow (see docs/architecture.md):
   scheduler --StepPlan-->                   stream `steps:<worker>` --> worker
   worker   --StepResult-->                  stream `results`        --> scheduler
   worker   --TokenBatch-->                  channel `gw:<gateway>`  --> gateway
+  scheduler --SequenceProgress-->           channel `gw:<gateway>`  --> gateway
   worker   --WorkerInfo-->                  key `worker:<id>` (expires: heartbeat)
 
 Every token carries its offset in the sequence's output, so receivers can drop
@@ -439,6 +440,36 @@ class TokenBatch:
 
 
 @dataclass
+class SequenceProgress:
+    """Sequences the scheduler vouches for though they show no new token: waiting in its queue, or
+    prefilling a long prompt whose chunks keep being computed. A gateway counts this as progress for its
+    no-progress deadline (a slow prefill or a queue is not a stall). Sent on the gateway's channel about
+    once a scheduler refresh, beside the workers' TokenBatches."""
+
+    KIND: ClassVar[str] = "progress"
+    seq_ids: list[str]
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, {"seq_ids": list(self.seq_ids)})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "SequenceProgress":
+        return cls(list(_unpack(data, cls.KIND)["seq_ids"]))
+
+
+def channel_message(data: bytes) -> TokenBatch | SequenceProgress:
+    """A message on a gateway's channel: a worker's TokenBatch (nearly all of them, tried first) or the
+    scheduler's SequenceProgress. Raises WireError for anything else."""
+    try:
+        return TokenBatch.from_wire(data)
+    except WireError as e:
+        try:
+            return SequenceProgress.from_wire(data)
+        except WireError:
+            raise e from None
+
+
+@dataclass
 class StepResult:
     """What a step produced, for the scheduler: sampled tokens and finished sequences."""
 
@@ -497,11 +528,14 @@ class WorkerInfo:
     dtype: str = ""
     cpu_level: str = ""
     kernels: dict[str, str] = field(default_factory=dict)
+    # the model's vocabulary (embedding rows): the scheduler refuses a prompt with a token id outside
+    # [0, vocab_size) before it reaches a batch (0 = unknown, as from older workers: not checked)
+    vocab_size: int = 0
 
     def to_wire(self) -> bytes:
         return _pack(self.KIND, {k: getattr(self, k) for k in (
             "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "host", "draining", "dtype", "cpu_level", "kernels")})
+            "attention_horizon", "host", "draining", "dtype", "cpu_level", "kernels", "vocab_size")})
 
     @classmethod
     def from_wire(cls, data: bytes) -> "WorkerInfo":

@@ -123,7 +123,18 @@ WAITING = SequenceStatus.WAITING
 
 class AdmissionError(ValueError):
     """A request that can never be admitted as given: its prompt + max_tokens does not fit the worker's
-    max_model_len or KV cache. Bad input, not a scheduler fault (the service tells the gateway so)."""
+    max_model_len or KV cache, or its prompt holds a token id outside the model's vocabulary. Bad input,
+    not a scheduler fault (the service tells the gateway so)."""
+
+
+def out_of_vocab(token_ids: list[int], vocab_size: int) -> str | None:
+    """Why `token_ids` cannot be fed to a model of `vocab_size` tokens, or None (vocab_size 0: unknown)."""
+    if vocab_size <= 0:
+        return None
+    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if not bad:
+        return None
+    return f"the prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
 
 
 def _by_rank(seq: Sequence) -> tuple:
@@ -174,6 +185,8 @@ class SchedulerConfig:
     # the bound on a step's predicted time while streams decode (see "ITL target" in the module
     # docstring); it applies once the service has learned the worker's step costs (WorkerPolicy.step_costs)
     itl_target: ItlTarget = field(default_factory=ItlTarget)
+    # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -353,6 +366,7 @@ class WorkerPolicy:
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         self._num_preemptions = 0
         self._num_resyncs = 0
+        self._prefill_marks: dict[str, int] = {}  # seq id -> positions computed at the last quiet_progress
         self._num_finished = 0
         self._num_cancelled = 0
         self._num_prefill_tokens = 0
@@ -381,7 +395,8 @@ class WorkerPolicy:
         if len(outputs) >= req.params.max_tokens:
             raise ValueError(f"request {rid!r} already has {len(outputs)} outputs, max_tokens is "
                              f"{req.params.max_tokens}")
-        reason = self.capacity.rejection(prompt_len, req.params.max_tokens, len(outputs))
+        reason = (out_of_vocab(req.prompt_ids, self.config.vocab_size)
+                  or self.capacity.rejection(prompt_len, req.params.max_tokens, len(outputs)))
         if reason is not None:
             raise AdmissionError(f"request {rid!r}: {reason}")
         seq = Sequence(req, next(self._arrivals), outputs)
@@ -404,6 +419,19 @@ class WorkerPolicy:
             self._retire(seq)
         self._inflight.clear()
         return [(s.request, list(s.output_ids)) for s in seqs]
+
+    def quiet_progress(self) -> list[SubmitRequest]:
+        """The sequences moving on without a token to show for it since the last call: waiting (queued, or
+        preempted) and prefilling with more positions computed than then (a long prompt's chunks; a chunk
+        is planned only once the results of the plans before it came back, so a stuck worker stops this)."""
+        marks, self._prefill_marks = self._prefill_marks, {}
+        moving = [s.request for s in self._waiting]
+        for seq in self._running:
+            if seq.is_prefilling:
+                self._prefill_marks[seq.seq_id] = seq.num_computed_tokens
+                if seq.num_computed_tokens > marks.get(seq.seq_id, -1):
+                    moving.append(seq.request)
+        return moving
 
     def take_waiting(self) -> list[tuple[SubmitRequest, list[int]]]:
         """Remove the waiting sequences (no blocks held) that may start elsewhere now, returning each with its

@@ -63,11 +63,11 @@ from phaseserve.client_lease import OrphanTracker
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
-    ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepResult,
-    StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
+    ERROR_REJECTED, FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, SequenceProgress,
+    StepResult, StepPlan, SubmitRequest, TokenBatch, TokenEvent, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
+from scheduler.step_cost import ItlTarget, StepCostModel, plan_features, step_deadline
 
 log = structlog.get_logger("scheduler.service")
 
@@ -181,7 +181,8 @@ class HandoffCounters:
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
-                 lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0):
+                 lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0,
+                 step_timeout_floor: float = 3.0, step_timeout_factor: float = 10.0):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -192,6 +193,10 @@ class SchedulerService:
         # the worker's relay gives up on a step after its timeout; we wait a refresh longer, so its
         # heartbeat is withdrawn (a hung model: retire) before we give up on the step (a lost message)
         self.base_step_timeout = step_timeout
+        # once a worker's step costs are learned, a step's deadline is this factor times its predicted time,
+        # never below the floor: a frozen model is found in seconds, not after --step-timeout
+        self.step_timeout_floor = step_timeout_floor
+        self.step_timeout_factor = step_timeout_factor
         self.deadline_margin = max(1.0, self.refresh_interval)
         self.lease_ttl_ms = max(100, int(lease_ttl * 1000))
         self.epoch = 0  # ours, from the epoch key when we took the lease
@@ -383,6 +388,20 @@ class SchedulerService:
         if self.parked and self.workers:
             self.place_parked()
         await self.cancel_orphans(now)
+        self.vouch_for_quiet_sequences()
+
+    def vouch_for_quiet_sequences(self) -> None:
+        """Tell each gateway which of its sequences are waiting at a live worker or prefilling
+        (SequenceProgress): no token shows it, yet they are not stalled, and its no-progress deadline must
+        not fail them. Parked ones (no worker to run them) are not vouched for: that deadline bounds their
+        wait."""
+        by_gateway: dict[str, list[str]] = {}
+        quiet = [r for s in self.workers.values() for r in s.policy.quiet_progress()]
+        for req in quiet:
+            by_gateway.setdefault(req.gateway_id, []).append(req.request_id)
+        for gateway_id, seq_ids in by_gateway.items():
+            self._pending_ops.append(("publish", self.keys.gateway_channel(gateway_id),
+                                      SequenceProgress(seq_ids).to_wire()))
 
     async def cancel_orphans(self, now: float) -> None:
         """Cancel the sequences nobody serves any more: a gateway refreshes a client lease for every sequence
@@ -402,7 +421,7 @@ class SchedulerService:
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
-            itl_target=self.limits.itl_target,
+            itl_target=self.limits.itl_target, vocab_size=info.vocab_size,
         )
         # plans left in its stream by an earlier scheduler would write into blocks this one hands out
         # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),
@@ -713,9 +732,13 @@ class SchedulerService:
         """How long a step of at most the budget may go without a result before it is given up."""
         return self.base_step_timeout + self.deadline_margin
 
-    def plan_timeout(self, plan: StepPlan) -> float:
-        """A step's deadline, scaled for one larger than the token budget (chunked prefill off)."""
-        return self.base_step_timeout * max(1.0, plan.num_tokens / self.limits.max_num_batched_tokens)
+    def plan_timeout(self, plan: StepPlan, expected_s: float | None = None) -> float:
+        """A step's deadline (the relay withdraws the heartbeat of a model that overruns it): from what the
+        worker's learned step costs expect of it when there are some (step_deadline), else --step-timeout,
+        scaled for a step larger than the token budget (chunked prefill off)."""
+        fallback = self.base_step_timeout * max(1.0, plan.num_tokens / self.limits.max_num_batched_tokens)
+        return step_deadline(expected_s, floor_s=self.step_timeout_floor, factor=self.step_timeout_factor,
+                             fallback_s=fallback)
 
     def give_up_overdue_steps(self, now: float) -> float | None:
         """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is
@@ -766,10 +789,11 @@ class SchedulerService:
                 if plan is None or not (plan.chunks or plan.starts or plan.releases):
                     break
                 plan.epoch = self.epoch
-                plan.timeout_s = self.plan_timeout(plan)
+                features = plan_features(plan.chunks)
+                plan.timeout_s = self.plan_timeout(plan, slot.step_costs.expected_bound(*features))
                 pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + self.deadline_margin))
-                slot.plan_features[plan.step_id] = plan_features(plan.chunks)
+                slot.plan_features[plan.step_id] = features
                 sent += 1
         if sent:
             self._stats_dirty = True
@@ -900,6 +924,13 @@ class SchedulerService:
                 except LeaseLost as e:
                     log.error("lease lost to another scheduler; standing by", holder=str(e))
                     self.is_leader = False
+                except ResponseError as e:
+                    # Redis came back without its data (a claim or read met no group): set up again, which
+                    # recreates the groups; the lease is renewed by the next turn (RENEW_LEASE takes it back)
+                    if "NOGROUP" not in str(e):
+                        raise
+                    log.warning("consumer group missing; recreating", error=str(e))
+                    ready = False
                 except CONNECTION_ERRORS as e:
                     delay = backoff.next_delay()
                     log.warning("redis unreachable; retrying", error=str(e), retry_in_s=round(delay, 2))
@@ -986,7 +1017,9 @@ async def serve(args) -> None:
                           itl_target=args.itl_target)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
-                               resume_grace=args.resume_grace, drain_timeout=args.drain_timeout)
+                               resume_grace=args.resume_grace, drain_timeout=args.drain_timeout,
+                               step_timeout_floor=args.step_timeout_floor,
+                               step_timeout_factor=args.step_timeout_factor)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -1009,9 +1042,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_prefill_threshold < 0:
         raise SystemExit(f"phaseserve scheduler: --long-prefill-threshold must be >= 0 (0 = no cap), "
                          f"got {args.long_prefill_threshold}")
-    for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval"):
+    for name in ("step_timeout", "scheduler_lease_ttl", "heartbeat_interval", "step_timeout_floor"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve scheduler: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.step_timeout_factor >= 0:
+        raise SystemExit(f"phaseserve scheduler: --step-timeout-factor must be >= 0 (0 = always --step-timeout), "
+                         f"got {args.step_timeout_factor}")
     if not args.drain_timeout >= 0:
         raise SystemExit(f"phaseserve scheduler: --drain-timeout must be >= 0 (0 = hand back at once), "
                          f"got {args.drain_timeout}")

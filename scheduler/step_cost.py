@@ -137,6 +137,17 @@ class StepCostModel:
         budget alone)."""
         return self._costs
 
+    def expected_bound(self, tokens: int, keys: int, prefill_chunks: int = 0) -> float | None:
+        """What a step like this is expected to take, for its deadline: its predicted time, or while no fit
+        is plausible (a worker whose steps all look alike: the columns cannot be told apart, yet its steps
+        are known) the longest step measured in the window. None until `min_samples` steps are measured: a
+        worker warming up has no bound yet."""
+        if self._n < self.min_samples:
+            return None
+        if self._costs is None:
+            return float(self._y[:min(self._n, self.window)].max())
+        return self._costs.predict(tokens, keys, prefill_chunks)
+
     def observe(self, tokens: int, keys: int, seconds: float, prefill_chunks: int = 0) -> None:
         if not (seconds > 0 and math.isfinite(seconds)) or tokens <= 0:
             return  # a failed or empty step says nothing about the cost of work
@@ -201,3 +212,13 @@ def _nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
             return coef
         free.pop(int(np.argmin(sol)))
     return coef
+
+
+def step_deadline(expected_s: float | None, *, floor_s: float, factor: float, fallback_s: float) -> float:
+    """Seconds a step may take once due before its worker counts as frozen: `factor` times what it is
+    expected to take (StepCostModel.expected_bound), never below `floor_s` (a slow step on a busy machine is
+    not a frozen one) nor above `fallback_s` (the fixed --step-timeout). Until the worker's costs are
+    learned (its first steps, which may still compile or warm up) and with factor 0, `fallback_s`."""
+    if expected_s is None or factor <= 0:
+        return fallback_s
+    return min(fallback_s, max(floor_s, factor * expected_s))

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from phaseserve.params import SamplingParams
 from phaseserve.procs import stop_process
 from phaseserve.redis_client import connect_async
-from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch
+from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, channel_message
 from scheduler.service import PolicyLimits, SchedulerService
 from workers.runner import ModelRunner
 from workers.service import RelayError, WorkerService
@@ -124,7 +124,9 @@ class Gateway:
                 ready.set()
                 async for msg in pubsub.listen():
                     if msg["type"] == "message":
-                        self.on_batch(TokenBatch.from_wire(msg["data"]))
+                        batch = channel_message(msg["data"])
+                        if isinstance(batch, TokenBatch):  # not the scheduler's SequenceProgress
+                            self.on_batch(batch)
             except (redis.ConnectionError, ConnectionError, OSError):
                 if not self.allow_gaps:
                     raise

@@ -22,14 +22,17 @@ from phaseserve.launcher import core_placement
 from phaseserve.redis_server import free_port
 
 
-def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
+def start_up(e2e_model, *flags: str):
+    """`phaseserve up` in a process group of its own (as a shell runs it), its output collected in lines;
+    returns (proc, port, lines, ready, reader)."""
     port = free_port()
     env = {**os.environ, "PHASESERVE_LOG_LEVEL": "warning"}
     env.pop("REDIS_URL", None)
     exe = os.path.join(os.path.dirname(sys.executable), "phaseserve")
     proc = subprocess.Popen([exe, "up", "--model", str(e2e_model), "--port", str(port),
-                             "--kv-cache-memory", "32MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             "--kv-cache-memory", "32MiB", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -41,6 +44,13 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return proc, port, lines, ready, reader
+
+
+def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
+    """SIGTERM to up's whole process group (what a service manager or `kill -- -PGID` sends): every child
+    stops, quietly (no error, no warning about a service gone first), and up exits 0."""
+    proc, port, lines, ready, reader = start_up(e2e_model)
     try:
         assert ready.wait(180), "phaseserve up did not report it is serving:\n" + "".join(lines[-50:])
         banner = next(line for line in lines if "serving" in line)
@@ -83,11 +93,15 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
             client.execute_command("CONFIG", "SET", "dir", "/tmp")
 
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        shown = len(lines)
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(30) == 0, "".join(lines[-50:])
         assert time.monotonic() - t0 < 30
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"left running after up exited: {[c.pid for c in alive]}"
+        reader.join(5)
+        said = "".join(lines[shown:])
+        assert "error" not in said and "warning" not in said, said
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -117,7 +131,7 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
     import redis
 
     from e2e_stack import running_stack, wait_for
-    from phaseserve.wire import Keys, TokenBatch
+    from phaseserve.wire import Keys, TokenBatch, channel_message
 
     with running_stack(e2e_model, tmp_path, workers=2) as stack:
         procs = stack.stack.procs
@@ -147,8 +161,8 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
             while listening.is_set():
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
                 if message and message["type"] == "pmessage":
-                    batch = TokenBatch.from_wire(message["data"])
-                    if any(e.token_ids for e in batch.events):
+                    batch = channel_message(message["data"])
+                    if isinstance(batch, TokenBatch) and any(e.token_ids for e in batch.events):
                         senders.add(batch.worker_id)
             pubsub.close()
 
@@ -231,6 +245,13 @@ def test_up_starts_prefill_and_decode_workers_with_their_roles(e2e_model, tmp_pa
     from phaseserve.wire import Keys, WorkerInfo
 
     with running_stack(e2e_model, tmp_path, prefill_workers=1, decode_workers=1) as stack:
+        # healthy means the layout asked for: both workers live and planned on by the scheduler, so the
+        # very first request is handed from one to the other
+        import json
+        import urllib.request
+        with urllib.request.urlopen(stack.base_url + "/health", timeout=5) as r:
+            health = json.loads(r.read())
+        assert health["worker_roles"] == {"prefill": 1, "decode": 1} and health["scheduler_workers"] == 2, health
         procs = stack.stack.procs
         assert {"prefill-0", "decode-0"} <= set(procs) and not any(n.startswith("worker") for n in procs)
         keys = Keys(stack.key_prefix)
@@ -266,3 +287,96 @@ def test_up_starts_prefill_and_decode_workers_with_their_roles(e2e_model, tmp_pa
     assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
     _gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
+
+
+def test_up_restarts_a_killed_worker_and_ctrl_c_stops_it_quietly(e2e_model, tmp_path):
+    """kill -9 of the worker: up starts it again (the stack keeps serving, no "stopping the stack"); then a
+    Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops everything quietly, exit 0."""
+    proc, port, lines, ready, reader = start_up(e2e_model)
+    try:
+        assert ready.wait(180), "phaseserve up did not report it is serving:\n" + "".join(lines[-50:])
+
+        def workers():
+            found = []
+            for c in psutil.Process(proc.pid).children():
+                try:  # the killed one is a zombie until up reaps it
+                    if "-m workers" in " ".join(c.cmdline()):
+                        found.append(c)
+                except psutil.Error:
+                    pass
+            return found
+
+        (first,) = workers()
+        first.kill()
+        deadline = time.monotonic() + 30
+        while not (w := [c for c in workers() if c.pid != first.pid]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert w, "the killed worker was not started again:\n" + "".join(lines[-50:])
+        assert proc.poll() is None, "".join(lines[-50:])
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=120) as client:
+            deadline = time.monotonic() + 120
+            while True:  # 503 until the new worker has loaded and announced itself
+                try:
+                    reply = client.completions.create(model=e2e_model.name, prompt="Once", max_tokens=4,
+                                                      extra_body={"ignore_eos": True})
+                    break
+                except openai.APIStatusError as e:
+                    assert e.status_code == 503 and time.monotonic() < deadline, e
+                    time.sleep(0.5)
+        assert reply.choices[0].finish_reason == "length"
+
+        children = psutil.Process(proc.pid).children(recursive=True)
+        shown = len(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0, "".join(lines[-50:])
+        _gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left running after up exited: {[c.pid for c in alive]}"
+        reader.join(5)
+        said = "".join(lines[shown:])
+        assert "unreachable" not in said and "error" not in said, said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_children_of_a_killed_up_stop_at_once(e2e_model, tmp_path):
+    """kill -9 of up itself: its worker (and the worker's relay), scheduler, gateway and Redis stop within a
+    few seconds (parent-death signals), not after a worker's drain."""
+    proc, port, lines, ready, reader = start_up(e2e_model)
+    try:
+        assert ready.wait(180), "phaseserve up did not report it is serving:\n" + "".join(lines[-50:])
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("-m workers.relay" in " ".join(c.cmdline()) for c in children)
+        proc.kill()
+        proc.wait()
+        _gone, alive = psutil.wait_procs(children, timeout=8)
+        assert not alive, f"left running after up was killed: {[' '.join(c.cmdline()) for c in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in psutil.Process().children(recursive=True):  # what a failed run left
+            if c.pid != proc.pid:
+                c.kill()
+
+
+def test_worker_restarts_back_off_while_a_worker_keeps_dying_at_start():
+    from phaseserve.launcher import WorkerRestarts
+
+    r = WorkerRestarts(base_s=1.0, cap_s=8.0, stable_s=60.0)
+    assert [r.delay("w", 0.0, 2.0) for _ in range(6)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert r.delay("other", 0.0, 1.0) == 0.0  # each worker its own count
+    assert r.delay("w", 0.0, 120.0) == 0.0  # it had run a while: a fresh start
+    assert r.delay("w", 0.0, 1.0) == 1.0
+
+
+def test_up_is_ready_only_with_every_worker_it_asked_for_live_and_adopted():
+    from phaseserve.launcher import layout_ready
+
+    roles = {"prefill-0": "prefill", "decode-0": "decode"}
+    assert not layout_ready({"worker_roles": {"prefill": 1}, "scheduler_workers": 1}, roles)
+    assert not layout_ready({"worker_roles": {"prefill": 1, "decode": 1}, "scheduler_workers": 1}, roles)
+    assert not layout_ready({"workers": ["a"]}, roles)  # a gateway that does not say
+    assert layout_ready({"worker_roles": {"prefill": 1, "decode": 1}, "scheduler_workers": 2}, roles)

@@ -18,7 +18,7 @@ import sseclient
 
 from phaseserve import token_log
 from phaseserve.tokenizer import Tokenizer
-from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SubmitRequest, TokenBatch, TokenEvent
+from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
 from gateway_client import RESUME, post_resume, read_sse
 from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401
 
@@ -152,6 +152,23 @@ async def test_a_stalled_request_gets_an_error_after_the_deadline_and_is_cancell
     async with g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
         assert r.status == 504
         assert_openai_error(await r.json(), "server_error", None, "timeout")
+
+
+async def test_the_schedulers_word_that_a_request_is_queued_or_prefilling_is_progress(make_gw):
+    """No token for three times the progress timeout, but the scheduler vouches for the sequence all along
+    (SequenceProgress: queued, or a long prefill): the request is not given up, and completes."""
+    g = await make_gw("gw-a", "--request-progress-timeout", "0.5", "--token-silence-timeout", "0.1")
+    await add_worker(g)
+    reader = RequestsReader(g)
+    resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                              "max_tokens": 50})
+    sub = await reader.next()
+    for _ in range(8):
+        await g.redis.publish(g.keys.gateway_channel(g.gateway_id), SequenceProgress([sub.request_id]).to_wire())
+        await asyncio.sleep(0.2)
+    await emit(g, TokenEvent(sub.request_id, 0, g.tok.encode(REPLY, add_special_tokens=False), "length"))
+    _, data = await asyncio.wait_for(read_sse(resp), 10)
+    assert texts(data) == REPLY and data[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_sse_resume_on_another_gateway_gets_exactly_the_rest_and_starts_nothing_new(make_gw):
@@ -298,6 +315,37 @@ async def test_a_chat_stream_with_two_choices_resumes_each_choice_where_it_was(m
     assert sorted(c["choices"][0]["finish_reason"] for c in tail if c["choices"][0]["finish_reason"]) == ["stop"] * 2
 
 
+async def test_a_gateway_shutting_down_ends_its_open_requests_with_an_error(redis_server, text_model):
+    """The gateway stops (SIGTERM, `up` stopping) while a stream and a whole response are open: the stream
+    ends with an error event (503 service_unavailable) then [DONE], the whole response is a 503 in OpenAI's
+    format, and both sequences are cancelled; neither connection is cut short."""
+    runner, url = await start_gateway(redis_server, text_model, "--gateway-id", "gw-down")
+    g = Gw(url, "gw-down", redis_server, text_model, aiohttp.ClientSession())
+    try:
+        await add_worker(g)
+        reader = RequestsReader(g)
+        resp = await g.http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                                  "max_tokens": 50})
+        streamed = await reader.next()
+        await emit(g, TokenEvent(streamed.request_id, 0, g.tok.encode("The", add_special_tokens=False)))
+        whole = asyncio.create_task(g.http.post(g.url + "/v1/completions",
+                                                json={"model": MODEL, "prompt": "y", "max_tokens": 50}))
+        waiting = await reader.next()
+        stopping = asyncio.create_task(runner.cleanup())
+        body = (await asyncio.wait_for(resp.read(), 10)).decode()
+        assert body.rstrip().endswith("data: [DONE]"), body
+        error = json.loads([line for line in body.splitlines() if line.startswith("data: {")][-1][6:])
+        assert_openai_error(error, "server_error", None, "service_unavailable")
+        assert "shutting down" in error["error"]["message"]
+        r = await asyncio.wait_for(whole, 10)
+        assert r.status == 503
+        assert_openai_error(await r.json(), "server_error", None, "service_unavailable")
+        await asyncio.wait_for(stopping, 15)
+        cancels = {(await reader.next()).request_id for _ in range(2)}
+        assert cancels == {streamed.request_id, waiting.request_id}
+    finally:
+        await g.http.close()
+        await g.redis.aclose()
 # ----------------------------------------------------------------------------- who may resume, and the default wire
 
 

@@ -330,6 +330,60 @@ async def test_a_frozen_worker_is_treated_as_dead_and_rejoins_when_it_thaws(mode
             w.stop()
 
 
+async def test_a_frozen_worker_is_found_from_its_learned_step_costs_not_the_step_timeout(
+        model_dir, long_reference, redis_server, tmp_path):
+    """At the default --step-timeout (30 s), once the scheduler has learned the workers' step costs a step's
+    deadline is a multiple of its predicted time (at least the floor): a SIGSTOPped model is retired and
+    its streams move on within seconds."""
+    keys = Keys("frozen-learned")
+    workers = [WorkerProcess(model_dir, redis_server, keys, w, tmp_path / f"{w}.log") for w in ("w1", "w2")]
+    client, sched, gw, tasks = await start(redis_server, keys)  # step_timeout 30, floor 3 s, factor 10
+    try:
+        assert sched.base_step_timeout == 30.0
+        await gw.wait(lambda: {"w1", "w2"} <= set(sched.workers), 60)
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.wait(lambda: all(sched.workers[w].step_costs.expected_bound(1, 1) is not None
+                                  for w in ("w1", "w2")), 120)
+        on_w1 = {rid for rid, wid in sched.owner.items() if wid == "w1"} - set(gw.finish)
+        assert on_w1, "the worker to freeze must hold live streams"
+        workers[0].signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        await gw.wait(lambda: "w1" not in sched.workers, 30)
+        retired_after = time.monotonic() - frozen_at
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS), 120)
+        assert_matches(gw, long_reference)
+        assert sched.step_timeout_floor <= retired_after < 8.0, retired_after
+        assert gw.longest_stall < 10.0, gw.longest_stall
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()
+
+
+def test_a_step_deadline_follows_the_learned_cost_between_a_floor_and_the_step_timeout():
+    from scheduler.step_cost import StepCostModel, step_deadline
+
+    kw = dict(floor_s=3.0, factor=10.0, fallback_s=30.0)
+    assert step_deadline(None, **kw) == 30.0  # not learned yet (a worker warming up)
+    assert step_deadline(0.014, **kw) == 3.0  # 10 x 14 ms: the floor
+    assert step_deadline(1.0, **kw) == 10.0
+    assert step_deadline(10.0, **kw) == 30.0  # never past --step-timeout
+    assert step_deadline(0.014, floor_s=3.0, factor=0.0, fallback_s=30.0) == 30.0  # off
+
+    model = StepCostModel(min_samples=16, warmup=2)
+    for i in range(18):  # decode steps all alike (two of warm-up first), one slowed
+        assert model.expected_bound(4, 40) is None
+        model.observe(4, 40, 0.02 if i != 9 else 0.05)
+    # its prediction, or with no plausible fit the longest step measured
+    assert model.expected_bound(4, 40) == (model.costs.predict(4, 40) if model.costs else 0.05)
+    for i in range(64):  # steps of several sizes: a fit, which predicts a big step above any measured
+        n = 1 + i % 8
+        model.observe(n * 64, n * 640, 0.005 + 0.001 * n * 64 + 1e-6 * n * 640, 1)
+    assert model.costs is not None
+    assert model.expected_bound(2000, 20000, 1) == pytest.approx(model.costs.predict(2000, 20000, 1))
+
+
 async def test_redis_restarted_on_its_port_every_service_resumes(model_dir, long_reference):
     """Redis stopped for 2 s and started again, empty, on the same port: the scheduler and both workers
     (models loaded, same processes) wait it out and every stream completes as in an unfaulted run."""
@@ -351,6 +405,38 @@ async def test_redis_restarted_on_its_port_every_service_resumes(model_dir, long
         assert_matches(gw, long_reference)
         assert not tasks[0].done()  # the scheduler is still running
         assert all(w.error is None and w.thread.is_alive() for w in workers)  # same processes, models loaded
+        await gw.submit("after", PROMPTS[2], 8)
+        await gw.wait(lambda: "after" in gw.finish, 30)
+        assert gw.tokens["after"] == long_reference[2][:8]
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()
+        server.stop()
+
+
+async def test_redis_restarted_empty_while_the_scheduler_claims_pending_entries(model_dir, long_reference):
+    """Redis restarted without its data just before the scheduler's periodic claim of pending entries: the
+    XAUTOCLAIM meets NOGROUP (the groups went with the data); the scheduler recreates its groups and goes
+    on, and every stream completes."""
+    keys = Keys("nogroup")
+    server = EmbeddedRedis().start()
+    workers = [WorkerThread(model_dir, server.url, keys, "w1", step_timeout=30.0)]
+    client, sched, gw, tasks = await start(server.url, keys, allow_gaps=True, step_timeout=1.0)
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p, LONG)
+        await gw.wait(lambda: all(len(gw.tokens.get(f"r{i}", ())) >= 3 for i in range(len(PROMPTS))))
+        server.stop()
+        # longer than a command's retries: the loop itself waits it out, and its first turn once Redis is
+        # back starts with the claim
+        sched._next_claim = 0.0
+        await asyncio.sleep(3.0)
+        server.start()
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS) or tasks[0].done(), 120)
+        assert not tasks[0].done(), tasks[0].exception()  # the scheduler is still running
+        assert_matches(gw, long_reference)
         await gw.submit("after", PROMPTS[2], 8)
         await gw.wait(lambda: "after" in gw.finish, 30)
         assert gw.tokens["after"] == long_reference[2][:8]

@@ -170,3 +170,73 @@ async def test_requests_go_to_a_worker_that_can_hold_them_and_the_rest_are_rejec
         assert "long" not in gw.finish
     finally:
         await stop(client, sched, gw, tasks)
+
+
+async def test_a_prompt_outside_the_vocabulary_fails_alone_with_a_clear_error(model_dir, reference, redis_server):
+    """A submit straight onto the requests stream (no gateway to check it) with a token id the model cannot
+    embed: the scheduler refuses it at admission, from the vocabulary the worker's heartbeat announces, as
+    bad input; the requests beside it are served as if it had never come."""
+    keys = Keys("vocab")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    client, sched, gw, tasks = await start(redis_server, keys)
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        vocab = worker.service.runner.vocab_size
+        await gw.submit("bad", [1, 2, 10**6])
+        for i, p in enumerate(PROMPTS):
+            await gw.submit(f"r{i}", p)
+        await gw.submit("negative", [3, -1])
+        await gw.wait(lambda: len(gw.finish) == len(PROMPTS) + 2)
+        for rid, bad_id in (("bad", 10**6), ("negative", -1)):
+            assert gw.finish[rid] == "error"
+            kind, message = gw.errors[rid]
+            assert kind == ERROR_REJECTED
+            assert f"outside the vocabulary [0, {vocab})" in message and str(bad_id) in message
+        assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert all(gw.finish[f"r{i}"] == "length" for i in range(len(PROMPTS)))
+    finally:
+        await stop(client, sched, gw, tasks)
+        worker.stop()
+
+
+async def test_a_slow_prefill_and_a_queue_are_progress_not_a_stall(model_dir, redis_server):
+    """A real gateway with a short --request-progress-timeout (1 s) in front of a scheduler and a worker on a
+    slow machine (every step computing prompt positions takes 0.2 s): a long prompt prefills in many small
+    chunks (--max-num-batched-tokens 16) for several seconds without a token, and a second request waits in
+    the queue behind it (--max-num-seqs 1) as long. The scheduler vouches for both (SequenceProgress), so
+    both complete instead of failing with "no progress"."""
+    import openai
+
+    from gateway_client import serve_gateway
+
+    keys = Keys("slowprefill")
+    worker = WorkerThread(model_dir, redis_server, keys, "w1")
+    execute = worker.service.runner.execute
+
+    def slow_execute(plan):
+        if any(c.num_tokens > 1 for c in plan.chunks):
+            time.sleep(0.2)
+        return execute(plan)
+
+    worker.service.runner.execute = slow_execute
+    limits = PolicyLimits(max_num_seqs=1, max_num_batched_tokens=16, long_prefill_threshold=0)
+    client, sched, gw, tasks = await start(redis_server, keys, limits=limits)
+    runner, url = await serve_gateway(["--redis-url", redis_server, "--model", str(model_dir), "--key-prefix",
+                                       keys.prefix, "--request-progress-timeout", "1"])
+    try:
+        await gw.wait(lambda: "w1" in sched.workers, 30)
+        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        long_prompt = [5 + i % 200 for i in range(300)]  # ~19 prefill steps: ~4 s with no token
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(
+            oai.completions.create(model=str(model_dir.name), prompt=p, max_tokens=4, temperature=0.0,
+                                   extra_body={"ignore_eos": True})
+            for p in (long_prompt, [9, 10, 11])))
+        assert time.monotonic() - t0 > 3.0  # well past the progress timeout
+        assert [r.choices[0].finish_reason for r in replies] == ["length", "length"]
+        assert [r.usage.completion_tokens for r in replies] == [4, 4]
+        await oai.close()
+    finally:
+        await runner.cleanup()
+        await stop(client, sched, gw, tasks)
+        worker.stop()

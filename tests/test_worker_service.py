@@ -339,3 +339,23 @@ def test_the_kernels_reported_are_the_op_families_the_model_uses(tmp_path):
     # float32 activations run the float32 (AVX2) ops where this CPU runs them, never the bf16 ones
     allowed = {"torch"} | ({"native avx2"} if cpu_isa.supports("avx2") else set())
     assert set(dense.values()) | set(quantized.values()) <= allowed
+
+
+def test_a_sequence_the_model_cannot_embed_fails_alone_not_its_batch(runner):
+    """A plan whose batch holds a sequence with a token id outside the vocabulary (a scheduler that did not
+    check it): that sequence gets an error event, the others in the same forward pass their tokens."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    runner.reset()
+    expected = runner.execute(StepPlan(0, "w", [SeqStart("ok", "g", [5, 6, 7], params)],
+                                       [ScheduledChunk("ok", 0, 3, [0])])).events
+    runner.reset()
+    starts = [SeqStart("ok", "g", [5, 6, 7], params), SeqStart("bad", "g", [1, runner.vocab_size + 5], params)]
+    result = runner.execute(StepPlan(1, "w", starts, [ScheduledChunk("ok", 0, 3, [0]),
+                                                      ScheduledChunk("bad", 0, 2, [1])]))
+    by_seq = {e.seq_id: e for e in result.events}
+    assert by_seq["ok"].token_ids == expected[0].token_ids and by_seq["ok"].finish_reason is None
+    assert by_seq["bad"].finish_reason == "error" and "outside the vocabulary" in by_seq["bad"].error
+    # its later chunks are skipped; the good one goes on decoding
+    later = runner.execute(StepPlan(2, "w", chunks=[ScheduledChunk("ok", 3, 1, [0]), ScheduledChunk("bad", 2, 1, [1])]))
+    assert [e.seq_id for e in later.events] == ["ok"]
+    runner.reset()

@@ -35,6 +35,7 @@ stalls the model's next torch op, even from another core. Measured on the bundle
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -101,6 +102,7 @@ class ModelLiveness:
         self.void = False  # the model overran: this life's writes are dropped until a reset plan
         self.hung = False  # overran, and no step written back since
         self.incarnation = 0
+        self.overrun_deadline = 0.0  # the deadline the last overrun plan carried (for the log)
 
     @property
     def outstanding(self) -> int:
@@ -117,6 +119,7 @@ class ModelLiveness:
         """Enter the void if the oldest plan is overdue; True if this call did (caller holds the lock)."""
         if self.void or not self.timeouts or now - self.due_at <= self.timeouts[0]:
             return False
+        self.overrun_deadline = self.timeouts[0]
         self.void = self.hung = True
         self.incarnation += 1
         return True
@@ -180,7 +183,7 @@ class Heartbeat(threading.Thread):
         """The model is hung: the scheduler must see this worker gone at its next look, not after the TTL."""
         self.silent = True
         log.error("model step overran the deadline; withdrawing the heartbeat",
-                  step_timeout=self.liveness.step_timeout)
+                  deadline_s=round(self.liveness.overrun_deadline, 3))
         self.client.delete(self.keys.worker_heartbeat(self.info.worker_id))
 
     def tick(self) -> None:
@@ -316,7 +319,7 @@ class Relay:
                 keep, hung = self.liveness.step_written(time.monotonic(), bool(flags and flags[0]))
                 if hung:
                     log.error("model step overran the deadline; this life's writes are void until the "
-                              "scheduler adopts the worker again", step_timeout=self.liveness.step_timeout)
+                              "scheduler adopts the worker again", deadline_s=round(self.liveness.overrun_deadline, 3))
                 if not keep:  # the scheduler has given these sequences to others: acked only
                     result, batches = None, []
                 for gateway_id, token_batch in batches:
@@ -383,8 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     from phaseserve import logs
 
     argv = sys.argv[1:] if argv is None else argv
-    # Ctrl-C reaches the whole process group: the worker stops first, then closes `writes`, which ends us
+    # Ctrl-C (or a SIGTERM) sent to the whole process group: the worker decides (stop, or drain), then
+    # closes `writes`, which ends us; dying first would only make the worker fail. With the worker gone
+    # (our parent-death signal), SIGTERM ends us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def on_sigterm(*_args) -> None:
+        if os.getppid() != parent:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     plans = Connection(int(argv[0]), readable=False)
     writes = Connection(int(argv[1]), writable=False)
     try:

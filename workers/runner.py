@@ -203,9 +203,14 @@ class ModelRunner:
             self.reset()
         for seq_id in plan.releases:
             self.seqs.pop(seq_id, None)
+        events: list[TokenEvent] = []
         for s in plan.starts:
             self._start(s)
-        events: list[TokenEvent] = []
+            problem = self._check_start(s)
+            if problem:  # fails this sequence alone: its chunks are skipped below, the batch runs
+                log.error("bad sequence", seq_id=s.seq_id, error=problem)
+                self.seqs[s.seq_id].finished = True
+                events.append(TokenEvent(s.seq_id, len(s.output_ids), [], "error", None, problem))
         chunks: list[ScheduledChunk] = []
         for c in plan.chunks:
             seq = self.seqs.get(c.seq_id)
@@ -229,6 +234,14 @@ class ModelRunner:
             events.extend(self._run(chunks))
         num_tokens = sum(c.num_tokens for c in chunks)
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+
+    def _check_start(self, s) -> str | None:
+        """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
+        vocab = self.vocab_size
+        bad = [t for t in (*s.prompt_ids, *s.output_ids) if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            return f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        return None
 
     def _check_chunk(self, c: ScheduledChunk, seq: SequenceState) -> str | None:
         end = c.start_pos + c.num_tokens

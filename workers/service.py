@@ -77,6 +77,7 @@ class WorkerService:
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
             started_at=time.time(), attention_horizon=runner.attention_horizon, host=socket.gethostname(),
             dtype=dtype, cpu_level=cpu_level, kernels=implementations,
+            vocab_size=runner.vocab_size,
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
