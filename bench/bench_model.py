@@ -6,7 +6,7 @@ For each model: decode step time at batch 1/8/16/32 (context CONTEXT tokens per 
 prefill throughput at chunk 128/512, for the phaseserve runner (paged KV, one packed forward
 per step, sampling included), for transformers on the same weights and dtype (with its KV
 cache), and for the floor on this machine: for a decode step the larger of weight bytes /
-measured memory bandwidth and FLOPs / measured bf16 matmul rate; FLOPs / matmul rate for prefill. Prints a markdown table.
+measured memory bandwidth and FLOPs / measured matmul rate in the model's dtype; FLOPs / matmul rate for prefill. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _timed(fn) -> float:
 
 def measure_bandwidth() -> float:
     """Bytes/s reading a 512 MiB tensor (a sum streams it from DRAM once)."""
-    x = torch.ones(256 << 20, dtype=torch.bfloat16)
+    x = torch.ones(128 << 20, dtype=torch.float32)  # fp32: a sum every CPU vectorizes natively
     return x.numel() * x.element_size() / best(lambda: x.sum(), 3)
 
 
@@ -182,10 +182,13 @@ def prefill_flops(runner: ModelRunner, tokens: int) -> float:
     return 2 * linear * tokens + attention + 2 * m.lm_head.numel()
 
 
-def bench_model(name: str, path: Path, dtype: str, bw: float, flops: float, repeats: int,
+def bench_model(name: str, path: Path, dtype: str, bw: float, repeats: int,
                 with_transformers: bool = True) -> list[list[str]]:
     rb = RunnerBench(path, dtype)
     torch_dtype = rb.runner.dtype
+    flops = measure_matmul(torch_dtype)  # the rate of the dtype the model computes in
+    print(f"{name}: {str(torch_dtype).removeprefix('torch.')}, matmul {flops / 1e9:.0f} GFLOP/s, "
+          f"weights read per decode step {weight_bytes(rb.runner) / 1e6:.1f} MB")
     hf = HFBench(path, torch_dtype) if with_transformers else None
     rows = []
     wb = weight_bytes(rb.runner)
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=bundled if (bundled / "config.json").is_file() else None)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as the worker's --dtype (auto: what this CPU computes natively)")
     ap.add_argument("--skip-random", action="store_true", help="skip the ~200M random-weight Llama")
     ap.add_argument("--steps", type=int, default=5, help="timed repeats per figure (median)")
     ap.add_argument("--threads", type=int, default=None,
@@ -224,15 +227,13 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     bw = measure_bandwidth()
-    mm = measure_matmul()
-    print(f"machine: {torch.get_num_threads()} threads, memory read {bw / 1e9:.1f} GB/s, "
-          f"bf16 matmul {mm / 1e9:.0f} GFLOP/s")
+    print(f"machine: {torch.get_num_threads()} threads, memory read {bw / 1e9:.1f} GB/s")
     rows = []
     if args.model is not None:
-        rows += bench_model(args.model.name, args.model, args.dtype, bw, mm, args.steps, not args.skip_transformers)
+        rows += bench_model(args.model.name, args.model, args.dtype, bw, args.steps, not args.skip_transformers)
     if not args.skip_random:
         with tempfile.TemporaryDirectory() as tmp:
-            rows += bench_model("random-200m (bf16)", build_random_model(Path(tmp)), "bfloat16", bw, mm, args.steps,
+            rows += bench_model("random-200m", build_random_model(Path(tmp)), args.dtype, bw, args.steps,
                                 not args.skip_transformers)
     header = ["model", "figure", "phaseserve", "floor", "phaseserve / floor", "transformers",
               "transformers / phaseserve (time)"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -345,6 +346,7 @@ def test_children_of_a_killed_up_stop_at_once(e2e_model, tmp_path):
     """kill -9 of up itself: its worker (and the worker's relay), scheduler, gateway and Redis stop within a
     few seconds (parent-death signals), not after a worker's drain."""
     proc, port, lines, ready, reader = start_up(e2e_model)
+    children: list[psutil.Process] = []
     try:
         assert ready.wait(180), "phaseserve up did not report it is serving:\n" + "".join(lines[-50:])
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -357,8 +359,8 @@ def test_children_of_a_killed_up_stop_at_once(e2e_model, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for c in psutil.Process().children(recursive=True):  # what a failed run left
-            if c.pid != proc.pid:
+        for c in children:  # what a failed run left; never this session's other processes (its shared stack)
+            with contextlib.suppress(psutil.NoSuchProcess):
                 c.kill()
 
 
