@@ -1,8 +1,8 @@
 """The compute ceiling of a workload: the output tok/s no server can beat on this machine.
 
 A workload's matmul FLOPs (every prompt token through every linear and causal attention, every output
-token through every linear, attention over its context and the lm_head), divided by the bf16 GEMM rate
-measured on every core (a 2048^3 matmul, the rate large GEMMs reach), is a lower bound on its time: it
+token through every linear, attention over its context and the lm_head), divided by the GEMM rate in the
+dtype this CPU serves (bf16 or fp32) measured on every core (a 2048^3 matmul, the rate large GEMMs reach), is a lower bound on its time: it
 counts no memory traffic, no elementwise op and no step overhead. Its inverse, times the output tokens,
 is an upper bound on output tok/s, so a server's output tok/s over it is the share of the machine's
 compute it turned into tokens, and a target ratio against another server is reachable only while
@@ -50,9 +50,10 @@ def workload_flops(cfg: ModelConfig, prompts: int, input_len: float, output_len:
 @dataclass
 class Ceiling:
     flops: float  # the workload's matmul FLOPs
-    gemm_rate: float  # FLOP/s of a 2048^3 bf16 matmul on `threads` threads
+    gemm_rate: float  # FLOP/s of a 2048^3 matmul on `threads` threads, in the dtype this CPU serves
     threads: int
     output_tokens: int
+    dtype: str = "bf16"
 
     @property
     def seconds(self) -> float:
@@ -64,16 +65,23 @@ class Ceiling:
 
     def describe(self) -> str:
         return (f"compute ceiling {self.output_tok_s:.0f} output tok/s ({self.flops / 1e12:.2f} TFLOP of matmuls at "
-                f"{self.gemm_rate / 1e9:.0f} GFLOP/s, bf16 2048^3 on {self.threads} threads)")
+                f"{self.gemm_rate / 1e9:.0f} GFLOP/s, {self.dtype} 2048^3 on {self.threads} threads)")
+
+
+def serving_dtype() -> torch.dtype:
+    """What dtype `auto` serves on this CPU (workers/loader.py): bf16 where it computes bf16 natively."""
+    from kernels import cpu_isa
+
+    return torch.bfloat16 if cpu_isa.supports("avx512-bf16") else torch.float32
 
 
 def measure_gemm_rate(threads: int | None = None) -> tuple[float, int]:
-    """The bf16 GEMM rate on `threads` threads (default: every core this process may use)."""
+    """The GEMM rate in the serving dtype on `threads` threads (default: every core this process may use)."""
     threads = threads or len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return measure_matmul(torch.bfloat16), threads
+        return measure_matmul(serving_dtype()), threads
     finally:
         torch.set_num_threads(before)
 
@@ -82,7 +90,8 @@ def ceiling(model_dir: str | Path, prompts: int, input_len: float, output_len: f
             gemm: tuple[float, int] | None = None) -> Ceiling:
     rate, threads = gemm or measure_gemm_rate()
     flops = workload_flops(read_config(model_dir), prompts, input_len, output_len)
-    return Ceiling(flops, rate, threads, round(prompts * output_len))
+    return Ceiling(flops, rate, threads, round(prompts * output_len),
+                   "bf16" if serving_dtype() == torch.bfloat16 else "fp32")
 
 
 def main(argv: list[str] | None = None) -> None:
