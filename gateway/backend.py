@@ -167,8 +167,8 @@ class Backend:
         self.worker_cache_s = worker_cache_s
         self.delivery = delivery or DeliveryConfig()
         # Commands share a bounded pool: a burst of requests waits up to pool_timeout for a connection
-        # instead of opening one each (1,000 streams at once hit Redis's 'Too many connections' and got
-        # 503s). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
+        # instead of opening one each (a burst of streams would hit Redis's 'Too many connections' and answer
+        # 503). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
         # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
         # timeouts (-> 503). from_url honours a password
         # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has

@@ -181,7 +181,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         return reference.argmax(logits)
     ops = _native_layer_ops(logits.dtype)
     # logits straight from the lm_head: one pass over them (bf16: instead of an fp32 copy and torch's argmax
-    # over it, ~0.3 ms for 16 rows of a 49k vocab)
+    # over it)
     if ops is not None and logits.dim() == 2:
         return ops.argmax(logits)
     return reference.argmax(logits)
@@ -327,7 +327,7 @@ def _quant_linear_op(weight) -> object:
     op = _quant_linear_ops.get(type(weight))
     if op is None:
         # a packed weight exists only where its op loaded; held as its overload, as _LayerOps does: this runs
-        # four times a layer every step, and native.load's switch and lock checks cost ~1 us a call
+        # four times a layer every step, where native.load's switch and lock checks would show
         dtype = torch.float32 if isinstance(weight, PackedQuantF32Weight) else torch.bfloat16
         op = _quant_linear_ops[type(weight)] = _native_quant_gemm(dtype).quant_linear.default
     return op

@@ -37,9 +37,8 @@ LARGE_MODEL_BYTES = 100 << 20
 
 # The batch the step is timed at: workload A's concurrency, and what a busy worker runs.
 PROBE_BATCH = 16
-# CPU seconds the gateway, scheduler, relay and Redis spend per decoded token, on this machine (bundled model,
-# workload A, per-process CPU of `phaseserve up`: 0.86 s for 4,096 tokens; docs/benchmarks.md, "Worker
-# threads") ...
+# CPU seconds the gateway, scheduler, relay and Redis spend per decoded token, measured per process of
+# `phaseserve up` on workload A (bench/results/2026-11-23-worker-threads.md) ...
 SERVICE_CPU_PER_TOKEN_S = 0.21e-3
 # ... when PYTHON_WORK (msgpack and dict work like theirs) took this long here; scaled by its time on the
 # machine at hand, since that code runs as fast as the CPU runs Python, not as fast as it multiplies.

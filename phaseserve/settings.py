@@ -90,7 +90,7 @@ SETTINGS: list[Setting] = [
             "largest accepted request body (413 above)", ("gateway", "up")),
     Setting("max_waiting_requests", "PHASESERVE_MAX_WAITING", 1024, int,
             "requests a gateway keeps in flight before answering 429", ("gateway", "up")),
-    # --- overload, abuse and delivery (issue #11, gateway side)
+    # --- overload, abuse and delivery (gateway side)
     Setting("redis_max_connections", "PHASESERVE_REDIS_MAX_CONNECTIONS", 64, int,
             "Redis connections a gateway opens for commands at most; a burst beyond waits for one "
             "(--redis-pool-timeout) instead of failing", ("gateway", "up")),

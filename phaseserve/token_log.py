@@ -50,9 +50,9 @@ def append_event(pipe, keys: Keys, ev: list) -> None:
         pipe.execute_command("EXPIRE", key, TOKEN_LOG_TTL_S)
 
 
-# One command for a whole step's events: per command, redis-py's packing and reply parsing cost the relay
-# ~15 us, so 64 XADDs (+ EXPIREs) added ~1 ms to a step's pipeline; as one script, +0.1 ms for 16 decodes
-# and +0.33 ms for 64 (bench/token_log_cost.py, on the relay's process, off the model's).
+# One command for a whole step's events: redis-py's packing and reply parsing cost the relay per command,
+# so an XADD (+ EXPIRE) per sequence added up in a step's pipeline where one script does not
+# (bench/token_log_cost.py measures both, on the relay's process, off the model's).
 # KEYS: the logs; ARGV: maxlen, ttl, then per key: entry id, payload, refresh the TTL (1/0).
 _APPEND_SCRIPT = """
 for i, key in ipairs(KEYS) do

@@ -74,7 +74,7 @@ class Keys:
         kv_blocks_used, kv_blocks_total, num_preemptions, num_workers, num_steps_held_by_itl_target, updated_at. Read by the gateway's /metrics."""
         return f"{self.prefix}:scheduler:stats"
 
-    # --- delivery and client leases (issue #11, gateway side)
+    # --- delivery and client leases (gateway side)
 
     def token_log(self, seq_id: str) -> str:
         """Stream: every TokenEvent of one sequence, written by the worker's relay beside its PUBLISH; entry id
@@ -96,7 +96,7 @@ class Keys:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
 
-    # ---- reliability (issue #11, scheduler/worker side): fail-over, dead letters, confirmed outputs
+    # ---- reliability (scheduler/worker side): fail-over, dead letters, confirmed outputs
 
     @property
     def dead_letters(self) -> str:
@@ -214,7 +214,7 @@ class SeqStart:
     prompt + output through prefill and continues sampling at offset len(output_ids).
     `num_cached` positions already have their KV in the sequence's blocks (moved there by a KV transfer,
     workers/kv_transfer): its first chunk starts there instead of at 0.
-    `send_kv` (a prefill worker's sequence, issue #12): stream the prefill's KV out as its chunks fill blocks,
+    `send_kv` (a prefill worker's sequence): stream the prefill's KV out as its chunks fill blocks,
     as transfer `send_kv.transfer_id`, for the decode worker the scheduler hands the sequence to.
     """
 
@@ -352,7 +352,7 @@ class StepPlan:
     # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
     # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
     timeout_s: float = 0.0
-    receives: list[KVReceive] = field(default_factory=list)  # KV handed in from a prefill worker (issue #12)
+    receives: list[KVReceive] = field(default_factory=list)  # KV handed in from a prefill worker
     # the answer to a draining worker (WorkerInfo.draining): the scheduler holds no sequence on it any
     # more and sends it nothing after this plan, so once the plans before it are run the worker may exit
     drained: bool = False
@@ -544,7 +544,7 @@ class WorkerInfo:
         return cls(**{k: v for k, v in d.items() if k in known})  # a newer worker's extra fields are ignored
 
 
-# --------------------------------------------------------------- delivery (issue #11, gateway side)
+# --------------------------------------------------------------- delivery (gateway side)
 
 # a sequence's token log (Keys.token_log): XADD MAXLEN ~ cap in entries (one a step) and its TTL, refreshed
 # on write, so a finished request can still be resumed for a while and an abandoned one goes away

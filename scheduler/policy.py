@@ -338,7 +338,7 @@ class Handoff:
 class WorkerPolicy:
     """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
 
-    Phase workers (issue #12): while `kv_transport` is set (the service sets it on a prefill worker when a
+    Phase workers: while `kv_transport` is set (the service sets it on a prefill worker when a
     decode worker exists), every sequence started here streams its prefill's KV into a transfer, and once
     its prefill is planned whole it is not decoded here: after its first token is confirmed it is
     `ready_handoffs`, and the service moves it (`hand_off` here, `accept_handoff` on the decode worker's

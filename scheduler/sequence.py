@@ -32,7 +32,7 @@ class Sequence:
     num_inflight_samples: int = 0  # planned chunks that sample a token, whose step result has not arrived
     on_worker: bool = False  # the worker was sent a SeqStart and no release since
     num_preemptions: int = 0
-    # phase workers (issue #12). On a prefill worker: the transfer its prefill streams its KV into, and
+    # phase workers. On a prefill worker: the transfer its prefill streams its KV into, and
     # whether that prefill is complete, so it waits to be handed to a decode worker instead of decoding.
     # On a decode worker: the transfer to take into its blocks with its first plan (then None).
     kv_send: KVSend | None = None

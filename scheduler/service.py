@@ -16,7 +16,7 @@ keys; one policy instance per live worker holds that worker's KV block
 accounting. A worker whose heartbeat lapses has its sequences taken back and
 re-planned elsewhere by recompute (prompt + tokens already generated).
 
-Reliability (issue #11):
+Reliability:
 - A plan in flight has a deadline (`step_timeout` from when it is due, plus a margin); a result that
   overtakes an older open step, or a deadline passing, gives the older step up: the policy recomputes its
   sequences from their confirmed outputs (`WorkerPolicy.drop_step`). A lost plan or result never strands a

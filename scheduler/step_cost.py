@@ -79,8 +79,9 @@ class StepCosts:
         return self.prefill_chunk_s / self.token_s
 
 
-# Before any step is measured: a step costs ~5 ms + 0.2 ms a token, and attention equals the linears at a
-# context of 2,048. Only its shape matters once there is data (it weighs as PRIOR_WEIGHT steps).
+# Before any step is measured: a prior of a small CPU model's step (a fixed cost plus a cost a token), with
+# attention equal to the linears at a context of 2,048. Only its shape matters once there is data (it
+# weighs as PRIOR_WEIGHT steps).
 DEFAULT_PRIOR = StepCosts(overhead_s=5e-3, token_s=2e-4, key_s=2e-4 / 2048)
 PRIOR_WEIGHT = 2.0
 

@@ -1,4 +1,4 @@
-"""A worker's side of prefill -> decode handoffs (issue #12): it streams its prefills' KV out, or takes
+"""A worker's side of prefill -> decode handoffs: it streams its prefills' KV out, or takes
 handed-in KV into its cache, around each model step. The scheduler decides everything; see
 docs/kv-transfer.md ("The handoff") for the whole sequence of messages.
 

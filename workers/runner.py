@@ -30,10 +30,9 @@ log = structlog.get_logger(__name__)
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 # Attention runs at about this fraction of the linear layers' FLOP rate (small per-head matmuls, softmax,
-# gathering paged K/V). Fitted on the bundled model served with K = 991 (0.7): its ~240-unit chunk steps
-# rose from 17.7 to 29 ms across a 1984-token prompt instead of staying flat, which fits a horizon of
-# ~450 tokens (its FLOP ratio is 1416). Smaller chunks attend less efficiently than the 496-token ones of
-# the first fit (K ~ 980), and a low K only makes late chunks smaller, so the constant errs that way.
+# gathering paged K/V). Fitted on how the bundled model's chunk steps grew across a long prompt
+# (bench/results/2026-11-22-step-budget.md); a low K only makes late chunks smaller, so the constant errs
+# that way.
 ATTENTION_EFFICIENCY = 0.32
 
 
