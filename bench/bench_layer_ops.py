@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def engine_ab(name: str, threads: int, rounds: int, dtype: str = "auto") -> dict[str, tuple[float, float]]:
     from bench.workloads import Vocab, random_workload
-    from phaseserve.engine import Engine
+    from phaseserve.stack.engine import Engine
     from phaseserve.params import SamplingParams
 
     path = resolve_model(name)

@@ -64,7 +64,7 @@ def model_folder(model: str | None) -> Path:
     """None: a random bf16 model of SmolLM2's shapes; else anything --model takes (smollm2, a GGUF, ...)."""
     if model is None:
         return random_smollm2(Path(tempfile.gettempdir()))
-    from phaseserve import model_source
+    from phaseserve.models import model_source
 
     try:
         return Path(model_source.resolve_model(model).path)

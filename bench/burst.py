@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     server = None
     if args.base_url is None:
         port = free_port()
-        cmd = [sys.executable, "-m", "phaseserve.cli", "up", "--model", args.model, "--port", str(port),
+        cmd = [sys.executable, "-m", "phaseserve.stack.cli", "up", "--model", args.model, "--port", str(port),
                *args.up_arg]
         server = ServerProcess("phaseserve", cmd, port, Path(args.log)).start()
         url = server.url

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phaseserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("openai", "engine"), default="openai",
-                   help="openai: any OpenAI-compatible HTTP server; engine: phaseserve.engine in this process")
+                   help="openai: any OpenAI-compatible HTTP server; engine: phaseserve.stack.engine in this process")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (openai backend)")
     p.add_argument("--model", default="bundled",
                    help=f"model folder or one of {', '.join(MODEL_NAMES)} (tokenizer + vocab; the engine "

@@ -1,4 +1,4 @@
-"""Run a workload in-process on phaseserve.engine.Engine: no HTTP, no Redis, no separate processes.
+"""Run a workload in-process on phaseserve.stack.engine.Engine: no HTTP, no Redis, no separate processes.
 
 Engine.generate(prompts, params) returns only when every prompt is done, so there is no per-token
 timing to take: this backend measures throughput only (request, output and total tokens per second).
@@ -34,7 +34,7 @@ def run_engine(model_dir: str, specs: list[RequestSpec], vocab: Vocab | None, te
 
     `concurrency` becomes the scheduler's max_num_seqs (unless a setting names it), the in-process
     equivalent of the client keeping that many requests in flight."""
-    from phaseserve.engine import Engine
+    from phaseserve.stack.engine import Engine
     from phaseserve.params import SamplingParams
 
     if any(s.api != "completions" for s in specs):

@@ -40,7 +40,7 @@ import redis
 from tqdm import tqdm
 
 from bench.sse import sse_messages
-from phaseserve.model_source import bundled_model_path
+from phaseserve.models.model_source import bundled_model_path
 from phaseserve.procs import stop_process
 from phaseserve.redis_server import find_redis_server, free_port
 from phaseserve.wire import Keys

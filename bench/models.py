@@ -15,8 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from phaseserve import model_source
-from phaseserve.model_source import bundled_model_path
+from phaseserve.models import model_source
+from phaseserve.models.model_source import bundled_model_path
 
 log = structlog.get_logger("bench.models")
 

@@ -26,7 +26,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 CLIENT = "client"  # this process: the bench's own load generator
 # `python -m <module>` of the stack's processes -> the role reported (launcher.MODULE and the worker's relay)
 _MODULE_ROLES = {"gateway": "gateway", "scheduler": "scheduler", "workers": "worker", "workers.relay": "relay",
-                 "workers.thread_probe": "thread-probe", "phaseserve.cli": "launcher"}
+                 "workers.thread_probe": "thread-probe", "phaseserve.stack.cli": "launcher"}
 
 
 def _stat_fields(pid: int) -> list[str] | None:

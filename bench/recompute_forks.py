@@ -21,8 +21,8 @@ import time
 
 from tqdm import tqdm
 
-from phaseserve.engine import Engine
-from phaseserve.model_source import bundled_model_path
+from phaseserve.stack.engine import Engine
+from phaseserve.models.model_source import bundled_model_path
 from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
 

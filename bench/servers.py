@@ -126,7 +126,7 @@ def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin:
 def phaseserve_server(model_dir: Path, port: int, name: str, log_path: Path, model_len: int | None = None,
                       extra: list[str] | None = None) -> ServerProcess:
     exe = Path(sys.executable).with_name("phaseserve")  # the launcher of this same environment
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "phaseserve.cli"]
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "phaseserve.stack.cli"]
     cmd = base + ["up", "--model", str(model_dir), "--port", str(port), "--served-model-name", name,
                   "--max-model-len", str(model_len or max_model_len(model_dir)), *(extra or [])]
     return ServerProcess("phaseserve", cmd, port, log_path)

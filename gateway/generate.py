@@ -31,7 +31,7 @@ from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
 from phaseserve.kv_admission import KVCapacity
-from phaseserve.tokenizer import ChatTemplateError
+from phaseserve.models.tokenizer import ChatTemplateError
 from phaseserve.wire import ERROR_REJECTED, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.stop_strings import StopStringMatcher
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import TokenEvent
 
 

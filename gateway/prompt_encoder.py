@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from gateway.errors import context_length_exceeded
-from phaseserve.tokenizer import Tokenizer, message_text
+from phaseserve.models.tokenizer import Tokenizer, message_text
 
 # A normalizer may merge characters (NFKC composes a Hangul syllable from 3 jamo), so a token may then stand
 # for more characters than its own text has.

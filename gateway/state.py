@@ -13,9 +13,9 @@ from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_encoder import PromptEncoder
 from phaseserve.kv_admission import KVCapacity
-from phaseserve.model_files import read_json
+from phaseserve.models.model_files import read_json
 from phaseserve.settings import resolve_model
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import Keys, WorkerInfo
 
 

@@ -1,5 +1,5 @@
 """How many CPUs a worker's model gets: the thread-count rule shared by the worker (workers/service.py) and
-the launcher that splits the cores between services (phaseserve/launcher.py).
+the launcher that splits the cores between services (phaseserve/stack/launcher.py).
 
 The choice is measured, once per model and machine: a child process (`python -m workers.thread_probe MODEL`)
 loads the model and times a small fixed decode step (a representative batch) with every usable core and
@@ -179,7 +179,7 @@ def python_work_s(rounds: int = 5) -> float:
 
 
 def cache_path() -> Path:
-    from phaseserve.model_source import cache_dir
+    from phaseserve.models.model_source import cache_dir
 
     return cache_dir() / "threads.json"
 

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from phaseserve import model_source
-from phaseserve.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
+from phaseserve.models import model_source
+from phaseserve.models.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
 from phaseserve.itl_target import ItlTarget, parse_itl_target
 
 

@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     from phaseserve import settings
-    from phaseserve.launcher import Stack, health_url
+    from phaseserve.stack.launcher import Stack, health_url
     from phaseserve.redis_server import free_port
-    from phaseserve.tokenizer import Tokenizer
+    from phaseserve.models.tokenizer import Tokenizer
 
     model = settings.resolve_model(args.model, "greedy_vs_transformers")
     tok = Tokenizer.from_folder(model.path)

@@ -11,8 +11,8 @@ _engines: dict[tuple, object] = {}
 
 
 def engine_texts(model_dir, prompts: list[str], max_tokens: int, **engine_kwargs) -> list[str]:
-    """Greedy completions of `prompts` by phaseserve.engine.Engine on the same model."""
-    from phaseserve.engine import Engine
+    """Greedy completions of `prompts` by phaseserve.stack.engine.Engine on the same model."""
+    from phaseserve.stack.engine import Engine
 
     key = (str(model_dir), tuple(sorted(engine_kwargs.items())))
     if key not in _engines:

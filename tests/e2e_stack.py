@@ -1,5 +1,5 @@
 """A whole phaseserve stack for end-to-end tests: embedded Redis + scheduler + worker + gateway
-as real subprocesses on free ports, started with the launcher's own code (phaseserve/launcher.py).
+as real subprocesses on free ports, started with the launcher's own code (phaseserve/stack/launcher.py).
 
 `running_stack(model_dir, log_dir, **settings)` is a context manager yielding a `RunningStack`
 (base_url, model name, redis url). Children's logs go to a file whose tail is shown when a
@@ -19,7 +19,7 @@ import msgpack
 import redis
 
 from phaseserve import settings
-from phaseserve.launcher import LaunchError, Stack, health_url
+from phaseserve.stack.launcher import LaunchError, Stack, health_url
 from phaseserve.redis_server import free_port
 from phaseserve.wire import Keys
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def phaseserve(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("PHASESERVE_") or k == "PHASESERVE_CACHE_DIR"}
-    return subprocess.Popen([sys.executable, "-m", "phaseserve.cli", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "phaseserve.stack.cli", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 

@@ -171,7 +171,7 @@ def test_commands_exist_in_cli(compose, service):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     # And the console script knows the subcommand.
-    help_out = subprocess.run([sys.executable, "-m", "phaseserve.cli", sub, "--help"],
+    help_out = subprocess.run([sys.executable, "-m", "phaseserve.stack.cli", sub, "--help"],
                               capture_output=True, text=True, timeout=60)
     assert help_out.returncode == 0, help_out.stderr
     assert "usage" in help_out.stdout.lower()

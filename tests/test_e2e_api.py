@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 
 MAX_TOKENS = 8
 

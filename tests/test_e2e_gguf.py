@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from e2e_stack import running_stack
 from gguf_factory import write_gguf
 from model_factory import make_model
-from phaseserve.model_source import resolve_model
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.model_source import resolve_model
+from phaseserve.models.tokenizer import Tokenizer
 
 PROMPTS = [[5, 17, 101, 44], [9] * 3 + list(range(20, 60)), [300, 2, 77], [42] * 7]
 MAX_TOKENS = 12

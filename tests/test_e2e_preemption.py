@@ -12,7 +12,7 @@ import pytest
 from e2e_reference import engine_texts, metric, prompts
 from e2e_stack import running_stack, wait_for
 from phaseserve.kv_admission import KVCapacity
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from workers.kv_cache import bytes_per_block
 from workers.loader import read_config, resolve_dtype
 

@@ -19,7 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from phaseserve.launcher import core_placement
+from phaseserve.stack.launcher import core_placement
 from phaseserve.redis_server import free_port
 
 
@@ -111,7 +111,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
 
 
 def test_core_placement_splits_the_cores_among_workers(monkeypatch, tmp_path):
-    from phaseserve import launcher
+    from phaseserve.stack import launcher
 
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)  # a small model: auto threads = cores - 1
     values = {"bind_cores": True, "num_threads": 0, "model": str(tmp_path), "workers": 2}
@@ -194,7 +194,7 @@ def test_up_with_two_workers_serves_requests_on_both(e2e_model, tmp_path):
 
 
 def test_up_plans_prefill_and_decode_workers_with_their_roles_and_core_shares(monkeypatch, tmp_path):
-    from phaseserve import launcher
+    from phaseserve.stack import launcher
 
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)
     base = {"bind_cores": True, "num_threads": 2, "model": str(tmp_path), "workers": None,
@@ -220,7 +220,8 @@ def test_up_plans_prefill_and_decode_workers_with_their_roles_and_core_shares(mo
 
 
 def test_up_refuses_worker_counts_that_make_no_deployment_in_one_line(monkeypatch, capsys):
-    from phaseserve import launcher, logs
+    from phaseserve import logs
+    from phaseserve.stack import launcher
 
     monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
     cases = {
@@ -365,7 +366,7 @@ def test_children_of_a_killed_up_stop_at_once(e2e_model, tmp_path):
 
 
 def test_worker_restarts_back_off_while_a_worker_keeps_dying_at_start():
-    from phaseserve.launcher import WorkerRestarts
+    from phaseserve.stack.launcher import WorkerRestarts
 
     r = WorkerRestarts(base_s=1.0, cap_s=8.0, stable_s=60.0)
     assert [r.delay("w", 0.0, 2.0) for _ in range(6)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
@@ -375,7 +376,7 @@ def test_worker_restarts_back_off_while_a_worker_keeps_dying_at_start():
 
 
 def test_up_is_ready_only_with_every_worker_it_asked_for_live_and_adopted():
-    from phaseserve.launcher import layout_ready
+    from phaseserve.stack.launcher import layout_ready
 
     roles = {"prefill-0": "prefill", "decode-0": "decode"}
     assert not layout_ready({"worker_roles": {"prefill": 1}, "scheduler_workers": 1}, roles)

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import sseclient
 
 from phaseserve import token_log
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
 from gateway_client import RESUME, post_resume, read_sse
 from test_gateway_http import MODEL, RequestsReader, add_worker, assert_openai_error, start_gateway, text_model  # noqa: F401

@@ -22,7 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from phaseserve.redis_server import EmbeddedRedis, free_port
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
 from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from phaseserve.redis_server import EmbeddedRedis
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import Keys, SubmitRequest, TokenEvent
 from test_gateway_http import (GATEWAY_ID, MODEL, RequestsReader, add_worker, assert_openai_error, publish,
                                start_gateway, text_model)  # noqa: F401 (text_model is a fixture)

@@ -11,7 +11,7 @@ from gateway.backend import Backend
 from gateway.errors import APIError
 from gateway.output import SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.stop_strings import StopStringMatcher
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import Keys, TokenEvent
 from text_model_factory import make_text_model
 

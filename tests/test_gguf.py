@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gguf_factory import gguf_name, llama3_rope_factors, write_gguf
 from kernels import cpu_isa
 from model_factory import make_model
-from phaseserve.engine import Engine
-from phaseserve.gguf_files import GGUFError, llama3_rope_from_factors, write_model_folder
+from phaseserve.stack.engine import Engine
+from phaseserve.models.gguf_files import GGUFError, llama3_rope_from_factors, write_model_folder
 from phaseserve.params import SamplingParams
-from phaseserve.tokenizer import Tokenizer
+from phaseserve.models.tokenizer import Tokenizer
 from workers.gguf_weights import QuantizedTensor, unpermute_rows, load_gguf_weights
 from workers.loader import ModelLoadError, load_checkpoint, read_config
 from workers.model import rotary_inv_freq

@@ -1,7 +1,12 @@
-"""The import layers: the shared package (phaseserve/) and kernels/ import no service; services import no
-other service (workers/ may use kernels/); only `phaseserve.engine`, the in-process engine that composes the
-scheduler policy and the model runner, imports services from inside the shared package. Every import counts,
-function-level ones too, so a lazy import cannot hide an edge."""
+"""The import layers, bottom to top (docs/architecture.md, "Parts"):
+
+- the shared ground, phaseserve/ outside phaseserve/stack/ (phaseserve/models/ included), imports no service;
+- kernels/ imports the ground only; the services (gateway/, scheduler/, workers/) import the ground only, never
+  each other (workers/ also uses kernels/);
+- phaseserve/stack/ composes the services (the CLI, the launcher, the in-process engine) and is imported by
+  nothing below it (tests, bench and scripts may use it).
+
+Every import counts, function-level ones too, so a lazy import cannot hide an edge."""
 
 from __future__ import annotations
 
@@ -9,60 +14,88 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+STACK = "phaseserve.stack"
 SERVICES = {"scheduler", "workers", "gateway"}
-COMPOSERS = {"phaseserve/engine.py"}  # above the services; see docs/architecture.md, "Parts"
-ALLOWED = {  # package -> the other top-level packages it may import
-    "phaseserve": set(),
-    "kernels": {"phaseserve"},
-    "scheduler": {"phaseserve"},
-    "gateway": {"phaseserve"},
-    "workers": {"phaseserve", "kernels"},
+ALLOWED = {  # layer -> the layers it may import (besides itself)
+    "ground": set(),
+    "kernels": {"ground"},
+    "scheduler": {"ground"},
+    "gateway": {"ground"},
+    "workers": {"ground", "kernels"},
+    "stack": {"ground", "kernels"} | SERVICES,
 }
-TOP_LEVEL = set(ALLOWED) | {"bench"}
+PACKAGES = ("phaseserve", "kernels", *sorted(SERVICES))
+TOP_LEVEL = set(PACKAGES) | {"bench"}
 
 
-def imported_packages(path: Path) -> set[str]:
-    """The top-level packages of this repo that a module imports, anywhere in it."""
-    found = set()
+def layer_of(module: str) -> str | None:
+    """The layer of a dotted module name of this repo (None: not this repo's)."""
+    top = module.split(".")[0]
+    if top == "phaseserve":
+        return "stack" if module == STACK or module.startswith(STACK + ".") else "ground"
+    return top if top in TOP_LEVEL else None
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path) -> set[str]:
+    """Every dotted module (or module.name, for `from m import name`) a file imports, anywhere in it;
+    relative imports resolved."""
+    found: set[str] = set()
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found.update(n.split(".")[0] for n in names if n.split(".")[0] in TOP_LEVEL)
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            # `from phaseserve import stack` names a module of another layer than its package's
+            found.update(f"{module}.{a.name}" for a in node.names
+                         if layer_of(f"{module}.{a.name}") != layer_of(module))
     return found
 
 
-def test_no_module_imports_across_its_layer():
+def layer_violations(root: Path) -> list[str]:
+    """Each import across the layers in the repo at `root`, as "path imports module (layer)"."""
     bad = []
-    for pkg, allowed in ALLOWED.items():
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            extra = imported_packages(path) - allowed - {pkg}
-            if rel in COMPOSERS:
-                extra -= SERVICES
-            if extra:
-                bad.append(f"{rel} imports {sorted(extra)}")
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            own = layer_of(module_name(path, root))
+            for module in sorted(imported_modules(path, root)):
+                layer = layer_of(module)
+                if layer is not None and layer != own and layer not in ALLOWED[own]:
+                    bad.append(f"{rel} imports {module} ({layer})")
+    return bad
+
+
+def test_no_module_imports_across_its_layer():
+    bad = layer_violations(ROOT)
     assert not bad, "imports across layers:\n" + "\n".join(bad)
 
 
-def test_the_composers_are_imported_by_no_service_or_shared_module():
-    composer_modules = {c.removesuffix(".py").replace("/", ".") for c in COMPOSERS} | {"phaseserve.launcher",
-                                                                                       "phaseserve.cli"}
-    bad = []
-    for pkg in ALLOWED:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            for node in ast.walk(ast.parse(path.read_text(), rel)):
-                mod = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                if mod == "phaseserve":  # from phaseserve import engine
-                    names = [f"phaseserve.{a.name}" for a in node.names]
-                elif mod:
-                    names = [mod]
-                for name in names:
-                    if name in composer_modules and rel.removesuffix(".py").replace("/", ".") not in composer_modules:
-                        bad.append(f"{rel} imports {name}")
-    assert not bad, "a composing module imported from below:\n" + "\n".join(bad)
+def test_the_check_catches_the_ground_importing_a_service_and_a_service_importing_the_stack(tmp_path):
+    files = {
+        "phaseserve/__init__.py": "",
+        "phaseserve/settings.py": "def f():\n    from scheduler.service import main\n",  # lazy: still an edge
+        "phaseserve/models/__init__.py": "from .. import stack\n",
+        "phaseserve/stack/engine.py": "import scheduler.policy\nimport workers.runner\nfrom phaseserve import wire\n",
+        "gateway/app.py": "from phaseserve.stack.engine import Engine\nfrom phaseserve.wire import Keys\n",
+        "workers/runner.py": "import kernels\nfrom phaseserve.models import tokenizer\n",
+        "kernels/__init__.py": "",
+        "scheduler/policy.py": "",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert layer_violations(tmp_path) == [
+        "phaseserve/models/__init__.py imports phaseserve.stack (stack)",
+        "phaseserve/settings.py imports scheduler.service (scheduler)",
+        "gateway/app.py imports phaseserve.stack.engine (stack)",
+    ]

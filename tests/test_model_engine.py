@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model_factory import make_model
-from phaseserve.engine import Engine
+from phaseserve.stack.engine import Engine
 from phaseserve.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

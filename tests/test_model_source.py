@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from phaseserve import model_source, pull
-from phaseserve.model_source import ModelNotFound, PackagedGGUF, resolve_model
+from phaseserve.models import model_source, pull
+from phaseserve.models.model_source import ModelNotFound, PackagedGGUF, resolve_model
 
 BUNDLED = Path(model_source.bundled_model_path())
 
@@ -64,7 +64,7 @@ def test_hub_id_from_the_local_cache_then_a_clear_error_offline(tmp_path):
     # in a fresh process, as a user starts one: huggingface_hub reads its environment at import
     _hub_cache(tmp_path / "hub", "phaseserve-test/tiny", BUNDLED)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    code = ("import sys; from phaseserve.model_source import resolve_model, ModelNotFound\n"
+    code = ("import sys; from phaseserve.models.model_source import resolve_model, ModelNotFound\n"
             "try:\n m = resolve_model(sys.argv[1]); print(m.name); print(m.path)\n"
             "except ModelNotFound as e: print('error:', e)")
 
@@ -149,7 +149,7 @@ def test_pull_reports_a_failure_in_one_line(local_index, monkeypatch, capsys):
 
 
 def test_cli_settings_help_and_a_taken_port():
-    out = subprocess.run([sys.executable, "-m", "phaseserve.cli", "settings", "--help"],
+    out = subprocess.run([sys.executable, "-m", "phaseserve.stack.cli", "settings", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("usage: phaseserve settings")
     import socket
@@ -158,7 +158,7 @@ def test_cli_settings_help_and_a_taken_port():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "phaseserve.cli", "up", "--model", "bundled",
+        out = subprocess.run([sys.executable, "-m", "phaseserve.stack.cli", "up", "--model", "bundled",
                               "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.strip() == (f"phaseserve up: port {port} on 127.0.0.1 is already in use; "

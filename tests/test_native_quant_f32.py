@@ -175,7 +175,7 @@ def test_float32_model_on_an_avx2_process_runs_the_op(tmp_path):
     load_or_skip("quant_gemm_f32")
     from gguf_factory import write_gguf
     from model_factory import make_model
-    from phaseserve.gguf_files import write_model_folder
+    from phaseserve.models.gguf_files import write_model_folder
 
     path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
                       types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")

@@ -15,7 +15,7 @@ import pytest
 
 import runner_driver
 from model_factory import make_model
-from phaseserve.model_source import bundled_model_path
+from phaseserve.models.model_source import bundled_model_path
 from phaseserve.params import SamplingParams
 from phaseserve.wire import Keys
 from scheduler.service import PolicyLimits

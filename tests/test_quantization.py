@@ -284,7 +284,7 @@ def test_gguf_model_keeps_its_blocks(tmp_path):
     weights dequantized to that dtype (`none`)."""
     dtype = str(kernel_dtype()).removeprefix("torch.")
     from gguf_factory import write_gguf
-    from phaseserve.gguf_files import write_model_folder
+    from phaseserve.models.gguf_files import write_model_folder
 
     path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
                       types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from phaseserve.tokenizer import ChatTemplateError, Tokenizer
+from phaseserve.models.tokenizer import ChatTemplateError, Tokenizer
 from text_model_factory import make_text_model
 
 MULTIBYTE = "Hello wörld 🙂 日本語 naïve ✓"

@@ -149,7 +149,7 @@ def test_cpu_lists_parse_numbers_and_ranges_strictly():
 
 
 def test_core_placement_gives_a_small_model_worker_cores_of_its_own(monkeypatch, tmp_path):
-    from phaseserve import launcher
+    from phaseserve.stack import launcher
 
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)  # a small model: auto threads = cores - 1
     values = {"bind_cores": True, "num_threads": 0, "model": str(tmp_path)}

@@ -1,5 +1,5 @@
 """Load a local Hugging Face checkpoint folder: config, generation config and safetensors weights
-(or, for a folder made from a GGUF by phaseserve.gguf_files, the GGUF's tensors).
+(or, for a folder made from a GGUF by phaseserve.models.gguf_files, the GGUF's tensors).
 
 Returns a `ModelConfig` (the few numbers the model needs, normalized across
 architectures and transformers versions) and the raw weights by their HF names.
@@ -17,8 +17,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kernels import cpu_isa
-from phaseserve.gguf_files import GGUFError, gguf_weights_path
-from phaseserve.model_files import config_eos_token_ids
+from phaseserve.models.gguf_files import GGUFError, gguf_weights_path
+from phaseserve.models.model_files import config_eos_token_ids
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from phaseserve.tokenizer import gpt2_bytes_to_unicode
+from phaseserve.models.tokenizer import gpt2_bytes_to_unicode
 
 log = structlog.get_logger(__name__)
 

@@ -26,7 +26,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from phaseserve.model_files import config_eos_token_ids, read_json, token_ids
+from phaseserve.models.model_files import config_eos_token_ids, read_json, token_ids
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of the prompt the detokenizer decodes as context (vLLM uses the same 5): enough for

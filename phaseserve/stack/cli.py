@@ -21,11 +21,11 @@ from phaseserve import __version__
 
 # subcommand -> (module, function taking argv)
 COMMANDS = {
-    "up": ("phaseserve.launcher", "main"),
+    "up": ("phaseserve.stack.launcher", "main"),
     "gateway": ("gateway.__main__", "main"),
     "scheduler": ("scheduler.service", "main"),
     "worker": ("workers.service", "main"),
-    "pull": ("phaseserve.pull", "main"),
+    "pull": ("phaseserve.models.pull", "main"),
     "bench": ("bench.cli", "main"),
 }
 

@@ -85,7 +85,7 @@ def cache_dir() -> Path:
 
 def bundled_model_path() -> str:
     """The small model phaseserve ships (trained by scripts/train_bundled_model.py)."""
-    return str(Path(__file__).resolve().parent / "bundled_model")
+    return str(Path(__file__).resolve().parent.parent / "bundled_model")
 
 
 def resolve_model(value: str | None, *, download: bool = True, cache: str | Path | None = None) -> ResolvedModel:
@@ -127,7 +127,7 @@ def _local(path: Path, cache: Path) -> ResolvedModel:
 
 def _gguf_folder(gguf: Path, name: str, cache: Path) -> ResolvedModel:
     """The folder a GGUF is read through, written once per file (keyed by path, size and mtime)."""
-    from phaseserve.gguf_files import GGUFError, write_model_folder
+    from phaseserve.models.gguf_files import GGUFError, write_model_folder
 
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phaseserve import model_source
+from phaseserve.models import model_source
 
 
 def main(argv: list[str] | None = None) -> int:
