@@ -204,17 +204,17 @@ class Row:
 
 
 def _converters(hint: Any) -> tuple[Callable | None, Callable | None]:
-    """(encode, decode) of a field's non-None values by its type, None where msgpack carries it as it is."""
+    """(encode, decode) of a field's non-None values by its type; None where msgpack carries it as it is."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):  # X | None
         inner = [a for a in args if a is not type(None)]
         return _converters(inner[0]) if len(inner) == 1 else (None, None)
     if origin is list and args and is_dataclass(args[0]):
         item = _codec(args[0])
-        enc, dec = item.encode, item.decode
+        enc, dec, quick = item.encode, item.decode, item.encode_quick
+        if quick is not None:  # one call a row instead of two: a step has dozens of them
+            return (lambda xs: [quick(x) or enc(x) for x in xs]), (lambda xs: [dec(x) for x in xs])
         return (lambda xs: [enc(x) for x in xs]), (lambda xs: [dec(x) for x in xs])
-    if origin is list:
-        return list, None  # any sequence out (msgpack takes lists and tuples only), a list in
     if is_dataclass(hint):
         item = _codec(hint)
         return item.encode, item.decode
@@ -223,12 +223,13 @@ def _converters(hint: Any) -> tuple[Callable | None, Callable | None]:
 
 class _Codec:
     """Encodes one dataclass as a map (a Record; also a dataclass from elsewhere, SamplingParams) or a list
-    (a Row) of its fields in declaration order, those marked sent_if_set after the others, and decodes it."""
+    (a Row) of its fields in declaration order, those marked sent_if_set after the others, and decodes it.
+    Built for speed (a step's plan has dozens of Rows): one attrgetter call reads the fields sent always."""
 
     def __init__(self, cls: type):
         self.cls, self.as_list = cls, issubclass(cls, Row)
         hints = typing.get_type_hints(cls)
-        self.sent: list[tuple[str, Callable | None]] = []  # always in the message
+        sent: list[tuple[str, Callable | None]] = []  # always in the message
         self.if_set: list[tuple[str, Callable | None, Any]] = []  # (name, encode, default)
         self.decoders: list[tuple[str, Callable | None, bool]] = []  # (name, decode, required), declaration order
         for f in fields(cls):
@@ -240,50 +241,115 @@ class _Codec:
             elif self.if_set and self.as_list:
                 raise TypeError(f"{cls.__name__}.{f.name}: a Row's sent_if_set fields must be its last")
             else:
-                self.sent.append((f.name, enc))
-        self.num_required = sum(required for _, _, required in self.decoders)
+                sent.append((f.name, enc))
+        self.names = tuple(name for name, _ in sent)
+        self.get_sent = _reader(self.names, "[]" if self.as_list else "{}")
+        # a Row's tail (its sent_if_set fields), nearly always at its defaults: `get_row` reads the fields
+        # sent always and checks that in one call, None if a tail field is set
+        tail_names = tuple(name for name, _, _ in self.if_set)
+        self.get_tail = _reader(tail_names, "()")
+        self.tail_defaults = tuple(default for _, _, default in self.if_set)
+        self.get_row = _reader(self.names, "[]", unless_set=dict(zip(tail_names, self.tail_defaults)))
+        self.sent_encoders = [(i, name, enc) for i, (name, enc) in enumerate(sent) if enc is not None]
+        self.num_fields = len(self.decoders)
         self.row_decoders = [(i, dec) for i, (_, dec, _) in enumerate(self.decoders) if dec is not None]
 
-    def encode(self, obj) -> dict | list:
-        if self.as_list:
-            out = [v if enc is None or v is None else enc(v) for v, enc in
-                   ((getattr(obj, name), enc) for name, enc in self.sent)]
-            extra = [getattr(obj, name) for name, _, _ in self.if_set]
-            while extra and extra[-1] == self.if_set[len(extra) - 1][2]:
-                extra.pop()  # trailing defaults stay off the wire
-            for v, (_, enc, _) in zip(extra, self.if_set):
-                out.append(v if enc is None or v is None else enc(v))
-            return out
-        out = {}
-        for name, enc in self.sent:
-            v = getattr(obj, name)
-            out[name] = v if enc is None or v is None else enc(v)
-        for name, enc, default in self.if_set:
-            v = getattr(obj, name)
-            if v != default:
-                out[name] = v if enc is None or v is None else enc(v)
-        return out
+        self.encode: Callable[[Any], dict | list] = self._row_encoder() if self.as_list else self._map_encoder()
+        self.decode: Callable[[Any], Any] = self._row_decoder() if self.as_list else self._map_decoder()
+        # a Row with nothing to convert: `get_row` alone encodes it unless a tail field is set (None)
+        self.encode_quick = self.get_row if self.as_list and not self.sent_encoders else None
 
-    def decode(self, x: dict | list):
-        if self.as_list:
-            if not isinstance(x, list) or len(x) < self.num_required:
-                raise WireError(f"{self.cls.__name__}: expected a list of at least {self.num_required} fields, "
-                                f"got {x!r:.80}")
-            args = x[:len(self.decoders)]  # a newer sender's extra trailing fields are ignored
-            for i, dec in self.row_decoders:
+    # The encoders are closures over their codec's parts (no attribute lookups per call): encoding runs
+    # for every chunk and token event of every step.
+
+    def _row_encoder(self) -> Callable[[Any], list]:
+        get_row, get_sent = self.get_row, self.get_sent
+        encoders, if_set = [(i, enc) for i, _, enc in self.sent_encoders], self.if_set
+        get_tail, tail_defaults = self.get_tail, self.tail_defaults
+
+        def encode(obj) -> list:
+            out = get_row(obj)
+            if out is None:  # a tail field is set
+                out = get_sent(obj)
+                tail = list(get_tail(obj))
+                while tail[-1] == tail_defaults[len(tail) - 1]:
+                    tail.pop()  # a Row has no names: only trailing defaults can stay off the wire
+                out += [v if enc is None or v is None else enc(v) for v, (_, enc, _) in zip(tail, if_set)]
+            for i, enc in encoders:
+                if out[i] is not None:
+                    out[i] = enc(out[i])
+            return out
+
+        return encode
+
+    def _map_encoder(self) -> Callable[[Any], dict]:
+        get_sent, if_set = self.get_sent, self.if_set
+        encoders = [(name, enc) for _, name, enc in self.sent_encoders]
+
+        def encode(obj) -> dict:
+            out = get_sent(obj)
+            for name, enc in encoders:
+                if out[name] is not None:
+                    out[name] = enc(out[name])
+            for name, enc, default in if_set:
+                v = getattr(obj, name)
+                if v != default:
+                    out[name] = v if enc is None or v is None else enc(v)
+            return out
+
+        return encode
+
+    def _row_decoder(self) -> Callable[[list], Any]:
+        cls, num_fields, decoders = self.cls, self.num_fields, self.row_decoders
+
+        def decode(x: list):
+            if type(x) is not list:
+                raise WireError(f"{cls.__name__}: expected a list, got {x!r:.80}")
+            args = x[:num_fields]  # a newer sender's extra trailing fields are ignored
+            for i, dec in decoders:
                 if i < len(args) and args[i] is not None:
                     args[i] = dec(args[i])
-            return self.cls(*args)
-        if not isinstance(x, dict):
-            raise WireError(f"{self.cls.__name__}: expected a map, got {x!r:.80}")
-        kwargs = {}
-        for name, dec, required in self.decoders:
-            if name in x:
-                v = x[name]
-                kwargs[name] = v if dec is None or v is None else dec(v)
-            elif required:
-                raise WireError(f"{self.cls.__name__}: no '{name}'")
-        return self.cls(**kwargs)  # fields an older sender did not know take their defaults
+            try:
+                return cls(*args)  # missing trailing fields (an older sender) take their defaults
+            except TypeError as e:
+                raise WireError(f"{cls.__name__}: {e}") from None
+
+        return decode
+
+    def _map_decoder(self) -> Callable[[dict], Any]:
+        cls, decoders = self.cls, self.decoders
+
+        def decode(x: dict):
+            if type(x) is not dict:
+                raise WireError(f"{cls.__name__}: expected a map, got {x!r:.80}")
+            kwargs = {}
+            for name, dec, required in decoders:
+                if name in x:
+                    v = x[name]
+                    kwargs[name] = v if dec is None or v is None else dec(v)
+                elif required:
+                    raise WireError(f"{cls.__name__}: no '{name}'")
+            return cls(**kwargs)  # fields an older sender did not know take their defaults
+
+        return decode
+
+
+def _reader(names: tuple[str, ...], shape: str, unless_set: dict[str, Any] | None = None) -> Callable[[Any], Any]:
+    """`obj -> [obj.a, obj.b]` (shape "[]"), `(obj.a, obj.b)` ("()") or `{"a": obj.a, "b": obj.b}` ("{}"),
+    compiled once: a display of attribute reads is several times faster than attrgetter or a loop, and
+    this runs for every chunk and token event of every step. `unless_set` {name: default}: None instead
+    when one of those fields is not at its default."""
+    unless_set = unless_set or {}
+    for name in (*names, *unless_set):
+        assert name.isidentifier(), name
+    if shape == "{}":
+        items = ", ".join(f"{name!r}: obj.{name}" for name in names)
+    else:
+        items = ", ".join(f"obj.{name}" for name in names) + ("," if shape == "()" and names else "")
+    body = f"{shape[0]}{items}{shape[1]}"
+    if unless_set:
+        body += " if " + " and ".join(f"obj.{name} == defaults[{name!r}]" for name in unless_set) + " else None"
+    return eval(f"lambda obj: {body}", {"defaults": unless_set})  # noqa: S307 -- field names only
 
 
 _CODECS: dict[type, _Codec] = {}

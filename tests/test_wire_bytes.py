@@ -49,7 +49,7 @@ def test_a_missing_required_field_is_a_wire_error():
     broken = msgpack.packb({"v": wire.PROTOCOL_VERSION, "k": "submit", "request_id": "r", "gateway_id": "gw"})
     with pytest.raises(wire.WireError, match="prompt_ids"):
         wire.SubmitRequest.from_wire(broken)
-    with pytest.raises(wire.WireError, match="ScheduledChunk"):
+    with pytest.raises(wire.WireError, match="ScheduledChunk.*block_table"):
         wire.StepPlan.from_wire(msgpack.packb({"step_id": 1, "worker_id": "w", "starts": [], "chunks": [["s", 0]],
                                                "releases": [], "v": wire.PROTOCOL_VERSION, "k": "plan"}))
 
