@@ -6,7 +6,7 @@ the worker's sampler can never disagree about what a request asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 # Temperatures below this sample as greedy (vLLM's bound): dividing logits by a tinier one overflows to inf,
 # and the softmax of that is NaN.
@@ -66,18 +66,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
-
-    def to_wire(self) -> dict:
-        # not dataclasses.asdict: its deep copy was most of a plan's encoding cost in the scheduler
-        return {name: getattr(self, name) for name in _WIRE_FIELDS} | {"stop_token_ids": list(self.stop_token_ids)}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> "SamplingParams":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})  # a newer peer's extra fields are ignored
-
-
-_WIRE_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def finish_reason(

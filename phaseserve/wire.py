@@ -3,6 +3,14 @@
 msgpack everywhere. Each message is a dataclass with `to_wire()` (bytes) and
 `from_wire(bytes)`; the payload carries the protocol version and the message
 kind, so a receiver rejects what it does not understand instead of guessing.
+No message has a hand-written codec: one generic codec (`_Codec`, below) reads
+its dataclass fields in declaration order. A top-level `Message` is a map of
+field names; a `Record` nested in one is a map too; a `Row` (many of them a
+message: chunks, token events) is a list, positional. Receiving, a field that
+is missing takes its default (an older sender), unknown keys and trailing list
+items are ignored (a newer one). Adding a field: give it a default, at the end
+of a Row, and `sent_if_set()` if older receivers must keep getting exactly the
+bytes they know unless it is used.
 
 Flow (see docs/architecture.md):
   gateway  --SubmitRequest/CancelRequest--> stream `requests`      --> scheduler
@@ -18,8 +26,10 @@ duplicates and notice gaps (what makes recompute after a crash invisible).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import ClassVar
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Callable, ClassVar, Self
 
 import msgpack
 
@@ -146,11 +156,220 @@ def peek_kind(data: bytes) -> str:
     return body.get("k", "")
 
 
+# --------------------------------------------------------------- the codec: every message from its fields
+
+_SENT_IF_SET = "sent_if_set"
+
+
+def sent_if_set(default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
+    """A field left out of the message while it holds its default: a field added after older peers were
+    out, so every message that does not use it stays byte for byte what they know. In a Row, only trailing
+    fields can be (a list has no names)."""
+    return field(default=default, default_factory=default_factory, metadata={_SENT_IF_SET: True})
+
+
+class Record:
+    """A message nested in another, encoded as a map of its field names (`to_dict` / `from_dict`)."""
+
+    def to_dict(self) -> dict:
+        return _codec(type(self)).encode(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Self:
+        return _codec(cls).decode(d)
+
+
+class Message(Record):
+    """A top-level message: a Record plus the protocol version and its KIND."""
+
+    KIND: ClassVar[str]
+
+    def to_wire(self) -> bytes:
+        return _pack(self.KIND, self.to_dict())
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> Self:
+        return cls.from_dict(_unpack(data, cls.KIND))
+
+
+class Row:
+    """A message nested in another, many times over: a list of its fields, positional (`to_list` / `from_list`)."""
+
+    def to_list(self) -> list:
+        return _codec(type(self)).encode(self)
+
+    @classmethod
+    def from_list(cls, x: list) -> Self:
+        return _codec(cls).decode(x)
+
+
+def _converters(hint: Any) -> tuple[Callable | None, Callable | None]:
+    """(encode, decode) of a field's non-None values by its type; None where msgpack carries it as it is."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        inner = [a for a in args if a is not type(None)]
+        return _converters(inner[0]) if len(inner) == 1 else (None, None)
+    if origin is list and args and is_dataclass(args[0]):
+        item = _codec(args[0])
+        enc, dec, quick = item.encode, item.decode, item.encode_quick
+        if quick is not None:  # one call a row instead of two: a step has dozens of them
+            return (lambda xs: [quick(x) or enc(x) for x in xs]), (lambda xs: [dec(x) for x in xs])
+        return (lambda xs: [enc(x) for x in xs]), (lambda xs: [dec(x) for x in xs])
+    if is_dataclass(hint):
+        item = _codec(hint)
+        return item.encode, item.decode
+    return None, None
+
+
+class _Codec:
+    """Encodes one dataclass as a map (a Record; also a dataclass from elsewhere, SamplingParams) or a list
+    (a Row) of its fields in declaration order, those marked sent_if_set after the others, and decodes it.
+    Built for speed (a step's plan has dozens of Rows): one compiled call (`_reader`) reads the fields sent
+    always."""
+
+    def __init__(self, cls: type):
+        self.cls, self.as_list = cls, issubclass(cls, Row)
+        hints = typing.get_type_hints(cls)
+        sent: list[tuple[str, Callable | None]] = []  # always in the message
+        self.if_set: list[tuple[str, Callable | None, Any]] = []  # (name, encode, default)
+        self.decoders: list[tuple[str, Callable | None, bool]] = []  # (name, decode, required), declaration order
+        for f in fields(cls):
+            enc, dec = _converters(hints[f.name])
+            required = f.default is MISSING and f.default_factory is MISSING
+            self.decoders.append((f.name, dec, required))
+            if f.metadata.get(_SENT_IF_SET):
+                self.if_set.append((f.name, enc, f.default if f.default_factory is MISSING else f.default_factory()))
+            elif self.if_set and self.as_list:
+                raise TypeError(f"{cls.__name__}.{f.name}: a Row's sent_if_set fields must be its last")
+            else:
+                sent.append((f.name, enc))
+        self.names = tuple(name for name, _ in sent)
+        self.get_sent = _reader(self.names, "[]" if self.as_list else "{}")
+        # a Row's tail (its sent_if_set fields), nearly always at its defaults: `get_row` reads the fields
+        # sent always and checks that in one call, None if a tail field is set
+        tail_names = tuple(name for name, _, _ in self.if_set)
+        self.get_tail = _reader(tail_names, "()")
+        self.tail_defaults = tuple(default for _, _, default in self.if_set)
+        self.get_row = _reader(self.names, "[]", unless_set=dict(zip(tail_names, self.tail_defaults)))
+        self.sent_encoders = [(i, name, enc) for i, (name, enc) in enumerate(sent) if enc is not None]
+        self.num_fields = len(self.decoders)
+        self.row_decoders = [(i, dec) for i, (_, dec, _) in enumerate(self.decoders) if dec is not None]
+
+        self.encode: Callable[[Any], dict | list] = self._row_encoder() if self.as_list else self._map_encoder()
+        self.decode: Callable[[Any], Any] = self._row_decoder() if self.as_list else self._map_decoder()
+        # a Row with nothing to convert: `get_row` alone encodes it unless a tail field is set (None)
+        self.encode_quick = self.get_row if self.as_list and not self.sent_encoders else None
+
+    # The encoders are closures over their codec's parts (no attribute lookups per call): encoding runs
+    # for every chunk and token event of every step.
+
+    def _row_encoder(self) -> Callable[[Any], list]:
+        get_row, get_sent = self.get_row, self.get_sent
+        encoders, if_set = [(i, enc) for i, _, enc in self.sent_encoders], self.if_set
+        get_tail, tail_defaults = self.get_tail, self.tail_defaults
+
+        def encode(obj) -> list:
+            out = get_row(obj)
+            if out is None:  # a tail field is set
+                out = get_sent(obj)
+                tail = list(get_tail(obj))
+                while tail[-1] == tail_defaults[len(tail) - 1]:
+                    tail.pop()  # a Row has no names: only trailing defaults can stay off the wire
+                out += [v if enc is None or v is None else enc(v) for v, (_, enc, _) in zip(tail, if_set)]
+            for i, enc in encoders:
+                if out[i] is not None:
+                    out[i] = enc(out[i])
+            return out
+
+        return encode
+
+    def _map_encoder(self) -> Callable[[Any], dict]:
+        get_sent, if_set = self.get_sent, self.if_set
+        encoders = [(name, enc) for _, name, enc in self.sent_encoders]
+
+        def encode(obj) -> dict:
+            out = get_sent(obj)
+            for name, enc in encoders:
+                if out[name] is not None:
+                    out[name] = enc(out[name])
+            for name, enc, default in if_set:
+                v = getattr(obj, name)
+                if v != default:
+                    out[name] = v if enc is None or v is None else enc(v)
+            return out
+
+        return encode
+
+    def _row_decoder(self) -> Callable[[list], Any]:
+        cls, num_fields, decoders = self.cls, self.num_fields, self.row_decoders
+
+        def decode(x: list):
+            if type(x) is not list:
+                raise WireError(f"{cls.__name__}: expected a list, got {x!r:.80}")
+            args = x[:num_fields]  # a newer sender's extra trailing fields are ignored
+            for i, dec in decoders:
+                if i < len(args) and args[i] is not None:
+                    args[i] = dec(args[i])
+            try:
+                return cls(*args)  # missing trailing fields (an older sender) take their defaults
+            except TypeError as e:
+                raise WireError(f"{cls.__name__}: {e}") from None
+
+        return decode
+
+    def _map_decoder(self) -> Callable[[dict], Any]:
+        cls, decoders = self.cls, self.decoders
+
+        def decode(x: dict):
+            if type(x) is not dict:
+                raise WireError(f"{cls.__name__}: expected a map, got {x!r:.80}")
+            kwargs = {}
+            for name, dec, required in decoders:
+                if name in x:
+                    v = x[name]
+                    kwargs[name] = v if dec is None or v is None else dec(v)
+                elif required:
+                    raise WireError(f"{cls.__name__}: no '{name}'")
+            return cls(**kwargs)  # fields an older sender did not know take their defaults
+
+        return decode
+
+
+def _reader(names: tuple[str, ...], shape: str, unless_set: dict[str, Any] | None = None) -> Callable[[Any], Any]:
+    """`obj -> [obj.a, obj.b]` (shape "[]"), `(obj.a, obj.b)` ("()") or `{"a": obj.a, "b": obj.b}` ("{}"),
+    compiled once: a display of attribute reads is several times faster than attrgetter or a loop, and
+    this runs for every chunk and token event of every step. `unless_set` {name: default}: None instead
+    when one of those fields is not at its default."""
+    unless_set = unless_set or {}
+    for name in (*names, *unless_set):
+        assert name.isidentifier(), name
+    if shape == "{}":
+        items = ", ".join(f"{name!r}: obj.{name}" for name in names)
+    else:
+        items = ", ".join(f"obj.{name}" for name in names) + ("," if shape == "()" and names else "")
+    body = f"{shape[0]}{items}{shape[1]}"
+    if unless_set:
+        body += " if " + " and ".join(f"obj.{name} == defaults[{name!r}]" for name in unless_set) + " else None"
+    return eval(f"lambda obj: {body}", {"defaults": unless_set})  # noqa: S307 -- field names only
+
+
+_CODECS: dict[type, _Codec] = {}
+
+
+def _codec(cls: type) -> _Codec:
+    """Built on first use, when every class a message's fields name is defined."""
+    try:
+        return _CODECS[cls]
+    except KeyError:
+        codec = _CODECS[cls] = _Codec(cls)
+        return codec
+
+
 # --------------------------------------------------------------- gateway -> scheduler
 
 
 @dataclass
-class SubmitRequest:
+class SubmitRequest(Message):
     """One sequence to generate (a request with n > 1 is n of these)."""
 
     KIND: ClassVar[str] = "submit"
@@ -161,53 +380,21 @@ class SubmitRequest:
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = 0.0
 
-    def to_dict(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "gateway_id": self.gateway_id,
-            "prompt_ids": list(self.prompt_ids),
-            "params": self.params.to_wire(),
-            "priority": self.priority,
-            "arrival_time": self.arrival_time,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SubmitRequest":
-        return cls(
-            d["request_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
-            d.get("priority", 0), d.get("arrival_time", 0.0),
-        )
-
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, self.to_dict())
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "SubmitRequest":
-        return cls.from_dict(_unpack(data, cls.KIND))
-
 
 @dataclass
-class CancelRequest:
+class CancelRequest(Message):
     """The client went away, or a stop string matched: free the sequence."""
 
     KIND: ClassVar[str] = "cancel"
     request_id: str
     reason: str = "abort"
 
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, {"request_id": self.request_id, "reason": self.reason})
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "CancelRequest":
-        d = _unpack(data, cls.KIND)
-        return cls(d["request_id"], d.get("reason", "abort"))
-
 
 # --------------------------------------------------------------- scheduler -> worker
 
 
 @dataclass
-class SeqStart:
+class SeqStart(Record):
     """Tells a worker about a sequence it has not seen (new, preempted or migrated).
 
     `output_ids` is non-empty when the sequence is recomputed: the worker feeds
@@ -223,53 +410,28 @@ class SeqStart:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    send_kv: KVSend | None = None
+    num_cached: int = sent_if_set(0)
+    send_kv: KVSend | None = sent_if_set(None)
 
     @property
     def num_tokens(self) -> int:
         """Positions the worker knows at start: prompt + outputs."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def to_dict(self) -> dict:
-        d = {
-            "seq_id": self.seq_id, "gateway_id": self.gateway_id, "prompt_ids": list(self.prompt_ids),
-            "params": self.params.to_wire(), "output_ids": list(self.output_ids),
-        }
-        if self.num_cached:
-            d["num_cached"] = self.num_cached
-        if self.send_kv is not None:
-            d["send_kv"] = self.send_kv.to_list()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SeqStart":
-        send = d.get("send_kv")
-        return cls(d["seq_id"], d["gateway_id"], d["prompt_ids"], SamplingParams.from_wire(d["params"]),
-                   d.get("output_ids", []), d.get("num_cached", 0), KVSend.from_list(send) if send else None)
-
-
 # KV transports (workers/kv_transfer): "shm" between workers on one host, "redis" between any two
 KV_TRANSPORTS = ("shm", "redis")
 
 
 @dataclass
-class KVSend:
+class KVSend(Row):
     """Where a prefill worker ships one sequence's KV: a single-use transfer id over a transport."""
 
     transfer_id: str
     transport: str  # one of KV_TRANSPORTS
 
-    def to_list(self) -> list:
-        return [self.transfer_id, self.transport]
-
-    @classmethod
-    def from_list(cls, x: list) -> "KVSend":
-        return cls(x[0], x[1])
-
 
 @dataclass
-class KVReceive:
+class KVReceive(Row):
     """A decode worker takes transfer `transfer_id` into `block_ids` before this step's chunks run: the KV of
     positions [0, num_tokens) of a sequence started in the same plan with `SeqStart.num_cached = num_tokens`.
     If it fails, the worker forgets that sequence (its chunks are skipped, no token is sampled) and the
@@ -282,16 +444,9 @@ class KVReceive:
     num_tokens: int
     timeout_s: float = 2.0
 
-    def to_list(self) -> list:
-        return [self.seq_id, self.transfer_id, self.transport, self.block_ids, self.num_tokens, self.timeout_s]
-
-    @classmethod
-    def from_list(cls, x: list) -> "KVReceive":
-        return cls(*x[:6])
-
 
 @dataclass
-class KVHandoffResult:
+class KVHandoffResult(Row):
     """How a KVReceive went, in the decode worker's StepResult (for the scheduler's handoff counters)."""
 
     seq_id: str
@@ -302,16 +457,9 @@ class KVHandoffResult:
     seconds: float = 0.0
     error: str | None = None
 
-    def to_list(self) -> list:
-        return [self.seq_id, self.transfer_id, self.ok, self.num_blocks, self.num_bytes, self.seconds, self.error]
-
-    @classmethod
-    def from_list(cls, x: list) -> "KVHandoffResult":
-        return cls(*x[:7])
-
 
 @dataclass
-class ScheduledChunk:
+class ScheduledChunk(Row):
     """Run tokens [start_pos, start_pos + num_tokens) of a sequence this step.
 
     The tokens themselves are the worker's (prompt + outputs it sampled), so a
@@ -326,16 +474,9 @@ class ScheduledChunk:
     num_tokens: int
     block_table: list[int]
 
-    def to_list(self) -> list:
-        return [self.seq_id, self.start_pos, self.num_tokens, self.block_table]
-
-    @classmethod
-    def from_list(cls, x: list) -> "ScheduledChunk":
-        return cls(x[0], x[1], x[2], x[3])
-
 
 @dataclass
-class StepPlan:
+class StepPlan(Message):
     """Everything a worker needs for one forward pass. Decodes come first."""
 
     KIND: ClassVar[str] = "plan"
@@ -352,7 +493,7 @@ class StepPlan:
     # seconds this step may take from when it is due (0: the worker's --step-timeout); the scheduler
     # scales it up for a step larger than its budget (a whole long prompt with chunked prefill off)
     timeout_s: float = 0.0
-    receives: list[KVReceive] = field(default_factory=list)  # KV handed in from a prefill worker
+    receives: list[KVReceive] = sent_if_set(default_factory=list)  # KV handed in from a prefill worker
     # the answer to a draining worker (WorkerInfo.draining): the scheduler holds no sequence on it any
     # more and sends it nothing after this plan, so once the plans before it are run the worker may exit
     drained: bool = False
@@ -360,26 +501,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-    def to_wire(self) -> bytes:
-        body = {
-            "step_id": self.step_id, "worker_id": self.worker_id,
-            "starts": [s.to_dict() for s in self.starts],
-            "chunks": [c.to_list() for c in self.chunks],
-            "releases": list(self.releases), "epoch": self.epoch, "reset": self.reset,
-            "timeout_s": self.timeout_s, "drained": self.drained,
-        }
-        if self.receives:
-            body["receives"] = [r.to_list() for r in self.receives]
-        return _pack(self.KIND, body)
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "StepPlan":
-        d = _unpack(data, cls.KIND)
-        return cls(d["step_id"], d["worker_id"], [SeqStart.from_dict(s) for s in d["starts"]],
-                   [ScheduledChunk.from_list(c) for c in d["chunks"]], d["releases"], d.get("epoch", 0),
-                   bool(d.get("reset", False)), float(d.get("timeout_s", 0.0)),
-                   [KVReceive.from_list(r) for r in d.get("receives", ())], bool(d.get("drained", False)))
 
 
 # --------------------------------------------------------------- worker -> gateway / scheduler
@@ -393,7 +514,7 @@ ERROR_REJECTED = "rejected"
 
 
 @dataclass
-class TokenEvent:
+class TokenEvent(Row):
     """New output tokens of one sequence; `offset` is the index of token_ids[0] in its output.
 
     `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
@@ -407,21 +528,11 @@ class TokenEvent:
     finish_reason: str | None = None
     logprobs: list | None = None
     error: str | None = None
-    error_kind: str | None = None
-
-    def to_list(self) -> list:
-        x = [self.seq_id, self.offset, self.token_ids, self.finish_reason, self.logprobs, self.error]
-        if self.error_kind is not None:  # only when set: every other event stays as older receivers know it
-            x.append(self.error_kind)
-        return x
-
-    @classmethod
-    def from_list(cls, x: list) -> "TokenEvent":
-        return cls(*x[:7])  # a newer peer's extra trailing fields are ignored
+    error_kind: str | None = sent_if_set(None)
 
 
 @dataclass
-class TokenBatch:
+class TokenBatch(Message):
     """All tokens of one step for one gateway: one pub/sub message per gateway per step."""
 
     KIND: ClassVar[str] = "tokens"
@@ -429,18 +540,9 @@ class TokenBatch:
     worker_id: str
     events: list[TokenEvent]
 
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, {"step_id": self.step_id, "worker_id": self.worker_id,
-                                 "events": [e.to_list() for e in self.events]})
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "TokenBatch":
-        d = _unpack(data, cls.KIND)
-        return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]])
-
 
 @dataclass
-class SequenceProgress:
+class SequenceProgress(Message):
     """Sequences the scheduler vouches for though they show no new token: waiting in its queue, or
     prefilling a long prompt whose chunks keep being computed. A gateway counts this as progress for its
     no-progress deadline (a slow prefill or a queue is not a stall). Sent on the gateway's channel about
@@ -448,13 +550,6 @@ class SequenceProgress:
 
     KIND: ClassVar[str] = "progress"
     seq_ids: list[str]
-
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, {"seq_ids": list(self.seq_ids)})
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "SequenceProgress":
-        return cls(list(_unpack(data, cls.KIND)["seq_ids"]))
 
 
 def channel_message(data: bytes) -> TokenBatch | SequenceProgress:
@@ -470,7 +565,7 @@ def channel_message(data: bytes) -> TokenBatch | SequenceProgress:
 
 
 @dataclass
-class StepResult:
+class StepResult(Message):
     """What a step produced, for the scheduler: sampled tokens and finished sequences."""
 
     KIND: ClassVar[str] = "result"
@@ -480,25 +575,11 @@ class StepResult:
     num_tokens: int = 0
     step_time_s: float = 0.0
     epoch: int = 0  # the plan's epoch, echoed: a scheduler ignores results of another epoch's plans
-    handoffs: list[KVHandoffResult] = field(default_factory=list)  # how the plan's KVReceives went
-
-    def to_wire(self) -> bytes:
-        body = {"step_id": self.step_id, "worker_id": self.worker_id, "events": [e.to_list() for e in self.events],
-                "num_tokens": self.num_tokens, "step_time_s": self.step_time_s, "epoch": self.epoch}
-        if self.handoffs:
-            body["handoffs"] = [h.to_list() for h in self.handoffs]
-        return _pack(self.KIND, body)
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "StepResult":
-        d = _unpack(data, cls.KIND)
-        return cls(d["step_id"], d["worker_id"], [TokenEvent.from_list(e) for e in d["events"]],
-                   d.get("num_tokens", 0), d.get("step_time_s", 0.0), d.get("epoch", 0),
-                   [KVHandoffResult.from_list(h) for h in d.get("handoffs", ())])
+    handoffs: list[KVHandoffResult] = sent_if_set(default_factory=list)  # how the plan's KVReceives went
 
 
 @dataclass
-class WorkerInfo:
+class WorkerInfo(Message):
     """A worker's heartbeat: who it is and what it can hold. Stored with a TTL."""
 
     KIND: ClassVar[str] = "worker"
@@ -532,17 +613,6 @@ class WorkerInfo:
     # [0, vocab_size) before it reaches a batch (0 = unknown, as from older workers: not checked)
     vocab_size: int = 0
 
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, {k: getattr(self, k) for k in (
-            "worker_id", "role", "model", "num_blocks", "block_size", "max_model_len", "pid", "started_at",
-            "attention_horizon", "host", "draining", "dtype", "cpu_level", "kernels", "vocab_size")})
-
-    @classmethod
-    def from_wire(cls, data: bytes) -> "WorkerInfo":
-        d = _unpack(data, cls.KIND)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})  # a newer worker's extra fields are ignored
-
 
 # --------------------------------------------------------------- delivery (gateway side)
 
@@ -553,7 +623,7 @@ TOKEN_LOG_TTL_S = 300
 
 
 @dataclass
-class GatewayInfo:
+class GatewayInfo(Message):
     """A gateway's heartbeat (Keys.gateway_heartbeat, stored with a TTL of `lease_ttl` seconds)."""
 
     KIND: ClassVar[str] = "gateway"
@@ -563,12 +633,68 @@ class GatewayInfo:
     lease_ttl: float = 5.0  # its client leases (Keys.client_lease) live this long unless refreshed
     resume_grace: float = 10.0  # how long a request without a client may wait for a resume
 
-    def to_wire(self) -> bytes:
-        return _pack(self.KIND, {k: getattr(self, k) for k in (
-            "gateway_id", "pid", "started_at", "lease_ttl", "resume_grace")})
+
+# --------------------------------------------------------------- a worker <-> its relay process
+# The two pipes between a worker's model process and its relay (workers/relay.py has the protocol). Both
+# ends are one install, so these carry no version; a list is a step's traffic, a map a notice.
+
+
+class PipeMessage:
+    def to_pipe(self) -> bytes:
+        return msgpack.packb(self.to_list() if isinstance(self, Row) else self.to_dict())
+
+
+@dataclass
+class RelayConfig(Record, PipeMessage):
+    """The first message on `writes`: how the relay reaches Redis and announces the worker."""
+
+    redis_url: str
+    key_prefix: str
+    info: bytes  # WorkerInfo, as the heartbeat carries it
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 5.0
+    block_ms: int = 500
+    log_level: str = "info"
+    log_json: bool = False
+    cpus: list[int] | None = None  # run on these CPUs (None: wherever the model process may run)
+    step_timeout: float = 30.0  # a model step due longer than this: the model is hung (see ModelLiveness)
 
     @classmethod
-    def from_wire(cls, data: bytes) -> "GatewayInfo":
-        d = _unpack(data, cls.KIND)
-        return cls(d["gateway_id"], d.get("pid", 0), d.get("started_at", 0.0), d.get("lease_ttl", 5.0),
-                   d.get("resume_grace", 10.0))
+    def from_pipe(cls, data: bytes) -> "RelayConfig":
+        return cls.from_dict(msgpack.unpackb(data))
+
+
+@dataclass
+class StepWrites(Row, PipeMessage):
+    """model -> relay, one a plan: what to write for it. No result (None): the plan is only acked."""
+
+    entry_id: bytes  # the plan's entry in `steps:<worker>`, to XACK
+    result: bytes | None = None  # StepResult
+    batches: list[list] = field(default_factory=list)  # [[gateway id, TokenBatch bytes], ...]
+    reset: bool = False  # the plan's `reset`: a new adoption (ends a hung model's void writes)
+
+
+@dataclass
+class PlanDelivery(Row, PipeMessage):
+    """relay -> model: a plan read from `steps:<worker>`, or (no entry id) why the relay failed."""
+
+    entry_id: bytes | None
+    data: bytes | str  # StepPlan bytes; with no entry id, the failure's message
+
+
+@dataclass
+class RelayNotice(Record, PipeMessage):
+    """A notice on either pipe."""
+
+    draining: bool = sent_if_set(False)  # model -> relay: SIGTERM; announce WorkerInfo.draining now
+    no_scheduler: bool = sent_if_set(False)  # relay -> model: draining, and no scheduler holds the lease
+
+
+def model_to_relay(data: bytes) -> StepWrites | RelayNotice:
+    message = msgpack.unpackb(data)
+    return RelayNotice.from_dict(message) if isinstance(message, dict) else StepWrites.from_list(message)
+
+
+def relay_to_model(data: bytes) -> PlanDelivery | RelayNotice:
+    message = msgpack.unpackb(data)
+    return RelayNotice.from_dict(message) if isinstance(message, dict) else PlanDelivery.from_list(message)

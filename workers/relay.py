@@ -1,19 +1,19 @@
 """The worker's Redis side, in a process of its own: step plans in, step writes and heartbeats out.
 
 The model process (workers/service.py) starts it with `python -m workers.relay PLANS_FD WRITES_FD` and
-talks to it over two pipes (multiprocessing connections, msgpack messages):
+talks to it over two pipes (multiprocessing connections; the messages are defined in phaseserve/wire.py):
 
-- `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one message per step,
-  [entry id of the plan, StepResult bytes (None: ack only), [[gateway id, TokenBatch bytes], ...]], or a
-  notice (a map): DRAINING (SIGTERM: the heartbeat announces it at once, WorkerInfo.draining). The relay sends each
+- `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one `StepWrites` per plan
+  (entry id of the plan, StepResult bytes or None: ack only, TokenBatch bytes per gateway), or a
+  `RelayNotice`: draining (SIGTERM: the heartbeat announces it at once, WorkerInfo.draining). The relay sends each
   step's writes in ONE pipeline (each event XADDed to its sequence's token log, phaseserve/token_log.py,
   then a PUBLISH per gateway, XADD to `results`, XACK + XDEL of the plan), in
   step order; steps that arrive during a round trip go out together in the next one. When the model
   process closes `writes`, the relay sends what is left, removes the heartbeat and exits.
 - `plans`, relay -> model. A reader thread blocks on `steps:<worker>` (consumer group) and forwards each
-  entry as [entry id, plan bytes], so with two plans in flight the next one is usually already in the
-  pipe. A Redis failure is forwarded as [None, message] (the worker stops), then the relay exits. While
-  the worker drains, a notice (a map) NO_SCHEDULER says no scheduler holds the lease: nobody will answer
+  entry as a `PlanDelivery`, so with two plans in flight the next one is usually already in the
+  pipe. A Redis failure is forwarded as one without an entry id (the worker stops), then the relay exits. While
+  the worker drains, a `RelayNotice` no_scheduler says no scheduler holds the lease: nobody will answer
   the drain, so the worker need not wait for it (a whole stack stopping: `docker compose down`).
 
 A heartbeat thread keeps `worker:<id>` alive (with a TTL) while the model makes progress: a model step
@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 import msgpack
@@ -51,28 +50,12 @@ import structlog
 from phaseserve import token_log
 from phaseserve.procs import child_setup, freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect, execute_through_outages
-from phaseserve.wire import FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, WorkerInfo
+from phaseserve.wire import (FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, PlanDelivery, RelayConfig, RelayNotice,
+                             WorkerInfo, model_to_relay)
 
 log = structlog.get_logger("workers.relay")
 
 READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
-# notices between the model process and the relay (maps, where step messages and plans are lists)
-DRAINING = "draining"  # model -> relay: announce WorkerInfo.draining now
-NO_SCHEDULER = "no_scheduler"  # relay -> model: draining, and no scheduler holds the lease
-
-
-@dataclass
-class RelayConfig:
-    redis_url: str
-    key_prefix: str
-    info: bytes  # WorkerInfo, as the heartbeat carries it
-    heartbeat_interval: float = 1.0
-    heartbeat_ttl: float = 5.0
-    block_ms: int = 500
-    log_level: str = "info"
-    log_json: bool = False
-    cpus: list[int] | None = None  # run on these CPUs (None: wherever the model process may run)
-    step_timeout: float = 30.0  # a model step due longer than this: the model is hung (see ModelLiveness)
 
 
 def plan_timeout(data: bytes) -> float:
@@ -247,7 +230,7 @@ class Relay:
 
     def _send_plan(self, entry_id: bytes | None, payload) -> None:
         with self.send_lock:
-            self.plans.send_bytes(msgpack.packb([entry_id, payload]))
+            self.plans.send_bytes(PlanDelivery(entry_id, payload).to_pipe())
 
     def read_plans(self) -> None:
         streams = {self.steps_key: ">"}
@@ -284,7 +267,7 @@ class Relay:
         log.info("draining, and no scheduler holds the lease: nobody will answer; telling the worker")
         try:
             with self.send_lock:
-                self.plans.send_bytes(msgpack.packb({NO_SCHEDULER: True}))
+                self.plans.send_bytes(RelayNotice(no_scheduler=True).to_pipe())
         except (OSError, ValueError):  # the model process is gone already
             pass
 
@@ -309,14 +292,14 @@ class Relay:
                 continue
             pipe = self.client.pipeline(transaction=False)
             for raw in batch:
-                message = msgpack.unpackb(raw)
-                if isinstance(message, dict):  # a notice, not a step
-                    if message.get(DRAINING):
+                message = model_to_relay(raw)
+                if isinstance(message, RelayNotice):
+                    if message.draining:
                         log.info("worker draining; announcing it")
                         self.heartbeat.start_draining()
                     continue
-                entry_id, result, batches, *flags = message
-                keep, hung = self.liveness.step_written(time.monotonic(), bool(flags and flags[0]))
+                entry_id, result, batches = message.entry_id, message.result, message.batches
+                keep, hung = self.liveness.step_written(time.monotonic(), message.reset)
                 if hung:
                     log.error("model step overran the deadline; this life's writes are void until the "
                               "scheduler adopts the worker again", deadline_s=round(self.liveness.overrun_deadline, 3))
@@ -400,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = Connection(int(argv[0]), readable=False)
     writes = Connection(int(argv[1]), writable=False)
     try:
-        config = RelayConfig(**msgpack.unpackb(writes.recv_bytes()))
+        config = RelayConfig.from_pipe(writes.recv_bytes())
     except EOFError:  # the model process went away before configuring us
         return 0
     # what the launcher's preexec_fn does for its children, done here: see WorkerService.start_relay
@@ -410,10 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     relay = Relay(config, plans, writes)
     freeze_startup_heap()
     return relay.run()
-
-
-def config_message(config: RelayConfig) -> bytes:
-    return msgpack.packb(asdict(config))
 
 
 if __name__ == "__main__":

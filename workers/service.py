@@ -29,15 +29,14 @@ import time
 from collections import defaultdict
 from multiprocessing import Pipe
 
-import msgpack
 import structlog
 
 from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
-from phaseserve.wire import Keys, StepPlan, StepResult, TokenBatch, TokenEvent, WireError, WorkerInfo
+from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
+                             WireError, WorkerInfo, relay_to_model)
 from workers.handoff import KVHandoffs
-from workers.relay import DRAINING, NO_SCHEDULER, RelayConfig, config_message
 
 log = structlog.get_logger("workers.service")
 
@@ -103,7 +102,7 @@ class WorkerService:
         plans_write.close()  # the relay's ends: ours would keep the pipes open after it exits
         writes_read.close()
         self.plans, self.writes = plans_read, writes_write
-        self.writes.send_bytes(config_message(self.relay_config))
+        self.writes.send_bytes(self.relay_config.to_pipe())
 
     def stop_relay(self, timeout: float = 5.0) -> None:
         """Close `writes`: the relay sends what is queued, removes the heartbeat and exits."""
@@ -122,18 +121,17 @@ class WorkerService:
         try:
             if not self.plans.poll(timeout):
                 return None
-            message = msgpack.unpackb(self.plans.recv_bytes())
+            message = relay_to_model(self.plans.recv_bytes())
         except (EOFError, OSError):
             raise RelayError(f"the relay process exited (code {self.relay.poll()})") from None
-        if isinstance(message, dict):  # a notice from the relay
-            if message.get(NO_SCHEDULER) and self.draining:
+        if isinstance(message, RelayNotice):
+            if message.no_scheduler and self.draining:
                 log.info("draining with no scheduler to answer; stopping", worker_id=self.worker_id)
                 self.stopping = True
             return None
-        entry_id, data = message
-        if entry_id is None:
-            raise RelayError(data)
-        return entry_id, data
+        if message.entry_id is None:
+            raise RelayError(message.data)
+        return message.entry_id, message.data
 
     def run(self) -> None:
         self.start_relay()
@@ -157,16 +155,16 @@ class WorkerService:
             plan = StepPlan.from_wire(data)
         except WireError as e:
             log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
-            self._send(msgpack.packb([entry_id, None, []]))  # acked, nothing to publish
+            self._send(StepWrites(entry_id).to_pipe())  # acked, nothing to publish
             return
         if plan.epoch < self.epoch:  # left in the stream by a scheduler that has lost its lease
             log.warning("dropping a plan of an older scheduler", step_id=plan.step_id, epoch=plan.epoch,
                         current_epoch=self.epoch)
-            self._send(msgpack.packb([entry_id, None, []]))
+            self._send(StepWrites(entry_id).to_pipe())
             return
         self.epoch = plan.epoch
         if plan.drained:  # the scheduler holds nothing on us and sends nothing more: leave
-            self._send(msgpack.packb([entry_id, None, []]))
+            self._send(StepWrites(entry_id).to_pipe())
             if self.draining:
                 log.info("drained; stopping", worker_id=self.worker_id, steps=self.steps_run)
                 self.stopping = True
@@ -215,7 +213,7 @@ class WorkerService:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
         batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
-        self._send(msgpack.packb([entry_id, result.to_wire(), batches, plan.reset]))
+        self._send(StepWrites(entry_id, result.to_wire(), batches, plan.reset).to_pipe())
 
     def _send(self, message: bytes) -> None:
         try:
@@ -241,7 +239,7 @@ class WorkerService:
             self.drain_announced = True
             log.info("draining: the scheduler moves this worker's sequences away, then lets it go",
                      worker_id=self.worker_id, wait_s=round(self.drain_wait_s, 1))
-            self._send(msgpack.packb({DRAINING: True}))
+            self._send(RelayNotice(draining=True).to_pipe())
         if time.monotonic() < self.drain_deadline:
             return False
         log.warning("no scheduler answered the drain in time; stopping (its sequences are recomputed "
