@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import (
-    ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WorkerInfo,
+    ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
+    WorkerInfo,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
@@ -37,6 +38,19 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # behind the client, and regenerates the rest: the same tokens (greedy, or sampled with the request's seed,
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
+
+
+def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
+    """The workers whose heartbeat is there and readable, by id."""
+    live: dict[str, WorkerInfo] = {}
+    for wid, data in zip(members, heartbeats):
+        if data is None:
+            continue
+        try:
+            live[wid] = WorkerInfo.from_wire(data)
+        except (WireError, TypeError) as e:
+            log.warning("unreadable heartbeat", worker_id=wid, error=str(e))
+    return live
 
 
 @dataclass
@@ -196,13 +210,16 @@ class Cluster:
                 transport = "shm" if decode_hosts == {slot.info.host} and slot.info.host else "redis"
             slot.policy.kv_transport = transport
 
-    def quiet_by_gateway(self) -> dict[str, list[str]]:
-        """Per gateway, its sequences waiting at a live worker or prefilling: no token shows they progress.
-        Parked ones (no worker to run them) are not among them: the gateway's deadline bounds their wait."""
+    def vouch_for_quiet_sequences(self) -> None:
+        """Tell each gateway which of its sequences are waiting at a live worker or prefilling
+        (SequenceProgress): no token shows it, yet they are not stalled, and its no-progress deadline must
+        not fail them. Parked ones (no worker to run them) are not vouched for: that deadline bounds their
+        wait."""
         by_gateway: dict[str, list[str]] = {}
         for req in (r for s in self.workers.values() for r in s.policy.quiet_progress()):
             by_gateway.setdefault(req.gateway_id, []).append(req.request_id)
-        return by_gateway
+        for gateway_id, seq_ids in by_gateway.items():
+            self.ops.append(("publish", self.keys.gateway_channel(gateway_id), SequenceProgress(seq_ids).to_wire()))
 
     def sequence_ids(self) -> list[str]:
         """Every sequence the cluster holds, placed or parked."""

@@ -1,33 +1,20 @@
-"""The scheduler service: the loop that moves messages between Redis and the scheduler's decisions.
+"""The scheduler service: the loop that moves messages between Redis and the scheduler's decisions, which
+live elsewhere and are pure: each worker's steps in scheduler/policy.py, the choices between workers in
+scheduler/cluster.py; the lease, epoch and takeover recovery are scheduler/leadership.py.
 
-The decisions are pure and live elsewhere: each worker's steps in scheduler/policy.py, the choices between
-workers (routing, admission, handoffs, drains, given-up steps) in scheduler/cluster.py; the lease, the
-epoch and what a takeover recovers in scheduler/leadership.py.
+One loop, one Redis round trip per turn: a single non-transactional pipeline carries everything decided
+since the last turn (step plans XADDed to each worker, XACKs, request records, the stats key) and ends with
+ONE XREADGROUP that blocks on both the `requests` and the `results` stream. Each worker may have two plans
+in flight, so it never idles on the scheduler's round trip (decode chunks need no token ids from the
+scheduler: the worker owns the tokens).
 
-One loop, one Redis round trip per turn: a single non-transactional pipeline
-carries everything decided since the last turn (step plans XADDed to each
-worker, XACKs, request records, the stats key) and ends with ONE XREADGROUP
-that blocks on both the `requests` and the `results` stream.
-
-Pipelining: each worker may have two plans in flight. While a worker runs
-step N, plan N+1 already waits in its stream, so the worker never idles on
-the scheduler's round trip (decode chunks need no token ids from the
-scheduler because the worker owns the tokens).
-
-Workers are discovered from the `workers` set plus their expiring heartbeat
-keys. A worker whose heartbeat lapses has its sequences taken back and
-re-planned elsewhere by recompute (prompt + tokens already generated).
-
-Reliability:
-- A plan in flight has a deadline (`step_timeout` from when it is due, plus a margin); a result that
-  overtakes an older open step, or a deadline passing, gives the older step up: the policy recomputes its
-  sequences from their confirmed outputs (`WorkerPolicy.drop_step`). A lost plan or result never strands a
-  worker. (A hung model is noticed by the worker's relay, which withdraws its heartbeat.)
-- A message nobody can read goes to `Keys.dead_letters` with the reason, and a submit whose request id and
-  gateway can be read gets an error event.
-- An unseeded sampled request is given a seed at admission (kept in its record), so a recompute samples
-  the tokens the client already has (exactly in float32; see docs/architecture.md for bf16).
-- Redis outages: commands retry with backoff, the loop waits and resumes, consumer groups are recreated.
+Workers are discovered from the `workers` set plus their expiring heartbeat keys. A plan in flight has a
+deadline (`step_timeout` from when it is due, plus a margin); a lost plan or result never strands a worker.
+A message nobody can read goes to `Keys.dead_letters` with the reason, and a submit whose request id and
+gateway can be read gets an error event. An unseeded sampled request is given a seed at admission (kept in
+its record), so a recompute samples the tokens the client already has (exactly in float32; see
+docs/architecture.md for bf16). Redis outages: commands retry with backoff, the loop waits and resumes,
+consumer groups are recreated.
 """
 
 from __future__ import annotations
@@ -49,11 +36,11 @@ from phaseserve import event_loop, token_log
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import (
-    FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, SequenceProgress, StepPlan,
-    StepResult, SubmitRequest, WireError, WorkerInfo, peek_kind,
+    FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepPlan, StepResult,
+    SubmitRequest, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.client_lease import OrphanTracker
-from scheduler.cluster import Cluster, PolicyLimits
+from scheduler.cluster import Cluster, PolicyLimits, live_workers
 from scheduler.leadership import READ_COUNT, Leadership, LeaseLost, claim_pending, create_groups, recover_records
 from scheduler.step_cost import step_deadline
 
@@ -102,34 +89,21 @@ class SchedulerService:
         self.num_duplicates = 0
         self.orphans = OrphanTracker(self.resume_grace)  # sequences whose gateway and client are gone
 
-    # the cluster's state, as callers (and tests) read it
+    # the cluster's state and queries, as callers (and tests) read them
     workers = property(lambda self: self.cluster.workers)
     owner = property(lambda self: self.cluster.owner)
     parked = property(lambda self: self.cluster.parked)
     handoffs = property(lambda self: self.cluster.handoffs)
     num_steps_given_up = property(lambda self: self.cluster.num_steps_given_up)
+    is_known = property(lambda self: self.cluster.is_known)
+    stats = property(lambda self: self.cluster.stats)
     epoch = property(lambda self: self.leadership.epoch)
-    is_leader = property(lambda self: self.leadership.is_leader)
-
-    @property
-    def _stats_dirty(self) -> bool:
-        return self.cluster.stats_dirty
-
-    @_stats_dirty.setter
-    def _stats_dirty(self, value: bool) -> None:
-        self.cluster.stats_dirty = value
+    _stats_dirty = property(lambda self: self.cluster.stats_dirty,
+                            lambda self, dirty: setattr(self.cluster, "stats_dirty", dirty))
 
     def admit(self, req: SubmitRequest, output_ids: list[int] | None = None) -> bool:
+        """(A method, not an alias: a test wraps it to time admissions.)"""
         return self.cluster.admit(req, output_ids)
-
-    def is_known(self, request_id: str) -> bool:
-        return self.cluster.is_known(request_id)
-
-    def cancel(self, rid: str, reason: str | None) -> None:
-        self.cluster.cancel(rid, reason)
-
-    def stats(self) -> dict:
-        return self.cluster.stats()
 
     # ------------------------------------------------------------------ lease and takeover
 
@@ -157,29 +131,14 @@ class SchedulerService:
                               px=max(3000, int(3000 * self.refresh_interval)))
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
         beats = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]) if members else []
-        live: dict[str, WorkerInfo] = {}
-        for wid, data in zip(members, beats):
-            if data is None:
-                continue
-            try:
-                live[wid] = WorkerInfo.from_wire(data)
-            except (WireError, TypeError) as e:
-                log.warning("unreadable heartbeat", worker_id=wid, error=str(e))
+        live = live_workers(members, beats)
         self.cluster.gone_workers(live)
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
         self.cluster.workers_refreshed(live, now)
         await self.cancel_orphans(now)
-        self.vouch_for_quiet_sequences()
-
-    def vouch_for_quiet_sequences(self) -> None:
-        """Tell each gateway which of its sequences are waiting at a live worker or prefilling
-        (SequenceProgress): no token shows it, yet they are not stalled, and its no-progress deadline must
-        not fail them."""
-        for gateway_id, seq_ids in self.cluster.quiet_by_gateway().items():
-            self.cluster.ops.append(("publish", self.keys.gateway_channel(gateway_id),
-                                     SequenceProgress(seq_ids).to_wire()))
+        self.cluster.vouch_for_quiet_sequences()
 
     async def cancel_orphans(self, now: float) -> None:
         """Cancel the sequences nobody serves any more: a gateway refreshes a client lease for every sequence
@@ -188,7 +147,7 @@ class SchedulerService:
         seq_ids = self.cluster.sequence_ids()
         leases = await self.client.mget([self.keys.client_lease(s) for s in seq_ids]) if seq_ids else []
         for rid in self.orphans.update(seq_ids, [v is not None for v in leases], now):
-            self.cancel(rid, "no client or gateway left")
+            self.cluster.cancel(rid, "no client or gateway left")
             self.cluster.ops.append(("abort", rid))
 
     async def adopt_worker(self, info: WorkerInfo) -> None:
@@ -227,7 +186,7 @@ class SchedulerService:
 
     def on_cancel(self, data: bytes) -> None:
         msg = CancelRequest.from_wire(data)
-        self.cancel(msg.request_id, msg.reason)
+        self.cluster.cancel(msg.request_id, msg.reason)
 
     def on_result(self, data: bytes) -> None:
         self.cluster.apply_result(StepResult.from_wire(data), self.epoch, time.monotonic())
@@ -353,7 +312,7 @@ class SchedulerService:
         try:
             while not self.stopping.is_set():
                 try:
-                    if not self.is_leader:
+                    if not self.leadership.is_leader:
                         ready = False
                         self._reset_state()
                         await self.acquire_lease()
