@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import SchedulerConfig, StepBudget, WorkerPolicy, chunk_cost, max_chunk_tokens
+from scheduler.budget import StepBudget, chunk_cost, max_chunk_tokens
+from scheduler.policy import SchedulerConfig, WorkerPolicy
 from scheduler.step_cost import ItlTarget, StepCosts, plan_features
 from test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 
