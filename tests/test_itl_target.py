@@ -1,4 +1,4 @@
-"""The policy under an ITL target (scheduler/policy.py, "ITL target"): with learned step costs, a planned
+"""The policy under an ITL target (scheduler/budget.py; docs/architecture.md, "The step budget"): with learned step costs, a planned
 step's predicted time stays under the target while streams decode, decodes are never dropped, and a
 waiting prompt still progresses. Driven by test_scheduler_policy's fake worker and invariant checks."""
 
