@@ -173,11 +173,14 @@ class Cluster:
                  attention_horizon=cfg.attention_horizon)
         return slot
 
-    def workers_refreshed(self, live: dict[str, WorkerInfo], now: float) -> None:
-        """After a refresh: start the drains announced, choose KV transports, place what was parked."""
-        for wid, info in live.items():
-            if info.draining and self.workers[wid].drain_deadline is None:  # (adopted draining, too)
-                self.start_drain(self.workers[wid], info, now)
+    def worker_seen(self, info: WorkerInfo, now: float) -> None:
+        """A live worker's heartbeat: its drain starts when it announces one (adopted draining, too)."""
+        slot = self.workers[info.worker_id]
+        if info.draining and slot.drain_deadline is None:
+            self.start_drain(slot, info, now)
+
+    def workers_refreshed(self) -> None:
+        """After a refresh: choose KV transports, place what was parked."""
         self.set_kv_transports()
         if self.parked and self.workers:
             self.place_parked()

@@ -79,6 +79,7 @@ class SchedulerService:
     def _reset_state(self) -> None:
         """Everything a scheduler knows is rebuilt from Redis when it takes the lease."""
         self.cluster = Cluster(self.keys, self.limits, self.drain_timeout)
+        self.leadership.renew_at = 0.0
         self.stopping = getattr(self, "stopping", None) or asyncio.Event()
         self._next_refresh = 0.0
         self._stats_written_at = 0.0
@@ -136,7 +137,8 @@ class SchedulerService:
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
-        self.cluster.workers_refreshed(live, now)
+            self.cluster.worker_seen(info, now)
+        self.cluster.workers_refreshed()
         await self.cancel_orphans(now)
         self.cluster.vouch_for_quiet_sequences()
 

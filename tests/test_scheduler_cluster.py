@@ -65,7 +65,7 @@ def test_a_prompt_no_worker_can_hold_fails_alone_and_names_the_largest_worker():
 def test_a_draining_worker_gets_nothing_new_gives_back_what_waits_and_is_told_when_it_holds_nothing():
     c = cluster(info("a"))
     c.admit(req("r1"))
-    c.workers_refreshed({"a": info("a", draining=True)}, now=0.0)
+    c.worker_seen(info("a", draining=True), now=0.0)
     assert c.workers["a"].draining and [r.request_id for r, _ in c.parked] == ["r1"] and not c.owner  # no other worker
     c.advance_drains(now=0.1, epoch=3)
     [drained] = ops_of(c, "plan")
@@ -81,7 +81,7 @@ def test_a_draining_worker_running_past_its_deadline_is_handed_back_once_nothing
     c.admit(req("r1"))
     plans = c.plan_steps(0.0, 3, 2, lambda plan, expected: 1.0, 0.5)
     assert {wid for wid, _ in plans} == {"a"} and all(plan.epoch == 3 for _, plan in plans)
-    c.workers_refreshed({"a": info("a", draining=True), "b": info("b")}, now=0.0)
+    c.worker_seen(info("a", draining=True), now=0.0)
     c.advance_drains(now=10.0, epoch=3)  # past the deadline, a plan still in flight: it stays
     assert c.workers["a"].handing_back and c.owner == {"r1": "a"}
     assert c.plan_steps(10.0, 3, 2, lambda plan, expected: 1.0, 0.5) == []  # no more plans for it
