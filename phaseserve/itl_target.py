@@ -1,5 +1,6 @@
 """The ITL target setting (`--itl-target`): its value type and parser, shared by the settings table and the
-scheduler's policy (scheduler/policy.py, "ITL target"; scheduler/step_cost.py learns the costs it bounds)."""
+scheduler's step budget (scheduler/budget.py; docs/architecture.md, "The step budget"; scheduler/step_cost.py
+learns the costs it bounds)."""
 
 from __future__ import annotations
 

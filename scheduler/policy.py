@@ -1,102 +1,8 @@
 """One worker's scheduling policy: decode-first steps with chunked prefill over paged KV blocks. No I/O.
 
-The scheduler service keeps one `WorkerPolicy` per live worker. Each
-`schedule()` builds one `StepPlan` for that worker in named steps
-(`_schedule_decodes`, `_reserve_head_of_queue`, `_schedule_prefill_chunks`,
-`_admit_waiting`), spending one `StepBudget`:
-
-1. Decodes. Every running sequence whose prefill is planned in full and whose
-   last token is not yet planned gets one token, in (priority, arrival) order.
-   If its next position needs a block and none is free, the lowest-priority,
-   latest-arrived running sequence is preempted by recompute (blocks freed,
-   back to waiting with its outputs kept; a later SeqStart re-prefills
-   prompt + outputs). Decodes never make way for prefill.
-2. Prefill, in what is left of `max_num_batched_tokens`: first the chunks of
-   partially-prefilled sequences, then new (or preempted) sequences from the
-   waiting queue in (priority, arrival) order, FCFS (the first one that does
-   not fit stops admission, so a large prompt is not overtaken forever).
-
-Budget units. `max_num_batched_tokens` is a budget of cost units. With
-`attention_horizon` K = 0 a token costs 1 (the budget counts tokens). With
-K > 0 a token whose query attends to c keys (itself and every earlier
-position) costs 1 + c / K: the linear layers' work plus attention's, which
-grows with the context and equals the linears' at a context of K tokens. So a
-chunk of n tokens at positions p..p+n-1 costs n + n * (p + (n + 1) / 2) / K
-(`chunk_cost`) and a decode at position p costs 1 + (p + 1) / K. A prefill
-chunk gets the largest n whose cost fits in what is left
-(`max_chunk_tokens`), so chunks shrink as a long prompt's prefix grows and
-every step costs about the same time. Decodes are charged too but never
-dropped. Two exceptions let a step exceed the budget by one token: the head
-of the queue (below) and a step that would otherwise be empty always get at
-least one token.
-
-ITL target. Once the service has learned the worker's step costs from measured
-steps (scheduler/step_cost.py: t = overhead + per token + per attended key;
-`step_costs`), the budget is also bounded by the operator's ITL target
-(`SchedulerConfig.itl_target`, `--itl-target`) and counted in the learned
-units: a unit is one token's time, K is the learned ratio of a token's cost to
-a key's, and the step's fixed cost is O units. With decodes costing D units, a
-ratio target r lets prefill take (r - 1)(O + D) units -- the step's predicted
-time stays within r times the predicted pure-decode step at that batch -- and
-a target of M ms lets it take M / unit - O - D. Decodes always run; the chunks
-of long prompts (see "Long prompts"; every prompt's when T = 0) get only what
-the prediction leaves (and never more than the long cap or
-`max_num_batched_tokens`): short prompts are not held, so a burst of chat
-prompts is prefilled as without a target. Long prompts that need more wait, so their TTFT grows
-instead of the streams' ITL (`num_steps_held_by_itl_target` counts such steps).
-Whatever the target, prefill may take at least the cost of one token at the
-deepest position a step, so a prefill at the front of the queue progresses
-at least a token a step. A step
-with no decode has no stream to protect: only `max_num_batched_tokens` binds.
-Before the costs are learned (and with chunking off) the target is not applied.
-
-Long prompts. A sequence whose prefill is longer than `long_prefill_threshold`
-T tokens is long: all long prefill chunks of a step together cost at most T
-units (vLLM's `long_prefill_token_threshold`). A long prompt's chunks then
-stay small while streams decode beside it, and shorter prompts can still fill
-the rest of the budget, so a burst of short prompts is prefilled as fast as
-before. Partially-prefilled short prompts get their chunks before long ones (so
-under a tight ITL target a chat prompt is not stuck behind long prompts). The
-first long chunk of a step gets at least one token when the budget allows it,
-so a long prompt always progresses; the head of the queue keeps its rule below.
-T = 0 turns the cap off.
-
-Starvation rule (a short prompt behind a long one): when the head of the
-waiting queue could be admitted this step, it is reserved
-min(its prefill's cost, max(ceil(P / 2), one token's cost)) of the P units
-left after decodes; partially-prefilled sequences share the rest, and the head
-gets at least one token even if decodes (or the long-prompt cap) left less
-than that. So the head of the queue starts on the very next plan, and a
-sequence with k startable sequences ahead of it starts within k + 1 plans --
-as long as a max_num_seqs slot and KV blocks (above the watermark) are free
-and no preemption happened in that step. A prompt of at most T tokens costing
-up to ceil(P / 2) units at the head is prefilled in that one step.
-
-Blocks. Admitting a sequence requires blocks for its whole prefill (+ the
-first decode slot) on top of the watermark and of the blocks promised to
-partially-prefilled sequences; a chunk allocates only what it covers. So
-prefills never deadlock each other on blocks; only decodes, which can always
-preempt, may eat into those promises. No admission happens in a step that
-preempted (the victim would come straight back). Whether a sequence can ever be
-admitted (`add_request`) is phaseserve/kv_admission.py's rule, which the
-gateway applies too, so what it lets through is what the policy accepts.
-
-Chunked prefill off (the "stall" baseline): a prompt is scheduled whole, and
-only when its cost fits in the budget left -- except the first prefill of a step,
-which runs whole even if that makes the step exceed the budget (with the
-step's decodes, which are never dropped); otherwise a prompt larger than what
-decodes leave would never run.
-
-Pipelining. `schedule()` may run one (or more) plans ahead of `update()`:
-positions and expected samples advance at plan time; a sequence whose prefill
-completes in step N decodes in N + 1 (the worker holds the sampled token);
-a sequence is never planned past max_tokens / max_model_len, but a stop-token
-finish is learned a step late, so it may get one extra decode that the worker
-skips. `update()` accepts an event only for a sequence planned to sample in
-that step (same Sequence object: a cancelled and re-added id is a new one)
-and only at offset == len(output_ids). A preempted sequence is not restarted
-while one of its samples is still in flight, so the SeqStart of a recompute
-carries every token the worker has published for it.
+The scheduler service keeps one `WorkerPolicy` per live worker; `schedule()` states what every plan keeps.
+Its step budget is scheduler/budget.py, a phase worker's handoffs scheduler/handoffs.py, and the reasoning
+behind both docs/architecture.md, "The step budget".
 """
 
 from __future__ import annotations
@@ -105,15 +11,18 @@ import bisect
 import itertools
 import math
 import secrets
-from dataclasses import dataclass, field
 
 import structlog
 
-from phaseserve.kv_admission import DEFAULT_WATERMARK, KVCapacity, promised_len
-from phaseserve.wire import KVReceive, KVSend, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest
+from phaseserve.kv_admission import KVCapacity, promised_len
+from phaseserve.wire import KVSend, ScheduledChunk, StepPlan, SubmitRequest
 from scheduler.block_manager import BlockManager
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.step_cost import ItlTarget, StepCosts
+from scheduler.budget import StepBudget, StepDraft, chunk_cost
+from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
+from scheduler.handoffs import HandoffBookkeeping
+from scheduler.sequence import Sequence, SequenceStatus, by_rank
+from scheduler.step_cost import StepCosts
+from scheduler.step_results import StepResults
 
 log = structlog.get_logger("scheduler.policy")
 
@@ -121,230 +30,10 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 
 
-class AdmissionError(ValueError):
-    """A request that can never be admitted as given: its prompt + max_tokens does not fit the worker's
-    max_model_len or KV cache, or its prompt holds a token id outside the model's vocabulary. Bad input,
-    not a scheduler fault (the service tells the gateway so)."""
-
-
-def out_of_vocab(token_ids: list[int], vocab_size: int) -> str | None:
-    """Why `token_ids` cannot be fed to a model of `vocab_size` tokens, or None (vocab_size 0: unknown)."""
-    if vocab_size <= 0:
-        return None
-    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if not bad:
-        return None
-    return f"the prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-
-
-def _by_rank(seq: Sequence) -> tuple:
-    return seq.sort_key
-
-
-def chunk_cost(start: int, n: int, horizon: int) -> float:
-    """Budget units of n tokens at positions start..start+n-1: sum over j=1..n of 1 + (start + j) / horizon
-    (the token at position start + j - 1 attends to start + j keys); horizon 0 = 1 unit a token."""
-    if horizon <= 0:
-        return n
-    return n + n * (start + (n + 1) / 2) / horizon
-
-
-def max_chunk_tokens(start: int, budget: float, horizon: int) -> int:
-    """The largest n >= 0 with chunk_cost(start, n, horizon) <= budget."""
-    if budget <= 0:
-        return 0
-    if horizon <= 0:
-        return math.floor(budget)
-    # chunk_cost <= budget  <=>  n^2 + 2*b*n - 2*budget*K <= 0 with b = K + start + 1/2; the positive root,
-    # written as c / (b + sqrt(b^2 + c)) so a large b loses no precision to cancellation
-    b = horizon + start + 0.5
-    c = 2.0 * budget * horizon
-    n = math.floor(c / (b + math.sqrt(b * b + c)))
-    while chunk_cost(start, n + 1, horizon) <= budget:  # float rounding: at most a step either way
-        n += 1
-    while n > 0 and chunk_cost(start, n, horizon) > budget:
-        n -= 1
-    return n
-
-
-@dataclass
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048  # must equal the worker's: the scheduler plans no decode past it
-    enable_chunked_prefill: bool = True
-    watermark: float = DEFAULT_WATERMARK  # fraction of blocks kept free when admitting
-    # K: a token attending to c keys costs 1 + c / K budget units (0 = off: 1 unit a token); the worker
-    # estimates K from its model's shape (WorkerInfo.attention_horizon)
-    attention_horizon: int = 0
-    # T: the prefill chunks of prompts longer than T tokens take at most T budget units of a step
-    # together (0 = no cap); see "Long prompts" in the module docstring
-    long_prefill_threshold: int = 256
-    # the bound on a step's predicted time while streams decode (see "ITL target" in the module
-    # docstring); it applies once the service has learned the worker's step costs (WorkerPolicy.step_costs)
-    itl_target: ItlTarget = field(default_factory=ItlTarget)
-    # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
-    vocab_size: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {v!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # every running sequence's decode must fit in one step, or decode-first cannot hold
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_num_seqs ({self.max_num_seqs})")
-        if not isinstance(self.attention_horizon, int) or self.attention_horizon < 0:
-            raise ValueError(f"SchedulerConfig.attention_horizon must be an integer >= 0, got "
-                             f"{self.attention_horizon!r}")
-        if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
-            raise ValueError(f"SchedulerConfig.long_prefill_threshold must be an integer >= 0, got "
-                             f"{self.long_prefill_threshold!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
-
-
-@dataclass
-class StepBudget:
-    """What is left of one step's budget, in cost units (module docstring: "Budget units", "ITL target",
-    "Long prompts", "Starvation rule"): the least of `max_num_batched_tokens` and the ITL target's room."""
-
-    cap_left: float  # of max_num_batched_tokens; may go below 0: decodes are charged but never dropped
-    horizon: float  # K; 0: a token costs 1
-    long_threshold: int  # T; 0: no cap on long prefills
-    long_left: float  # what the chunks of long prefills may still take; inf with no cap
-    head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
-    # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
-    # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
-    # learned cost model, or in a step with no decode: no stream to stall)
-    target_base: float = math.inf
-    target_slope: float = 0.0
-    target_floor: float = 0.0
-    overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
-    prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
-    unit_s: float = 0.0  # seconds a unit (0: no cost model)
-    decode_units: float = 0.0
-    prefill_units: float = 0.0
-    prefill_chunks: int = 0
-
-    @classmethod
-    def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None) -> StepBudget:
-        threshold = cfg.long_prefill_threshold if cfg.enable_chunked_prefill else 0
-        budget = cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
-                     float(threshold) if threshold else math.inf)
-        target = cfg.itl_target
-        if costs is None or target.is_off or not cfg.enable_chunked_prefill or not costs.is_plausible:
-            return budget
-        # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
-        budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units
-        budget.prefill_chunk_units = costs.prefill_chunk_units
-        if target.ratio is not None:  # r * (fixed + decodes) - (fixed + decodes)
-            budget.target_base = (target.ratio - 1.0) * budget.overhead_units
-            budget.target_slope = target.ratio - 1.0
-        else:  # ms / unit - (fixed + decodes)
-            budget.target_base = target.ms / 1e3 / costs.token_s - budget.overhead_units
-            budget.target_slope = -1.0
-        # the deepest token's cost: whatever the target, every step may prefill at least one token
-        budget.target_floor = chunk_cost(cfg.max_model_len - 1, 1, budget.horizon)
-        return budget
-
-    @property
-    def target_left(self) -> float:
-        if not self.decode_units or math.isinf(self.target_base):
-            return math.inf
-        room = (self.target_base + self.target_slope * self.decode_units
-                - self.prefill_chunk_units * (self.prefill_chunks + 1))
-        return max(room, self.target_floor) - self.prefill_units
-
-    @property
-    def left(self) -> float:
-        return self.cap_left
-
-    @property
-    def held_by_target(self) -> bool:
-        """The ITL target, not max_num_batched_tokens or the long cap, is what limits long prefills now."""
-        return self.target_left < min(self.cap_left, self.long_left)
-
-    @property
-    def predicted_s(self) -> float:
-        """The step's predicted time as planned so far (0 without a cost model)."""
-        return (self.overhead_units + self.decode_units + self.prefill_units
-                + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
-
-    def is_long(self, prefill_len: int) -> bool:
-        return bool(self.long_threshold) and prefill_len > self.long_threshold
-
-    def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
-        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget`, and for a long prompt
-        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill)."""
-        if not self.long_threshold:
-            return max_chunk_tokens(start, min(budget, self.target_left), self.horizon)
-        if not self.is_long(prefill_len):
-            return max_chunk_tokens(start, budget, self.horizon)
-        n = max_chunk_tokens(start, min(budget, self.long_left, self.target_left), self.horizon)
-        if n == 0 and self.long_left == self.long_threshold:  # the step's first long chunk: it always moves
-            n = min(1, max_chunk_tokens(start, budget, self.horizon))
-        return n
-
-    def charge_decode(self, pos: int) -> None:
-        cost = chunk_cost(pos, 1, self.horizon)
-        self.cap_left -= cost
-        self.decode_units += cost
-
-    def charge_prefill(self, prefill_len: int, start: int, n: int) -> float:
-        """Spend a prefill chunk's cost (from the long cap too if it is long); returns the cost."""
-        cost = chunk_cost(start, n, self.horizon)
-        if self.is_long(prefill_len):
-            self.long_left -= cost
-        self.cap_left -= cost
-        self.prefill_units += cost
-        self.prefill_chunks += 1
-        return cost
-
-
-@dataclass(eq=False)
-class _StepDraft:
-    """One plan as `schedule()` builds it."""
-
-    decodes: list[ScheduledChunk] = field(default_factory=list)
-    prefills: list[ScheduledChunk] = field(default_factory=list)
-    starts: list[SeqStart] = field(default_factory=list)
-    receives: list[KVReceive] = field(default_factory=list)
-    sampled: list[Sequence] = field(default_factory=list)  # planned to sample a token in this step
-    scheduled: set[Sequence] = field(default_factory=set)
-    preempted: bool = False  # no admission in a step that preempted (the victim would come straight back)
-    head: Sequence | None = None  # the first startable waiting sequence
-    head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills)
-
-
-@dataclass
-class Handoff:
-    """A sequence leaving a prefill worker for a decode worker: its KV (positions [0, num_cached)) is in
-    transfer `kv_send`; the decode worker continues at output offset len(output_ids)."""
-
-    request: SubmitRequest
-    output_ids: list[int]
-    num_cached: int
-    kv_send: KVSend
-
-
-class WorkerPolicy:
+class WorkerPolicy(StepResults, HandoffBookkeeping):
     """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
-
-    Phase workers: while `kv_transport` is set (the service sets it on a prefill worker when a
-    decode worker exists), every sequence started here streams its prefill's KV into a transfer, and once
-    its prefill is planned whole it is not decoded here: after its first token is confirmed it is
-    `ready_handoffs`, and the service moves it (`hand_off` here, `accept_handoff` on the decode worker's
-    policy) or keeps it (`keep`). A decode worker's handed-in sequence is started with its KVReceive in
-    its first plan, beside its first decode.
-    """
+    It applies step results as scheduler/step_results.py says, and phase workers hand sequences over
+    (scheduler/handoffs.py) while `kv_transport` is set."""
 
     def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0,
                  transfer_prefix: str = "t"):
@@ -401,7 +90,7 @@ class WorkerPolicy:
             raise AdmissionError(f"request {rid!r}: {reason}")
         seq = Sequence(req, next(self._arrivals), outputs)
         self._seqs[rid] = seq
-        bisect.insort(self._waiting, seq, key=_by_rank)
+        bisect.insort(self._waiting, seq, key=by_rank)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a sequence now (blocks freed at once; the worker hears it in the next plan's releases)."""
@@ -414,7 +103,7 @@ class WorkerPolicy:
 
     def take_all(self) -> list[tuple[SubmitRequest, list[int]]]:
         """Remove every unfinished sequence, returning it with its confirmed outputs (for another worker)."""
-        seqs = sorted(self._seqs.values(), key=_by_rank)
+        seqs = sorted(self._seqs.values(), key=by_rank)
         for seq in seqs:
             self._retire(seq)
         self._inflight.clear()
@@ -445,8 +134,20 @@ class WorkerPolicy:
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to send."""
-        step = _StepDraft()
+        """The next step's plan, or None when there is nothing to send.
+
+        Every plan keeps these (docs/architecture.md, "The step budget", says why and how they are met):
+        - Decodes first: every running sequence past its prefill gets one token, in (priority, arrival)
+          order, and is never dropped for prefill; a decode short of a block preempts (by recompute) the
+          lowest-ranked running sequence. Prefill takes what is left of the budget, partial prefills'
+          chunks (short prompts first) before new sequences, admitted FCFS.
+        - The head of the waiting queue starts on the next plan when a slot and its blocks are free, and a
+          long prompt (or a step that would be empty) moves at least one token.
+        - A sequence is admitted only with blocks for its whole prefill above the watermark and the blocks
+          promised to partial prefills, never in a step that preempted, and never restarted while a sample
+          of it is in flight (its SeqStart carries every token the worker published).
+        """
+        step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
         self._schedule_decodes(step, budget)
         self._reserve_head_of_queue(step, budget)
@@ -461,7 +162,7 @@ class WorkerPolicy:
         if budget.held_by_target and (self._waiting or any(s.is_prefilling for s in self._running)):
             self._num_steps_held_by_itl_target += 1
 
-    def _schedule_decodes(self, step: _StepDraft, budget: StepBudget) -> None:
+    def _schedule_decodes(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 1: one token for every running sequence past its prefill, in rank order, preempting the
         lowest-ranked running sequences when a decode needs a block and none is free."""
         bm = self.block_manager
@@ -485,7 +186,7 @@ class WorkerPolicy:
             step.scheduled.add(seq)
             budget.charge_decode(pos)
 
-    def _preempt_for(self, seq: Sequence, num_tokens: int, step: _StepDraft) -> bool:
+    def _preempt_for(self, seq: Sequence, num_tokens: int, step: StepDraft) -> bool:
         """Preempt the lowest-priority, latest-arrived running sequences until `seq`'s table can hold
         `num_tokens` positions. False if `seq` itself had to go."""
         bm = self.block_manager
@@ -497,7 +198,7 @@ class WorkerPolicy:
                 return False
         return True
 
-    def _reserve_head_of_queue(self, step: _StepDraft, budget: StepBudget) -> None:
+    def _reserve_head_of_queue(self, step: StepDraft, budget: StepBudget) -> None:
         """The starvation rule: if the head of the waiting queue can be admitted now, reserve it
         min(its prefill's cost, max(half of what decodes left, one token's cost))."""
         step.head = next((s for s in self._waiting if self._startable(s)), None)
@@ -508,7 +209,7 @@ class WorkerPolicy:
             whole = chunk_cost(0, head.num_prompt_tokens + len(head.output_ids), horizon)
             budget.head_reserve = min(whole, max(math.ceil(budget.left / 2), chunk_cost(0, 1, horizon)))
 
-    def _schedule_prefill_chunks(self, step: _StepDraft, budget: StepBudget) -> None:
+    def _schedule_prefill_chunks(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2a: the next chunks of partially-prefilled sequences, short prompts before long ones (each
         in rank order), in what is left of the budget after the head's reserve (none exist with chunking
         off)."""
@@ -527,7 +228,7 @@ class WorkerPolicy:
             self._plan_prefill(step, seq, n)
             allow -= budget.charge_prefill(seq.prefill_len, start, n)
 
-    def _admit_waiting(self, step: _StepDraft, budget: StepBudget) -> None:
+    def _admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
         chunking = self.config.enable_chunked_prefill
         for seq in list(self._waiting):
@@ -550,7 +251,7 @@ class WorkerPolicy:
             seq.status = RUNNING
             seq.prefill_len = need
             seq.num_computed_tokens = 0
-            bisect.insort(self._running, seq, key=_by_rank)
+            bisect.insort(self._running, seq, key=by_rank)
             if not seq.on_worker:
                 if self.kv_transport is not None:  # a new transfer for each (re)start: ids are single-use
                     seq.kv_send = KVSend(next(self._transfer_ids), self.kv_transport)
@@ -559,7 +260,7 @@ class WorkerPolicy:
             self._plan_prefill(step, seq, n)
             budget.charge_prefill(need, 0, n)
 
-    def _can_admit(self, seq: Sequence, step: _StepDraft) -> bool:
+    def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
         first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
         bm = self.block_manager
@@ -567,7 +268,7 @@ class WorkerPolicy:
         return (not step.preempted and len(self._running) < self.config.max_num_seqs
                 and bm.can_allocate(need, reserved=self._promised_blocks()))
 
-    def _plan_prefill(self, step: _StepDraft, seq: Sequence, n: int) -> None:
+    def _plan_prefill(self, step: StepDraft, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         self.block_manager.append(seq.block_table, start, n)
         step.prefills.append(ScheduledChunk(seq.seq_id, start, n, list(seq.block_table)))
@@ -578,7 +279,7 @@ class WorkerPolicy:
             seq.awaiting_handoff = seq.kv_send is not None
         step.scheduled.add(seq)
 
-    def _seal(self, step: _StepDraft) -> StepPlan | None:
+    def _seal(self, step: StepDraft) -> StepPlan | None:
         """The plan of a drafted step, with the pending releases; None when there is nothing to send."""
         if step.is_empty and not self._releases:
             return None
@@ -590,131 +291,6 @@ class WorkerPolicy:
         self._num_prefill_tokens += sum(c.num_tokens for c in step.prefills)
         return StepPlan(step_id, self.worker_id, step.starts, step.decodes + step.prefills, releases,
                         receives=step.receives)
-
-    # ------------------------------------------------------------------ results
-
-    def update(self, result: StepResult) -> list[str]:
-        """Apply a step's sampled tokens; returns the ids of sequences that finished."""
-        sampled = self._inflight.pop(result.step_id, None)
-        if sampled is None:
-            self._num_ignored_results += 1
-            log.warning("ignoring result of an unknown or already applied step", step_id=result.step_id,
-                        worker_id=result.worker_id)
-            return []
-        for old in sorted(k for k in self._inflight if k < result.step_id):
-            # results come in step order, so an older open step's result was lost (harmless if it sampled nothing)
-            lost = self._inflight.pop(old)
-            if lost:
-                log.warning("step result missing; recomputing its sequences", step_id=old, num_seqs=len(lost))
-                self._settle(lost, set())
-        planned = set(sampled)
-        accepted: set[Sequence] = set()
-        finished: list[str] = []
-        for ev in result.events:
-            seq = self._seqs.get(ev.seq_id)
-            if seq is None or seq not in planned:
-                continue  # cancelled, finished, or an earlier incarnation of this id
-            if ev.offset != len(seq.output_ids):
-                self._num_ignored_events += 1
-                log.warning("ignoring token event at an unexpected offset", seq_id=ev.seq_id, offset=ev.offset,
-                            expected=len(seq.output_ids), step_id=result.step_id)
-                continue
-            seq.output_ids.extend(ev.token_ids)
-            accepted.add(seq)
-            if ev.finish_reason is None and self._at_limit(seq):
-                log.error("worker did not finish a sequence at its length limit; finishing it",
-                          seq_id=seq.seq_id, outputs=len(seq.output_ids))
-                ev_reason = "length"
-            else:
-                ev_reason = ev.finish_reason
-            if ev_reason is not None:
-                self._retire(seq)
-                self._num_finished += 1
-                finished.append(seq.seq_id)
-            elif seq.awaiting_handoff:
-                self._ready_handoffs.append(seq)
-        self._settle(sampled, accepted)
-        return finished
-
-    def drop_step(self, step_id: int) -> bool:
-        """A step whose result will never come (its plan or result was lost, or it overran the deadline):
-        its sequences are recomputed from their confirmed outputs. False if the step was not open."""
-        lost = self._inflight.pop(step_id, None)
-        if lost is None:
-            return False
-        log.warning("step given up; recomputing its sequences", step_id=step_id, num_seqs=len(lost))
-        self._settle(lost, set())
-        return True
-
-    def outputs_of(self, seq_id: str) -> list[int] | None:
-        """A live sequence's confirmed outputs (the list itself: read, do not change), or None."""
-        seq = self._seqs.get(seq_id)
-        return None if seq is None else seq.output_ids
-
-    # ------------------------------------------------------------------ handoffs (phase workers)
-
-    def ready_handoffs(self) -> list[str]:
-        """Sequences whose prefill is done and first token confirmed, waiting to be handed to a decode
-        worker (`hand_off`) or kept here (`keep`); each is reported once."""
-        ready, self._ready_handoffs = self._ready_handoffs, []
-        return [s.seq_id for s in ready if self._seqs.get(s.seq_id) is s and s.awaiting_handoff]
-
-    def handoff_of(self, seq_id: str) -> Handoff:
-        """What a sequence waiting for its handoff would take to a decode worker."""
-        seq = self._seqs[seq_id]
-        assert seq.awaiting_handoff and seq.kv_send is not None, seq_id
-        return Handoff(seq.request, list(seq.output_ids), seq.prefill_len, seq.kv_send)
-
-    def hand_off(self, seq_id: str) -> Handoff:
-        """Let a sequence go to a decode worker: its blocks are freed and the worker told to forget it (its
-        KV is already whole in the transfer: the worker finishes the transfer when the prefill ends, before
-        it reports the first token)."""
-        handoff = self.handoff_of(seq_id)
-        self._retire(self._seqs[seq_id])
-        self._num_handed_off += 1
-        return handoff
-
-    def keep(self, seq_id: str) -> None:
-        """No decode worker can take it: it decodes here (the worker drops its transfer at the first decode)."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None:
-            seq.awaiting_handoff = False
-            seq.kv_send = None
-
-    def can_accept_handoff(self, handoff: Handoff) -> bool:
-        """Room for a handed-in sequence now: a max_num_seqs slot, blocks for its cached positions and its
-        first decode above the watermark and the blocks promised to prefills."""
-        bm, req = self.block_manager, handoff.request
-        return (self.capacity.rejection(len(req.prompt_ids), req.params.max_tokens, len(handoff.output_ids)) is None
-                and len(self._running) < self.config.max_num_seqs
-                and bm.can_allocate(bm.blocks_for(handoff.num_cached + 1), reserved=self._promised_blocks()))
-
-    def accept_handoff(self, handoff: Handoff, timeout_s: float = 2.0) -> None:
-        """Take a sequence from a prefill worker: blocks for its cached positions now, its KV received into
-        them with its first decode (`_schedule_decodes`). If the receive fails the worker reports no token
-        and the sequence is recomputed here (`_settle`), never decoded over a half-received cache."""
-        req = handoff.request
-        if req.request_id in self._seqs:
-            raise ValueError(f"request {req.request_id!r} is already scheduled")
-        seq = Sequence(req, next(self._arrivals), list(handoff.output_ids), status=RUNNING)
-        seq.prefill_len = seq.num_computed_tokens = handoff.num_cached
-        self.block_manager.append(seq.block_table, 0, handoff.num_cached)
-        seq.kv_receive = KVReceive(req.request_id, handoff.kv_send.transfer_id, handoff.kv_send.transport,
-                                   list(seq.block_table), handoff.num_cached, timeout_s)
-        self._seqs[req.request_id] = seq
-        bisect.insort(self._running, seq, key=_by_rank)
-        self._num_handed_in += 1
-
-    def _settle(self, sampled: list[Sequence], accepted: set[Sequence]) -> None:
-        """Close a step's expected samples; a live sequence whose sample never came is recomputed."""
-        for seq in sampled:
-            seq.num_inflight_samples -= 1
-            if seq in accepted or self._seqs.get(seq.seq_id) is not seq:
-                continue
-            log.warning("planned token never reported; recomputing the sequence", seq_id=seq.seq_id)
-            self._num_resyncs += 1
-            if seq.status is RUNNING:
-                self._preempt(seq, count=False)
 
     # ------------------------------------------------------------------ state changes
 
@@ -728,7 +304,7 @@ class WorkerPolicy:
         if seq.on_worker:
             self._releases.append(seq.seq_id)
             seq.on_worker = False
-        bisect.insort(self._waiting, seq, key=_by_rank)
+        bisect.insort(self._waiting, seq, key=by_rank)
         if count:
             seq.num_preemptions += 1
             self._num_preemptions += 1

@@ -79,3 +79,8 @@ class Sequence:
         r = self.request
         return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids),
                         num_cached, self.kv_send)
+
+
+def by_rank(seq: Sequence) -> tuple:
+    """The key the policy's queues are kept sorted by (`Sequence.sort_key`)."""
+    return seq.sort_key

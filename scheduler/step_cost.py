@@ -8,7 +8,7 @@ all (a token at position p attends to p + 1 keys) takes
 seconds: the weights read once a step (and the step's fixed costs), the linear layers' work per token,
 attention's per key, and what each prefill chunk adds beyond its tokens (its own attention call and
 masks: a step carrying one costs more than its tokens say). It maps onto the policy's budget units
-(scheduler/policy.py, "Budget units"): one unit is `token_s` seconds and the attention horizon K is
+(scheduler/budget.py): one unit is `token_s` seconds and the attention horizon K is
 token_s / key_s, so a chunk's `chunk_cost` times `token_s` is its predicted time (plus `prefill_chunk_s`
 for a prefill chunk), and the fixed part is `overhead_s / token_s` units.
 

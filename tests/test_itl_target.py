@@ -1,4 +1,4 @@
-"""The policy under an ITL target (scheduler/policy.py, "ITL target"): with learned step costs, a planned
+"""The policy under an ITL target (scheduler/budget.py; docs/architecture.md, "The step budget"): with learned step costs, a planned
 step's predicted time stays under the target while streams decode, decodes are never dropped, and a
 waiting prompt still progresses. Driven by test_scheduler_policy's fake worker and invariant checks."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import SchedulerConfig, StepBudget, WorkerPolicy, chunk_cost, max_chunk_tokens
+from scheduler.budget import StepBudget, chunk_cost, max_chunk_tokens
+from scheduler.policy import SchedulerConfig, WorkerPolicy
 from scheduler.step_cost import ItlTarget, StepCosts, plan_features
 from test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 

@@ -23,7 +23,8 @@ from phaseserve.wire import (
     FIELD, CancelRequest, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest, TokenBatch,
     TokenEvent, WorkerInfo,
 )
-from scheduler.service import OUTPUTS_PER_WRITE, PolicyLimits, SchedulerService
+from scheduler.cluster import OUTPUTS_PER_WRITE
+from scheduler.service import PolicyLimits, SchedulerService
 from service_harness import Gateway, SchedulerProcess, WorkerProcess, WorkerThread, start, stop
 from workers.runner import ModelRunner
 

@@ -32,7 +32,8 @@ from phaseserve.wire import (ERROR_REJECTED, PROTOCOL_VERSION, StepPlan, StepRes
                              TokenEvent, WorkerInfo)
 from scheduler.block_manager import BlockManager
 from phaseserve.kv_admission import KVCapacity
-from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy, chunk_cost, max_chunk_tokens
+from scheduler.budget import chunk_cost, max_chunk_tokens
+from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from workers.loader import read_config
 from workers.runner import ATTENTION_EFFICIENCY
 from workers.runner import attention_horizon as runner_attention_horizon

@@ -9,7 +9,7 @@ import pytest
 
 from phaseserve import settings
 from phaseserve.wire import ScheduledChunk
-from scheduler.policy import chunk_cost
+from scheduler.budget import chunk_cost
 from scheduler.step_cost import (ItlTarget, StepCostModel, StepCosts, chunk_keys, parse_itl_target,
                                  plan_features)
 

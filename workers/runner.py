@@ -38,7 +38,7 @@ ATTENTION_EFFICIENCY = 0.32
 
 def attention_horizon(cfg: ModelConfig) -> int:
     """K: the context length at which a token's attention costs as much as its linear layers
-    (the scheduler's cost model, see scheduler/policy.py). Counts matmul weights only: biases, norms,
+    (the scheduler's cost model, see scheduler/budget.py). Counts matmul weights only: biases, norms,
     the embedding and the lm_head (run on sampled rows only) are small or not per token."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size

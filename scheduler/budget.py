@@ -1,0 +1,160 @@
+"""What one step may spend, in cost units, and the step as `WorkerPolicy.schedule()` drafts it. No I/O.
+
+A token whose query attends to c keys costs 1 + c / K units (K: the attention horizon; 0: a token costs 1),
+so a chunk of n tokens at positions p..p+n-1 costs n + n * (p + (n + 1) / 2) / K. The budget is the least of
+`max_num_batched_tokens`, the cap shared by long prompts' chunks and, once the worker's step costs are
+learned, the ITL target's room beside the step's decodes (docs/architecture.md, "The step budget").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from phaseserve.wire import KVReceive, ScheduledChunk, SeqStart
+from scheduler.config import SchedulerConfig
+from scheduler.sequence import Sequence
+from scheduler.step_cost import StepCosts
+
+
+def chunk_cost(start: int, n: int, horizon: int) -> float:
+    """Budget units of n tokens at positions start..start+n-1: sum over j=1..n of 1 + (start + j) / horizon
+    (the token at position start + j - 1 attends to start + j keys); horizon 0 = 1 unit a token."""
+    if horizon <= 0:
+        return n
+    return n + n * (start + (n + 1) / 2) / horizon
+
+
+def max_chunk_tokens(start: int, budget: float, horizon: int) -> int:
+    """The largest n >= 0 with chunk_cost(start, n, horizon) <= budget."""
+    if budget <= 0:
+        return 0
+    if horizon <= 0:
+        return math.floor(budget)
+    # chunk_cost <= budget  <=>  n^2 + 2*b*n - 2*budget*K <= 0 with b = K + start + 1/2; the positive root,
+    # written as c / (b + sqrt(b^2 + c)) so a large b loses no precision to cancellation
+    b = horizon + start + 0.5
+    c = 2.0 * budget * horizon
+    n = math.floor(c / (b + math.sqrt(b * b + c)))
+    while chunk_cost(start, n + 1, horizon) <= budget:  # float rounding: at most a step either way
+        n += 1
+    while n > 0 and chunk_cost(start, n, horizon) > budget:
+        n -= 1
+    return n
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step's budget, in cost units (docs/architecture.md, "The step budget"): the least
+    of `max_num_batched_tokens`, the long-prompt cap and the ITL target's room."""
+
+    cap_left: float  # of max_num_batched_tokens; may go below 0: decodes are charged but never dropped
+    horizon: float  # K; 0: a token costs 1
+    long_threshold: int  # T; 0: no cap on long prefills
+    long_left: float  # what the chunks of long prefills may still take; inf with no cap
+    head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
+    # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
+    # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
+    # learned cost model, or in a step with no decode: no stream to stall)
+    target_base: float = math.inf
+    target_slope: float = 0.0
+    target_floor: float = 0.0
+    overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
+    prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
+    unit_s: float = 0.0  # seconds a unit (0: no cost model)
+    decode_units: float = 0.0
+    prefill_units: float = 0.0
+    prefill_chunks: int = 0
+
+    @classmethod
+    def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None) -> StepBudget:
+        threshold = cfg.long_prefill_threshold if cfg.enable_chunked_prefill else 0
+        budget = cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
+                     float(threshold) if threshold else math.inf)
+        target = cfg.itl_target
+        if costs is None or target.is_off or not cfg.enable_chunked_prefill or not costs.is_plausible:
+            return budget
+        # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
+        budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units
+        budget.prefill_chunk_units = costs.prefill_chunk_units
+        if target.ratio is not None:  # r * (fixed + decodes) - (fixed + decodes)
+            budget.target_base = (target.ratio - 1.0) * budget.overhead_units
+            budget.target_slope = target.ratio - 1.0
+        else:  # ms / unit - (fixed + decodes)
+            budget.target_base = target.ms / 1e3 / costs.token_s - budget.overhead_units
+            budget.target_slope = -1.0
+        # the deepest token's cost: whatever the target, every step may prefill at least one token
+        budget.target_floor = chunk_cost(cfg.max_model_len - 1, 1, budget.horizon)
+        return budget
+
+    @property
+    def target_left(self) -> float:
+        if not self.decode_units or math.isinf(self.target_base):
+            return math.inf
+        room = (self.target_base + self.target_slope * self.decode_units
+                - self.prefill_chunk_units * (self.prefill_chunks + 1))
+        return max(room, self.target_floor) - self.prefill_units
+
+    @property
+    def left(self) -> float:
+        return self.cap_left
+
+    @property
+    def held_by_target(self) -> bool:
+        """The ITL target, not max_num_batched_tokens or the long cap, is what limits long prefills now."""
+        return self.target_left < min(self.cap_left, self.long_left)
+
+    @property
+    def predicted_s(self) -> float:
+        """The step's predicted time as planned so far (0 without a cost model)."""
+        return (self.overhead_units + self.decode_units + self.prefill_units
+                + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
+
+    def is_long(self, prefill_len: int) -> bool:
+        return bool(self.long_threshold) and prefill_len > self.long_threshold
+
+    def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
+        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget`, and for a long prompt
+        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill)."""
+        if not self.long_threshold:
+            return max_chunk_tokens(start, min(budget, self.target_left), self.horizon)
+        if not self.is_long(prefill_len):
+            return max_chunk_tokens(start, budget, self.horizon)
+        n = max_chunk_tokens(start, min(budget, self.long_left, self.target_left), self.horizon)
+        if n == 0 and self.long_left == self.long_threshold:  # the step's first long chunk: it always moves
+            n = min(1, max_chunk_tokens(start, budget, self.horizon))
+        return n
+
+    def charge_decode(self, pos: int) -> None:
+        cost = chunk_cost(pos, 1, self.horizon)
+        self.cap_left -= cost
+        self.decode_units += cost
+
+    def charge_prefill(self, prefill_len: int, start: int, n: int) -> float:
+        """Spend a prefill chunk's cost (from the long cap too if it is long); returns the cost."""
+        cost = chunk_cost(start, n, self.horizon)
+        if self.is_long(prefill_len):
+            self.long_left -= cost
+        self.cap_left -= cost
+        self.prefill_units += cost
+        self.prefill_chunks += 1
+        return cost
+
+
+@dataclass(eq=False)
+class StepDraft:
+    """One plan as `schedule()` builds it."""
+
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    starts: list[SeqStart] = field(default_factory=list)
+    receives: list[KVReceive] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)  # planned to sample a token in this step
+    scheduled: set[Sequence] = field(default_factory=set)
+    preempted: bool = False  # no admission in a step that preempted (the victim would come straight back)
+    head: Sequence | None = None  # the first startable waiting sequence
+    head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills)

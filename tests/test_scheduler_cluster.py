@@ -1,0 +1,102 @@
+"""The cluster's decisions (scheduler/cluster.py) without Redis: routing, admission, drains, lost workers and
+given-up steps, as plain data in and the writes it decided (`Cluster.ops`) out."""
+
+from __future__ import annotations
+
+from phaseserve.params import SamplingParams
+from phaseserve.wire import ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch, WorkerInfo
+from scheduler.cluster import Cluster, PolicyLimits
+
+KEYS = Keys("t")
+
+
+def info(wid: str, role: str = "mixed", num_blocks: int = 64, max_model_len: int = 2048, **kw) -> WorkerInfo:
+    return WorkerInfo(wid, role, "m", num_blocks, 16, max_model_len, 1, 1.0, **kw)
+
+
+def req(rid: str, prompt_len: int = 10, max_tokens: int = 8) -> SubmitRequest:
+    return SubmitRequest(rid, "gw", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
+                                                                                   temperature=0.0))
+
+
+def cluster(*infos: WorkerInfo) -> Cluster:
+    c = Cluster(KEYS, PolicyLimits(), drain_timeout=5.0)
+    for i in infos:
+        c.add_worker(i, epoch=3)
+    return c
+
+
+def ops_of(c: Cluster, kind: str) -> list[tuple]:
+    return [op for op in c.ops if op[0] == kind]
+
+
+def test_new_requests_go_to_the_least_loaded_worker_and_ties_to_the_least_recently_given():
+    c = cluster(info("a"), info("b"))
+    assert c.admit(req("r1")) and c.admit(req("r2"))
+    assert c.owner == {"r1": "a", "r2": "b"}  # a tie goes to the one given a sequence least recently
+    c.workers["a"].policy.cancel("r1")
+    del c.owner["r1"]
+    assert c.admit(req("r3")) and c.owner["r3"] == "a"  # a holds nothing now: the least loaded
+    assert ("hset", KEYS.request_record("r3"), "worker", "a") in c.ops
+
+
+def test_decode_workers_take_new_sequences_only_when_no_other_worker_lives():
+    c = cluster(info("d", role="decode", num_blocks=512), info("p", role="prefill"))
+    c.admit(req("r1"))
+    assert c.owner == {"r1": "p"}
+    c.retire_worker("p", "heartbeat expired")
+    assert c.owner == {"r1": "d"} and not c.parked  # its sequence moved to the survivor, a decode worker
+
+
+def test_a_prompt_no_worker_can_hold_fails_alone_and_names_the_largest_worker():
+    c = cluster(info("small", num_blocks=8, max_model_len=128), info("big", num_blocks=64, max_model_len=4096))
+    assert not c.admit(req("huge", prompt_len=1100))
+    assert "huge" not in c.owner and c.admit(req("fits"))
+    [error] = ops_of(c, "error")
+    event = TokenBatch.from_wire(error[2]).events[0]
+    assert event.error_kind == ERROR_REJECTED and "64" in event.error  # the client's error, the big worker's
+    assert ("delete", KEYS.request_record("huge")) in c.ops
+    # a resumed sequence no survivor can hold is the cluster's failure, not the client's
+    c.ops.clear()
+    assert not c.admit(req("resumed", prompt_len=1100), output_ids=[3])
+    assert TokenBatch.from_wire(ops_of(c, "error")[0][2]).events[0].error_kind is None
+
+
+def test_a_draining_worker_gets_nothing_new_gives_back_what_waits_and_is_told_when_it_holds_nothing():
+    c = cluster(info("a"))
+    c.admit(req("r1"))
+    c.worker_seen(info("a", draining=True), now=0.0)
+    assert c.workers["a"].draining and [r.request_id for r, _ in c.parked] == ["r1"] and not c.owner  # no other worker
+    c.advance_drains(now=0.1, epoch=3)
+    [drained] = ops_of(c, "plan")
+    plan = StepPlan.from_wire(drained[2])
+    assert drained[1] == KEYS.steps("a") and plan.drained and plan.epoch == 3 and c.workers["a"].drained
+    c.add_worker(info("b"), epoch=3)
+    c.place_parked()
+    assert c.owner == {"r1": "b"}
+
+
+def test_a_draining_worker_running_past_its_deadline_is_handed_back_once_nothing_is_in_flight():
+    c = cluster(info("a"), info("b"))
+    c.admit(req("r1"))
+    plans = c.plan_steps(0.0, 3, 2, lambda plan, expected: 1.0, 0.5)
+    assert {wid for wid, _ in plans} == {"a"} and all(plan.epoch == 3 for _, plan in plans)
+    c.worker_seen(info("a", draining=True), now=0.0)
+    c.advance_drains(now=10.0, epoch=3)  # past the deadline, a plan still in flight: it stays
+    assert c.workers["a"].handing_back and c.owner == {"r1": "a"}
+    assert c.plan_steps(10.0, 3, 2, lambda plan, expected: 1.0, 0.5) == []  # no more plans for it
+    c.workers["a"].in_flight.clear()
+    c.advance_drains(now=10.1, epoch=3)
+    assert c.owner == {"r1": "b"} and c.workers["a"].drained
+
+
+def test_steps_past_their_deadline_are_given_up_and_stale_results_ignored():
+    c = cluster(info("a"))
+    c.admit(req("r1"))
+    [(_, plan)] = c.plan_steps(0.0, 3, 1, lambda plan, expected: 1.0, 0.5)
+    c.apply_result(StepResult(plan.step_id, "a", [], epoch=2), epoch=3, now=0.2)  # another epoch's
+    assert len(c.workers["a"].in_flight) == 1 and c.num_steps_given_up == 0
+    assert c.give_up_overdue_steps(now=1.0) == 0.5  # due at 1.5: seconds left
+    assert c.give_up_overdue_steps(now=2.0) is None
+    assert c.num_steps_given_up == 1 and not c.workers["a"].in_flight
+    assert c.owner == {"r1": "a"} and c.workers["a"].policy.num_waiting == 1  # recomputed, not lost
