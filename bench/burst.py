@@ -5,8 +5,8 @@ completions all at once (greedy, --tokens each, ignore_eos), reads every stream 
 how many completed, the failures by status, the wall time, time to first token, and the gateway's
 resident memory (peak: VmHWM of the gateway process, when this command started the stack).
 
-Before issue #11, 1,000 streams against `phaseserve up` made 774 fail with 503 ('Too many connections':
-a Redis connection per request in flight); the gateway now shares a bounded pool.
+What it guards: with a Redis connection per request in flight, a burst of streams failed with 503 ('Too
+many connections'); the gateway shares a bounded pool instead.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Colocated against disaggregated, on the same cores, on the long-prompt interference mix (issue #12).
+"""Colocated against disaggregated, on the same cores, on the long-prompt interference mix.
 
   python -m bench.disaggregation --model bundled
   python -m bench.disaggregation --model small-200m --num-prompts 160 --long-every 3

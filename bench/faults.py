@@ -1,4 +1,4 @@
-"""Faults against a live stack (issue #11, "Must show 1"): does every stream complete, token for token?
+"""Faults against a live stack: does every stream complete, token for token?
 
 `python -m bench.faults [--model DIR] [--dtype float32] [--faults ...] [--max-tokens 96]`
 
@@ -19,7 +19,7 @@ the relay's blocked read is cut and the next plan deleted while it reconnects; t
 while a result is deleted), gateway-kill (kill -9 of the gateway the clients stream from: each client
 re-sends its request with the `Last-Event-ID` of the last event it got to a second gateway, as an SSE
 client reconnecting through a load balancer does, and reads the rest of its stream there), worker-drain
-(SIGTERM to a worker: it drains, its streams finish on it, and it exits; issue #12).
+(SIGTERM to a worker: it drains, its streams finish on it, and it exits).
 """
 
 from __future__ import annotations

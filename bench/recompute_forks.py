@@ -1,4 +1,4 @@
-"""How often a recomputed greedy stream forks from the stream it replaces (issue #11).
+"""How often a recomputed greedy stream forks from the stream it replaces.
 
 Recovery (a worker lost, a scheduler fail-over, a lost step) re-admits a sequence with prompt + the
 outputs already confirmed and prefills them in one pass. The decode steps that produced those outputs

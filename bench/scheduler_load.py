@@ -1,4 +1,4 @@
-"""How many steps and requests per second one scheduler sustains, and where it saturates (issue #12).
+"""How many steps and requests per second one scheduler sustains, and where it saturates.
 
 `python -m bench.scheduler_load --workers 1,8,64 [--seconds 10] [--seqs-per-worker 16]`
 

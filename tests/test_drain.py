@@ -1,4 +1,4 @@
-"""Workers joining and leaving a running server (issue #12, must-show 3): a worker added mid-run takes new
+"""Workers joining and leaving a running server: a worker added mid-run takes new
 sequences within a second of its first heartbeat; a worker given SIGTERM drains (its waiting sequences move
 at once, its running ones finish there or, past --drain-timeout, are recomputed elsewhere) and loses no
 request, even when it is the only worker. Real Redis, real worker processes on the bundled model in

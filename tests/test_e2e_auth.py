@@ -1,4 +1,4 @@
-"""`up --api-key` end to end (issue #11): the official openai client with the right key gets a completion, a
+"""`up --api-key` end to end: the official openai client with the right key gets a completion, a
 wrong key gets 401, and the key never shows on a child's command line (up passes it by environment)."""
 
 from __future__ import annotations

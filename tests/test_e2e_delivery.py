@@ -1,4 +1,4 @@
-"""Delivery end to end (issue #11): a whole stack (see the `stack` fixture) plus a second gateway on the same
+"""Delivery end to end: a whole stack (see the `stack` fixture) plus a second gateway on the same
 Redis, in this process.
 
 - SSE resume: a client reads part of a greedy stream from the first gateway, its connection breaks, and it

@@ -1,4 +1,4 @@
-"""Delivery that cannot lose tokens, and SSE resume (issue #11), over real sockets against a real Redis; the
+"""Delivery that cannot lose tokens, and SSE resume, over real sockets against a real Redis; the
 test plays the worker and its relay: it writes each event to the token log (phaseserve/token_log.py, as the
 relay does) and publishes it, or deliberately does not publish it (a message pub/sub lost)."""
 

@@ -1,4 +1,4 @@
-"""Overload and abuse at the gateway (issue #11), over real sockets against a real Redis; the test plays the
+"""Overload and abuse at the gateway, over real sockets against a real Redis; the test plays the
 worker (as in test_gateway_http.py): a burst against a small Redis pool, 429 + Retry-After by requests and by
 queued prompt tokens, the priority range, bearer API keys, a password-protected Redis."""
 

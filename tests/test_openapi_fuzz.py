@@ -1,4 +1,4 @@
-"""schemathesis against the whole stack's /openapi.json (issue #11): whatever a client sends that the schema
+"""schemathesis against the whole stack's /openapi.json: whatever a client sends that the schema
 allows (and much it does not), the gateway never answers 5xx. The CLI equivalent, for longer runs:
     st run http://127.0.0.1:8000/openapi.json -c not_a_server_error -n 200
 

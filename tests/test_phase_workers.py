@@ -1,4 +1,4 @@
-"""Phase workers (issue #12): prefill workers hand each sequence, after its first token, to a decode worker,
+"""Phase workers: prefill workers hand each sequence, after its first token, to a decode worker,
 its KV moved by a transfer. Real workers, a real Redis, the scheduler service.
 
 Greedy outputs must not depend on the topology: one mixed worker, two mixed, one prefill + one decode, one

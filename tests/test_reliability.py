@@ -1,4 +1,4 @@
-"""Faults the queue must survive (issue #11), each driven deterministically over a real Redis with real
+"""Faults the queue must survive, each driven deterministically over a real Redis with real
 model workers: a plan or a result lost (or unreadable) between the scheduler and a worker, unreadable
 messages on the requests stream, a worker whose model is frozen (SIGSTOP), Redis restarted, and the
 active scheduler killed with a standby running. Every request completes, token for token what an
@@ -514,7 +514,7 @@ async def test_a_killed_scheduler_is_replaced_by_its_standby_and_samples_stay_on
 
 
 class KeysWithTokenLog(Keys):
-    """Keys with the relay's durable token log (the gateway side of #11 names it `Keys.token_log`)."""
+    """Keys with the relay's durable token log (the gateway side names it `Keys.token_log`)."""
 
     def token_log(self, seq_id: str) -> str:
         return f"{self.prefix}:out:{seq_id}"
