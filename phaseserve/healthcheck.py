@@ -19,7 +19,9 @@ from phaseserve.wire import Keys
 def _redis():
     import redis
 
-    return redis.Redis.from_url(os.environ["REDIS_URL"], socket_timeout=2)
+    url = settings.with_password_file(os.environ["REDIS_URL"],
+                                      os.environ.get(settings.BY_NAME["redis_password_file"].env))
+    return redis.Redis.from_url(url, socket_timeout=2)
 
 
 def _keys() -> Keys:

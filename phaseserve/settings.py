@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +73,9 @@ SETTINGS: list[Setting] = [
     Setting("redis_url", "REDIS_URL", None, str,
             "Redis to use (a password goes in the URL: `redis://:PASSWORD@host:port/0`); `up` starts an "
             "embedded private server, with a generated password, when unset", ALL, secret=True),
+    Setting("redis_password_file", "PHASESERVE_REDIS_PASSWORD_FILE", None, str,
+            "a file holding Redis's password, put into --redis-url's (docker-compose generates one at first "
+            "start): the password stays out of every environment and command line", ALL),
     Setting("key_prefix", "PHASESERVE_KEY_PREFIX", "ps", str,
             "prefix of every Redis key, stream and channel (lets stacks share a Redis)", ALL),
     Setting("model", "PHASESERVE_MODEL", None, str,
@@ -264,7 +269,24 @@ def _shown_default(value: Any) -> str:
 def parse(service: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog or f"phaseserve {service}")
     add_arguments(parser, service)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.redis_url = with_password_file(args.redis_url, args.redis_password_file)
+    except OSError as e:
+        parser.error(f"--redis-password-file: {e}")
+    return args
+
+
+def with_password_file(url: str | None, path: str | None) -> str | None:
+    """`url` with its password read from the file at `path` (whitespace around it dropped), or `url` as it
+    is when either is unset."""
+    if not url or not path:
+        return url
+    password = Path(path).read_text().strip()
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = quote(parts.username or "", safe="")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
 def markdown_table() -> str:

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pytest
 import yaml
@@ -36,6 +38,8 @@ def test_services_and_healthchecks(compose):
     services = compose["services"]
     assert {"redis", "gateway", "scheduler", "worker", "worker-gpu"} <= set(services)
     for name, svc in services.items():
+        if svc.get("restart") == "no":  # a one-shot step others wait on (service_completed_successfully)
+            continue
         assert "healthcheck" in svc, f"{name} has no healthcheck"
     for name, svc in phaseserve_services(compose).items():
         # each service's own check (not only "Redis answers"), run for real in the serving test below
@@ -51,10 +55,36 @@ def compose_command(text: str) -> str:
     return text.replace("$$", "$")
 
 
+SECRET_DIR = "/run/phaseserve"  # the redis-secret volume, where every service mounts it
+
+
+def run_redis_secret(compose: dict, secrets_dir: Path, env: dict) -> Path:
+    """The redis-secret service's command, run here with its volume at `secrets_dir`: -> the password file."""
+    sh, dash_c, script = compose["services"]["redis-secret"]["command"]
+    assert (sh, dash_c) == ("sh", "-c")
+    script = compose_command(script).replace(SECRET_DIR, str(secrets_dir))
+    subprocess.run(["sh", "-c", script], env=env, check=True, timeout=10)
+    return secrets_dir / "redis_password"
+
+
+def test_redis_secret_makes_a_private_password_once_or_takes_yours(compose, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
+    svc = compose["services"]["redis-secret"]
+    assert svc["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:-}"  # no default: generated instead
+    first = run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text()
+    assert len(first) == 48 and all(c in "0123456789abcdef" for c in first), first
+    assert (os.stat(tmp_path / "redis_password").st_mode & 0o777) == 0o600
+    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text() == first  # kept
+    other = tmp_path / "other"
+    other.mkdir()
+    assert run_redis_secret(compose, other, {**env, "REDIS_PASSWORD": ""}).read_text() != first  # random
+    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": "mine"}).read_text() == "mine"
+
+
 def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compose, tmp_path):
-    """The redis service's command and healthcheck, run here with a local redis-server: clients without the
-    password are refused, CONFIG/SAVE are gone, and the password is on no command line."""
-    import secrets
+    """The redis service's command and healthcheck, run here with a local redis-server and the password file
+    redis-secret made: clients without the password are refused, CONFIG/SAVE are gone, and the password is on
+    no command line and in no environment."""
     import time
 
     import redis as redis_py
@@ -64,15 +94,19 @@ def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compo
     from phaseserve.redis_server import find_redis_server, free_port
 
     svc = compose["services"]["redis"]
-    assert svc["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:-")  # yours wins over the default
-    assert "ports" not in svc
-    password, port = secrets.token_hex(16), free_port()
-    sh, dash_c, script = svc["command"]
-    assert (sh, dash_c) == ("sh", "-c") and password not in script
-    env = {**os.environ, "REDIS_PASSWORD": password,
+    assert "ports" not in svc and "environment" not in svc
+    assert svc["depends_on"]["redis-secret"]["condition"] == "service_completed_successfully"
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"},
            "PATH": os.path.dirname(find_redis_server()) + os.pathsep + os.environ["PATH"]}
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    password = run_redis_secret(compose, secrets_dir, {**env, "REDIS_PASSWORD": ""}).read_text()
+    port = free_port()
+    sh, dash_c, script = svc["command"]
+    assert (sh, dash_c) == ("sh", "-c")
     # the container has the port and /tmp alone
-    script = compose_command(script).replace("/tmp/redis.conf", str(tmp_path / "redis.conf"))
+    script = (compose_command(script).replace("/tmp/redis.conf", str(tmp_path / "redis.conf"))
+              .replace(SECRET_DIR, str(secrets_dir)))
     script += f" --port {port} --bind 127.0.0.1"
     proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -94,13 +128,20 @@ def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compo
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:  # exec'd: the shell is now redis-server
             cmdline = f.read()
         assert b"redis-server" in cmdline and password.encode() not in cmdline
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            assert password.encode() not in f.read()
         assert (os.stat(tmp_path / "redis.conf").st_mode & 0o777) == 0o600
-        # the healthcheck authenticates the same way (REDISCLI_AUTH)
+        # the healthcheck authenticates the same way (REDISCLI_AUTH, from the file)
         kind, check = svc["healthcheck"]["test"]
         assert kind == "CMD-SHELL"
         check = compose_command(check).replace("redis-cli", f"redis-cli -p {port}")
-        assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
-        assert subprocess.run(["sh", "-c", check], env={**env, "REDIS_PASSWORD": "wrong"}, timeout=10).returncode != 0
+        assert subprocess.run(["sh", "-c", check.replace(SECRET_DIR, str(secrets_dir))], env=env,
+                              timeout=10).returncode == 0
+        wrong = tmp_path / "wrong"
+        wrong.mkdir()
+        (wrong / "redis_password").write_text("wrong")
+        assert subprocess.run(["sh", "-c", check.replace(SECRET_DIR, str(wrong))], env=env,
+                              timeout=10).returncode != 0
         client.close()
     finally:
         proc.terminate()
@@ -119,9 +160,10 @@ def test_environment_wiring(compose):
     known_env = {s.env for s in settings.SETTINGS}
     for name, svc in phaseserve_services(compose).items():
         env = svc["environment"]
-        # the password the redis service is given, from the same variable (and the same default)
-        redis_env = compose["services"]["redis"]["environment"]
-        assert env["REDIS_URL"] == f"redis://:{redis_env['REDIS_PASSWORD']}@redis:6379/0", name
+        # the password comes from the file redis-secret made, in the volume each service mounts read-only
+        assert env["REDIS_URL"] == "redis://redis:6379/0", name
+        assert env["PHASESERVE_REDIS_PASSWORD_FILE"] == f"{SECRET_DIR}/redis_password", name
+        assert f"redis-secret:{SECRET_DIR}:ro" in svc["volumes"], name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
         unknown = set(env) - known_env
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"
@@ -158,18 +200,27 @@ def test_workers_have_time_to_drain_before_docker_kills_them(compose, service):
 
 @pytest.mark.parametrize("service", ["gateway", "scheduler", "worker", "worker-gpu", "worker-prefill",
                                      "worker-decode"])
-def test_commands_exist_in_cli(compose, service):
+def test_commands_exist_in_cli(compose, service, tmp_path):
     command = compose["services"][service]["command"]
     sub, args = command[1], command[2:]
-    # The flags parse with the service's own settings, with the compose environment applied.
+    # The flags parse with the service's own settings, with the compose environment applied (the password
+    # file where redis-secret's volume would be)
     env = service_env(compose["services"][service])
+    (tmp_path / "redis_password").write_text("pw\n")
+    env["PHASESERVE_REDIS_PASSWORD_FILE"] = str(tmp_path / "redis_password")
     code = (
         "import sys; from phaseserve import settings; "
-        f"ns = settings.parse({sub!r}, {args!r}); print(ns)"
+        f"ns = settings.parse({sub!r}, {args!r}); print(ns.redis_url)"
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "redis://:pw@redis:6379/0"
+    # without the file: a clear error naming the setting, not a traceback
+    env["PHASESERVE_REDIS_PASSWORD_FILE"] = str(tmp_path / "missing")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--redis-password-file" in out.stderr and "Traceback" not in out.stderr
     # And the console script knows the subcommand.
     help_out = subprocess.run([sys.executable, "-m", "phaseserve.stack.cli", sub, "--help"],
                               capture_output=True, text=True, timeout=60)
@@ -237,12 +288,17 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
     port = free_port()
     procs = []
     log = open(tmp_path / "compose.log", "wb")
+    # the password as compose hands it over: in a file (redis-secret's), the URL without it
+    parts = urlsplit(redis_server)
+    (tmp_path / "redis_password").write_text(unquote(parts.password))
+    url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    secret = {"REDIS_URL": url, "PHASESERVE_REDIS_PASSWORD_FILE": str(tmp_path / "redis_password")}
     try:
         for name in ("scheduler", "worker", "gateway"):
             svc = compose["services"][name]
             env = service_env(svc)
             assert env["PHASESERVE_MODEL"] == "SmolLM2-135M-Instruct"  # the default; the tests' model here:
-            env.update(REDIS_URL=redis_server, PHASESERVE_MODEL="bundled", PHASESERVE_CACHE_DIR=str(tmp_path),
+            env.update(**secret, PHASESERVE_MODEL="bundled", PHASESERVE_CACHE_DIR=str(tmp_path),
                        PHASESERVE_KV_CACHE_MEMORY="64MiB", PHASESERVE_HEARTBEAT_INTERVAL="0.5",
                        PHASESERVE_KEY_PREFIX="cmp", PHASESERVE_PORT=str(port))
             argv = [exe] + [str(a) for a in svc["command"][1:]]
@@ -259,7 +315,7 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
 
         assert wait_for(healthy, 120, 0.3), (tmp_path / "compose.log").read_text()[-4000:]
         # each service's compose healthcheck, under the stack's key prefix and port
-        check_env = {**os.environ, "REDIS_URL": redis_server, "PHASESERVE_KEY_PREFIX": "cmp",
+        check_env = {**os.environ, **secret, "PHASESERVE_KEY_PREFIX": "cmp",
                      "PHASESERVE_PORT": str(port)}
 
         def check(service: str, env: dict) -> int:
