@@ -17,7 +17,7 @@ import kernels
 import kernels.native as native
 from kernels import cpu_isa
 from kernels import reference as ref
-from native_ops import load_or_skip
+from native_ops import load_or_skip, torch_threads
 
 # query heads, KV heads, head_dim (groups 3, 1, 4, 16, 2)
 SHAPES = [(9, 3, 64), (8, 8, 32), (4, 1, 128), (32, 2, 128), (4, 2, 16)]
@@ -27,18 +27,6 @@ LENGTHS = [1, 15, 16, 17, 511, 512, 513, 1500]
 @pytest.fixture(scope="module")
 def ops():
     return load_or_skip("attention_f32")
-
-
-def _threads(n: int):
-    class Threads:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-
-    return Threads()
 
 
 def _cache(g, lens, hkv, d, bs, pad_blocks=0):
@@ -124,9 +112,9 @@ def test_rows_have_the_same_bits_alone_batched_and_on_any_thread_count(ops):
     k, v, tables = _cache(g, lens, hkv, d, bs)
     q = torch.randn(sum(new), hq, d, generator=g)
     lt, qsl = torch.tensor(lens, dtype=torch.int32), _qsl(new)
-    with _threads(1):
+    with torch_threads(1):
         one = ops.extend_attention(q, k, v, tables, lt, qsl, 0.125)
-    with _threads(2):
+    with torch_threads(2):
         two = ops.extend_attention(q, k, v, tables, lt, qsl, 0.125)
     assert torch.equal(one, two)
     for i in range(len(lens)):
@@ -137,11 +125,11 @@ def test_rows_have_the_same_bits_alone_batched_and_on_any_thread_count(ops):
     rows = [i for i, n in enumerate(new) if n == 1]
     idx = torch.tensor([int(qsl[i]) for i in rows])
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             batched = ops.decode_attention(q[idx], k, v, tables[rows], lt[rows], 0.125)
         assert torch.equal(batched, one[idx])
         for j, i in enumerate(rows):
-            with _threads(threads):
+            with torch_threads(threads):
                 alone = ops.decode_attention(q[idx[j:j + 1]], k, v, tables[i:i + 1], lt[i:i + 1], 0.125)
             assert torch.equal(alone[0], one[idx[j]])
 

@@ -18,7 +18,7 @@ import kernels
 import kernels.native as native
 from kernels import reference as ref
 from model_factory import make_model
-from native_ops import load_or_skip
+from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
@@ -39,18 +39,6 @@ def fresh_dispatch(monkeypatch):
     """The dispatch decides afresh (its per-dtype choice is cached per process)."""
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     monkeypatch.setattr(kernels, "_layer_ops_choice", {})
-
-
-def _threads(n: int):
-    class Threads:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-
-    return Threads()
 
 
 # --------------------------------------------------------------------------- rms_norm
@@ -191,7 +179,7 @@ def test_rotary_on_separate_tensors_and_all_slots_skipped(ops):
 # --------------------------------------------------------------------------- invariance
 
 
-def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2_threads(ops):
+def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2torch_threads(ops):
     """Shapes big enough that 2 threads split the rows: every result is bit-identical to the row alone,
     with either thread count."""
     g = torch.Generator().manual_seed(21)
@@ -200,7 +188,7 @@ def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2_threads(ops):
     case = _rotary_case(g, 130, 16, 8, 128)
     results = {}
     for n in (1, 2):
-        with _threads(n):
+        with torch_threads(n):
             rot = [t.clone() for t in case]
             qkv, q, k, v = rot[0], *(t.view(130, -1, 128) for t in rot[0].split((2048, 1024, 1024), dim=-1))
             ops.rotary_and_write_kv(rot[4], q, k, v, rot[5], rot[6], rot[7], rot[8])
@@ -268,13 +256,13 @@ def test_argmax_ties_infinities_zeros_and_nans(ops):
     assert expected.tolist()[6:] == [0, 0, 20, 7, 998, 500, 3, 999]
 
 
-def test_argmax_strided_rows_alone_and_at_1_and_2_threads(ops):
+def test_argmax_strided_rows_alone_and_at_1_and_2torch_threads(ops):
     g = torch.Generator().manual_seed(12)
     wide = (torch.randn(16, 49200, generator=g) * 4).bfloat16()
     logits = wide[:, :49152]  # rows with a stride
     expected = logits.float().argmax(dim=-1)
     for n in (1, 2):
-        with _threads(n):
+        with torch_threads(n):
             assert torch.equal(ops.argmax(logits), expected)
     for i in (0, 9, 15):
         assert ops.argmax(logits[i:i + 1]).item() == expected[i].item()

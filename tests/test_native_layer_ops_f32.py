@@ -19,7 +19,7 @@ import kernels.native as native
 from kernels import cpu_isa
 from kernels import reference as ref
 from model_factory import make_model
-from native_ops import load_or_skip
+from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
@@ -37,18 +37,6 @@ def fresh_dispatch(monkeypatch):
     """The dispatch decides afresh (its per-dtype choice is cached per process)."""
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     monkeypatch.setattr(kernels, "_layer_ops_choice", {})
-
-
-def _threads(n: int):
-    class Threads:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-
-    return Threads()
 
 
 def _silu(ops, x):
@@ -229,14 +217,14 @@ def test_argmax_ties_infinities_zeros_and_nans(ops):
 # --------------------------------------------------------------------------- invariance
 
 
-def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2_threads(ops):
+def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2torch_threads(ops):
     g = torch.Generator().manual_seed(21)
     x, residual, weight = _norm_case(g, 130, 2048)
     gate_up = torch.randn(130, 2 * 2816, generator=g) * 4
     logits = torch.randn(130, 4000, generator=g)
     results = {}
     for n in (1, 2):
-        with _threads(n):
+        with torch_threads(n):
             results[n] = (*ops.add_rms_norm(x, residual, weight, 1e-5), ops.rms_norm(x, weight, 1e-5),
                           _silu(ops, gate_up), ops.argmax(logits))
     assert all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
