@@ -48,6 +48,18 @@ def start_up(e2e_model, *flags: str):
     return proc, port, lines, ready, reader
 
 
+def stop_up(proc, lines: list[str], reader, children, sig: int) -> str:
+    """`sig` to up's process group, as a terminal or a supervisor sends it: up exits 0 within 30 s and leaves
+    none of its children running. Returns what it logged from then on."""
+    shown = len(lines)
+    os.killpg(proc.pid, sig)
+    assert proc.wait(30) == 0, "".join(lines[-50:])
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running after up exited: {[c.pid for c in alive]}"
+    reader.join(5)
+    return "".join(lines[shown:])
+
+
 def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
     """SIGTERM to up's whole process group (what a service manager or `kill -- -PGID` sends): every child
     stops, quietly (no error, no warning about a service gone first), and up exits 0."""
@@ -93,15 +105,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
         with redis.Redis(port=redis_port, password=password) as client, pytest.raises(redis.ResponseError):
             client.execute_command("CONFIG", "SET", "dir", "/tmp")
 
-        t0 = time.monotonic()
-        shown = len(lines)
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(30) == 0, "".join(lines[-50:])
-        assert time.monotonic() - t0 < 30
-        gone, alive = psutil.wait_procs(children, timeout=10)
-        assert not alive, f"left running after up exited: {[c.pid for c in alive]}"
-        reader.join(5)
-        said = "".join(lines[shown:])
+        said = stop_up(proc, lines, reader, children, signal.SIGTERM)
         assert "error" not in said and "warning" not in said, said
     finally:
         if proc.poll() is None:
@@ -328,14 +332,7 @@ def test_up_restarts_a_killed_worker_and_ctrl_c_stops_it_quietly(e2e_model, tmp_
                     time.sleep(0.5)
         assert reply.choices[0].finish_reason == "length"
 
-        children = psutil.Process(proc.pid).children(recursive=True)
-        shown = len(lines)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(30) == 0, "".join(lines[-50:])
-        _gone, alive = psutil.wait_procs(children, timeout=10)
-        assert not alive, f"left running after up exited: {[c.pid for c in alive]}"
-        reader.join(5)
-        said = "".join(lines[shown:])
+        said = stop_up(proc, lines, reader, psutil.Process(proc.pid).children(recursive=True), signal.SIGINT)
         assert "unreachable" not in said and "error" not in said, said
     finally:
         if proc.poll() is None:
