@@ -80,6 +80,19 @@ def _implementation(source: str | None) -> str:
     return "torch" if source is None else f"native {native.REQUIRES[source]}"
 
 
+def _choose(choices: dict, key, source: str | None, why_not: str | None, event: str,
+            fallback: str = "torch", wrap=None, **fields):
+    """The loaded native ops of kernels/native/<source>.cpp for `key` (passed through `wrap`, when given), or
+    None (torch): decided once per key, logged then (`why_not`, when set, says why no native op can serve it,
+    and nothing is loaded)."""
+    if key not in choices:
+        ops, reason = (None, why_not) if why_not is not None else _load_native(source)
+        log.info(event, implementation=_implementation(source) if ops is not None else fallback, reason=reason,
+                 **fields)
+        choices[key] = None if ops is None else wrap(ops) if wrap else ops
+    return choices[key]
+
+
 def _torch_vector_floats() -> int:
     """Floats per step of torch's vectorized CPU loops (two vectors of the capability its kernels run at): its
     fp32 silu computes exp with Sleef inside those steps and with the C library's expf past the last whole
@@ -90,7 +103,7 @@ def _torch_vector_floats() -> int:
 class _LayerOps:
     """The native layer ops of one dtype (kernels/native/layer_ops.cpp for bf16, layer_ops_f32.cpp for fp32),
     held as their overloads: a call skips the packet's overload lookup (these run four times a layer every
-    step, where ~0.5 us a call shows)."""
+    step, where a lookup per call shows)."""
 
     def __init__(self, ops, dtype: torch.dtype):
         self.rms_norm = ops.rms_norm.default
@@ -114,19 +127,13 @@ def _native_layer_ops(dtype: torch.dtype) -> _LayerOps | None:
     or None (torch). Decided once per dtype and logged then. Both dtypes' ops give torch's bits (their tests
     assert it), so a test comparing with the torch reference for equality holds either way."""
     ops = _layer_ops_choice.get(dtype, False)
-    if ops is not False:
+    if ops is not False:  # the hot path: one lookup a call
         return ops
     source = _LAYER_OPS_SOURCE.get(dtype)
-    reason = None if source is not None else f"dtype {dtype} (native layer ops: bfloat16, float32)"
-    ops = None
-    if source is not None:
-        loaded, reason = _load_native(source)
-        ops = _LayerOps(loaded, dtype) if loaded is not None else None
-    log.info("CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
-             implementation=_implementation(source if ops is not None else None), reason=reason,
-             dtype=str(dtype).removeprefix("torch."))
-    _layer_ops_choice[dtype] = ops
-    return ops
+    return _choose(_layer_ops_choice, dtype, source,
+                   None if source is not None else f"dtype {dtype} (native layer ops: bfloat16, float32)",
+                   "CPU layer ops (rms_norm, silu_and_mul, rotary_and_write_kv)",
+                   wrap=lambda loaded: _LayerOps(loaded, dtype), dtype=str(dtype).removeprefix("torch."))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -211,17 +218,12 @@ def _native_attention(op: str, dtype: torch.dtype, num_heads: int, num_kv_heads:
     """The loaded native ops serving `op` (decode_attention or extend_attention) for CPU attention in `dtype`
     at these shapes, or None (torch). Decided once per op and shape, and logged then."""
     key = (op, dtype, num_heads, num_kv_heads, head_dim)
-    if key not in _attention_choice:
-        reason = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
-        ops = source = None
-        if reason is None:
-            source = _ATTENTION_SOURCE[dtype][op]
-            ops, reason = _load_native(source)
-        log.info(_ATTENTION_LOG[op], implementation=_implementation(source if ops is not None else None),
-                 reason=reason, dtype=str(dtype).removeprefix("torch."), heads=num_heads, kv_heads=num_kv_heads,
-                 head_dim=head_dim)
-        _attention_choice[key] = ops
-    return _attention_choice[key]
+    if key in _attention_choice:  # the hot path: every layer of every step
+        return _attention_choice[key]
+    why_not = _unsupported_native_attention(dtype, num_heads, num_kv_heads, head_dim)
+    return _choose(_attention_choice, key, None if why_not else _ATTENTION_SOURCE[dtype][op], why_not,
+                   _ATTENTION_LOG[op], dtype=str(dtype).removeprefix("torch."), heads=num_heads,
+                   kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 def _native_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -287,15 +289,10 @@ _quant_linear_ops: dict[type, object] = {}
 def _native_quant_gemm(dtype: torch.dtype):
     """The native quantized-matmul ops for CPU activations of `dtype`, or None. Decided once per dtype and
     logged then."""
-    if dtype not in _quant_choice:
-        ops, reason = None, f"dtype {dtype} (native: bfloat16, float32)"
-        if dtype in _QUANT_SOURCE:
-            ops, reason = _load_native(_QUANT_SOURCE[dtype])
-        log.info("CPU quantized linear", implementation=_implementation(_QUANT_SOURCE[dtype]) if ops is not None
-                 else "torch reference (dequantize, then F.linear)", reason=reason,
-                 dtype=str(dtype).removeprefix("torch."))
-        _quant_choice[dtype] = ops
-    return _quant_choice[dtype]
+    source = _QUANT_SOURCE.get(dtype)
+    return _choose(_quant_choice, dtype, source, None if source else f"dtype {dtype} (native: bfloat16, float32)",
+                   "CPU quantized linear", "torch reference (dequantize, then F.linear)",
+                   dtype=str(dtype).removeprefix("torch."))
 
 
 def native_quant_kernel(dtype: torch.dtype) -> str | None:
@@ -379,16 +376,13 @@ def bf16_weight_linear_f32(x: torch.Tensor, weight: PackedQuantF32Weight) -> tor
 _bf16_weight_f32_op: list = []  # [quant_gemm_f32.cpp's bf16_linear overload], looked up on the first call
 
 
-_bf16_gemm_choice: list = []  # [the loaded native ops or None], decided (and logged) on first use
+_bf16_gemm_choice: dict[None, object | None] = {}  # the loaded native ops or None, decided on first use
 
 
 def _native_bf16_gemm():
-    if not _bf16_gemm_choice:
-        ops, reason = _load_native("bf16_gemm")
-        log.info("CPU bf16 linear", implementation="native avx512-bf16" if ops is not None else "torch (oneDNN)",
-                 reason=reason)
-        _bf16_gemm_choice.append(ops)
-    return _bf16_gemm_choice[0]
+    if None in _bf16_gemm_choice:  # the hot path: every bf16 linear
+        return _bf16_gemm_choice[None]
+    return _choose(_bf16_gemm_choice, None, "bf16_gemm", None, "CPU bf16 linear", "torch (oneDNN)")
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> PackedBf16Weight | None:

@@ -25,7 +25,7 @@ def test_packed_linear_matches_f_linear(monkeypatch, dtype, rows):
     native one is tested in test_native_bf16_gemm.py)."""
     import kernels
 
-    monkeypatch.setattr(kernels, "_bf16_gemm_choice", [None])
+    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     x = torch.randn(rows, 80, generator=g).to(dtype)
