@@ -35,30 +35,21 @@ SHARED_HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))  # included
 ENV_SWITCH = "PHASESERVE_NATIVE"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
 
-# the CPU level (kernels/cpu_isa.py) each op's file is written for; its `supported()` op checks the same
-REQUIRES = {
-    "attention_f32": "avx2",
-    "bf16_gemm": "avx512-bf16",
-    "decode_attention": "avx512-bf16",
-    "extend_attention": "avx512-bf16",
-    "layer_ops": "avx512-bf16",
-    "layer_ops_f32": "avx2",
-    "quant_gemm": "avx512-bf16",
-    "quant_gemm_f32": "avx2",
+# each op's file: the CPU level (kernels/cpu_isa.py) it is written for (its `supported()` op checks the
+# same), and the op family it serves (what a worker reports in WorkerInfo.kernels)
+OP_FILES = {
+    "attention_f32": ("avx2", "attention"),
+    "bf16_gemm": ("avx512-bf16", "linear"),
+    "decode_attention": ("avx512-bf16", "attention"),
+    "extend_attention": ("avx512-bf16", "attention"),
+    "layer_ops": ("avx512-bf16", "layer_ops"),
+    "layer_ops_f32": ("avx2", "layer_ops"),
+    "quant_gemm": ("avx512-bf16", "quant_linear"),
+    "quant_gemm_f32": ("avx2", "quant_linear"),
 }
-
-# the op families a worker reports (WorkerInfo.kernels), and the family each op file implements
+REQUIRES = {name: level for name, (level, _family) in OP_FILES.items()}
+FAMILY = {name: family for name, (_level, family) in OP_FILES.items()}
 FAMILIES = ("attention", "layer_ops", "linear", "quant_linear")
-FAMILY = {
-    "bf16_gemm": "linear",
-    "decode_attention": "attention",
-    "extend_attention": "attention",
-    "layer_ops": "layer_ops",
-    "quant_gemm": "quant_linear",
-    "attention_f32": "attention",
-    "layer_ops_f32": "layer_ops",
-    "quant_gemm_f32": "quant_linear",
-}
 
 # the activations each level's ops take: the AVX512-BF16 ones bf16, the AVX2 ones float32
 LEVEL_DTYPE = {"avx512-bf16": torch.bfloat16, "avx2": torch.float32}
