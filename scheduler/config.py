@@ -44,6 +44,10 @@ class SchedulerConfig:
     itl_target: ItlTarget = field(default_factory=ItlTarget)
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
+    # speculative decoding: the most drafts a decode may verify (the worker's WorkerInfo.speculative_tokens;
+    # 0 = off), and whether the policy chooses fewer per step by acceptance and step cost
+    speculative_tokens: int = 0
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

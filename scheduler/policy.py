@@ -21,6 +21,8 @@ from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
 from scheduler.handoffs import HandoffBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
+from scheduler.speculation import SpeculationStats
+from scheduler.speculative_steps import SpeculativeSteps
 from scheduler.step_cost import StepCosts
 from scheduler.step_results import StepResults
 
@@ -30,10 +32,11 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 
 
-class WorkerPolicy(StepResults, HandoffBookkeeping):
+class WorkerPolicy(StepResults, HandoffBookkeeping, SpeculativeSteps):
     """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
     It applies step results as scheduler/step_results.py says, and phase workers hand sequences over
-    (scheduler/handoffs.py) while `kv_transport` is set."""
+    (scheduler/handoffs.py) while `kv_transport` is set; its decodes speculate as
+    scheduler/speculative_steps.py says when the worker offers it."""
 
     def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0,
                  transfer_prefix: str = "t"):
@@ -68,6 +71,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         self.step_costs: StepCosts | None = None
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self._num_steps_held_by_itl_target = 0
+        self.spec_stats = SpeculationStats()
 
     # ------------------------------------------------------------------ requests
 
@@ -153,6 +157,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         self._reserve_head_of_queue(step, budget)
         self._schedule_prefill_chunks(step, budget)
         self._admit_waiting(step, budget)
+        self._plan_drafts(step, budget)
         self._note_itl_target(budget)
         return self._seal(step)
 
@@ -404,4 +409,5 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
             "num_handed_off": self._num_handed_off,
             "num_handed_in": self._num_handed_in,
             "num_steps_held_by_itl_target": self._num_steps_held_by_itl_target,
+            **self.spec_stats.as_stats(),
         }

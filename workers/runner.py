@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from phaseserve.params import SamplingParams, finish_reason
+from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
@@ -24,6 +25,7 @@ from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, stop_id_tensor
+from workers.speculation import NgramProposer, accepted_run
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +87,7 @@ class SequenceState:
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
+    proposer: NgramProposer | None = None  # speculative decoding: its drafts (built on its first one)
 
     @property
     def num_outputs(self) -> int:
@@ -97,6 +100,7 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
         num_threads: int | None = None, quantization: str = "auto",
+        speculative: SpeculativeConfig | dict | str | None = None,
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -134,6 +138,7 @@ class ModelRunner:
         self.num_blocks = self.kv.num_blocks
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
+        self.speculative = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
         self.seqs: dict[str, SequenceState] = {}
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
@@ -211,28 +216,51 @@ class ModelRunner:
                 self.seqs[s.seq_id].finished = True
                 events.append(TokenEvent(s.seq_id, len(s.output_ids), [], "error", None, problem))
         chunks: list[ScheduledChunk] = []
+        drafts: dict[str, list[int]] = {}
         for c in plan.chunks:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
                 continue  # planned one step ahead of a finish, or already released
+            if c.num_draft and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
+                # a speculative decode: earlier steps may have kept fewer drafts than the plan allowed for,
+                # so it runs from where this sequence is (its blocks cover the highest start)
+                c, d = self._verify_chunk(c, seq)
+                if d:
+                    drafts[c.seq_id] = d
             if c.start_pos != seq.num_computed:
                 # a plan before this one never reached us (lost from its stream): this chunk's context is
                 # missing from the cache. Run nothing for it; the scheduler sees no sample and recomputes it.
                 log.warning("chunk after a missing one; skipped", seq_id=c.seq_id, start_pos=c.start_pos,
                             computed=seq.num_computed, step_id=plan.step_id)
                 continue
-            problem = self._check_chunk(c, seq)
+            problem = self._check_chunk(c, seq, len(drafts.get(c.seq_id, ())))
             if problem:
                 log.error("bad chunk", seq_id=c.seq_id, error=problem)
                 seq.finished = True
                 events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem))
                 continue
             chunks.append(c)
-            seq.num_computed = c.start_pos + c.num_tokens
+            seq.num_computed = c.start_pos + c.num_tokens  # a verification's is set by what it keeps
         if chunks:
-            events.extend(self._run(chunks))
+            events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
-        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+        ran = step_shape(chunks) if any(c.num_draft for c in plan.chunks) else []
+        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran)
+
+    def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, list[int]]:
+        """A speculative decode as run: from the sequence's own position, its last token followed by the
+        drafts its proposer finds (at most the plan's num_draft, and none past its blocks, max_model_len or
+        max_tokens)."""
+        start = seq.num_computed
+        if start != len(seq.token_ids) - 1 or self.speculative is None:
+            return ScheduledChunk(c.seq_id, start, 1, c.block_table), []
+        room = min(c.num_draft, len(c.block_table) * self.block_size - start - 1,
+                   self.max_model_len - start - 1, seq.params.max_tokens - seq.num_outputs - 1)
+        if seq.proposer is None:
+            spec = self.speculative
+            seq.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        d = seq.proposer.propose(seq.token_ids, room) if room > 0 else []
+        return ScheduledChunk(c.seq_id, start, 1 + len(d), c.block_table), d
 
     def _check_start(self, s) -> str | None:
         """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
@@ -242,9 +270,9 @@ class ModelRunner:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
-    def _check_chunk(self, c: ScheduledChunk, seq: SequenceState) -> str | None:
+    def _check_chunk(self, c: ScheduledChunk, seq: SequenceState, num_drafts: int = 0) -> str | None:
         end = c.start_pos + c.num_tokens
-        if c.num_tokens < 1 or c.start_pos < 0 or end > len(seq.token_ids):
+        if c.num_tokens < 1 or c.start_pos < 0 or end - num_drafts > len(seq.token_ids):
             return f"chunk [{c.start_pos}, {end}) is outside the {len(seq.token_ids)} known tokens"
         if len(c.block_table) * self.block_size < end:
             return f"block table of {len(c.block_table)} blocks cannot hold {end} tokens"
@@ -267,7 +295,8 @@ class ModelRunner:
                               torch.tensor(ends, dtype=torch.int32, device=d),
                               torch.tensor(qsl, dtype=torch.int32, device=d), max(counts))
 
-    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, list[ScheduledChunk]]:
+    def _inputs(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]
+                ) -> tuple[StepInputs, list[ScheduledChunk]]:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers (int32 where the
         kernels read int32, so no layer converts anything). Plain Python lists and one torch.tensor per
         input: between two forward passes the caches are cold, and there this costs ~105 us a 16-decode step
@@ -287,7 +316,12 @@ class ModelRunner:
             tokens = seqs[c.seq_id].token_ids
             start = c.start_pos
             end = start + c.num_tokens
-            ids += tokens[start:end]
+            d = drafts.get(c.seq_id)
+            if d:  # a verification: the last token, then the drafts; every row is sampled
+                ids.append(tokens[start])
+                ids += d
+            else:
+                ids += tokens[start:end]
             table = c.block_table
             if end - start == 1:
                 positions.append(start)
@@ -297,7 +331,9 @@ class ModelRunner:
                 for b in range(start // bs, (end - 1) // bs + 1):  # the chunk's slots, block by block
                     first = table[b] * bs
                     slots += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
-            if end == len(tokens):
+            if d:
+                sample_rows += range(len(ids) - len(d) - 1, len(ids))
+            elif end == len(tokens):
                 sample_rows.append(len(ids) - 1)
         nd = len(decodes)
         if self._split_decodes:
@@ -321,22 +357,54 @@ class ModelRunner:
         return inp, ordered
 
     @torch.inference_mode()
-    def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
-        inp, ordered = self._inputs(chunks)
-        sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
+    def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:
+        inp, ordered = self._inputs(chunks, drafts)
+        seqs = self.seqs
+        sampling = [(seqs[c.seq_id], drafts.get(c.seq_id, ())) for c in ordered
+                    if c.seq_id in drafts or c.start_pos + c.num_tokens == len(seqs[c.seq_id].token_ids)]
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
-        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
-                for s in sampling]
+        rows = []
+        for s, d in sampling:
+            rows.append(SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor))
+            # each draft's position is drawn as decoding would draw it there: its output offset, and the
+            # drafts before it counted as outputs (penalties, min_tokens)
+            rows += [SampleRow(s.params, s.num_outputs + j, s.token_ids + list(d[:j]), s.prompt_len, s.stop_ids,
+                               s.stop_tensor) for j in range(1, len(d) + 1)]
         out = self.sampler(logits, rows)
         events = []
-        for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+        r = 0
+        for seq, d in sampling:
+            draws = out.token_ids[r:r + len(d) + 1]
+            lps = out.logprobs[r:r + len(d) + 1]
+            r += len(d) + 1
+            kept = draws[:accepted_run(list(d), draws) + 1]
             offset = seq.num_outputs
-            seq.token_ids.append(tok)
-            reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
-                                   self.max_model_len)
-            if reason is not None:
-                seq.finished = True
-            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
+            reason = None
+            n = 0
+            for tok in kept:  # a stop token or the length limit inside an accepted run ends it there
+                seq.token_ids.append(tok)
+                n += 1
+                reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
+                                       self.max_model_len)
+                if reason is not None:
+                    seq.finished = True
+                    break
+            if d:
+                seq.num_computed = len(seq.token_ids) - 1
+            events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason,
+                                     lps[:n] if lps[0] is not None else None, num_drafted=len(d)))
         return events
+
+
+def step_shape(chunks: list[ScheduledChunk]) -> list[int]:
+    """[tokens, keys, prefill chunks] of the chunks a step ran (the scheduler's step-cost features: a chunk
+    of more than one token, a verification too, runs on the prefill path)."""
+    tokens = keys = prefills = 0
+    for c in chunks:
+        n, s = c.num_tokens, c.start_pos
+        tokens += n
+        keys += n * s + n * (n + 1) // 2
+        prefills += n > 1
+    return [tokens, keys, prefills]
