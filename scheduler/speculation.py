@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 # acceptance before a sequence has been measured: half its drafts kept, weighing as PRIOR_TRIALS verifications
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_TRIALS = 2.0
-# each verification's counts weigh this much less at the next: the estimate follows the latest ~10
+# each draft judged makes the counts before it weigh this much less: the estimate follows the latest ~10
 DECAY = 0.9
 # a step without speculation pulls a sequence's estimate this much toward the prior, so one that stopped
 # for low acceptance is tried again after a while (its text may have turned repetitive)
@@ -48,8 +48,10 @@ class Acceptance:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verification the plan allowed: `drafted` proposed, `accepted` of them kept."""
-        self.kept = self.kept * DECAY + accepted
-        self.trials = self.trials * DECAY + accepted + (accepted < drafted)
+        trials = accepted + (accepted < drafted)
+        fade = DECAY ** max(trials, 1)  # per draft judged: a long kept run weighs as much as its drafts
+        self.kept = self.kept * fade + accepted
+        self.trials = self.trials * fade + trials
         self.verifies = self.verifies * DECAY + 1
         self.proposed = self.proposed * DECAY + (drafted > 0)
 
