@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -253,8 +255,9 @@ def model_path(name, gqa_model):
         return bundled_model_path()
     if name == "gqa":
         return gqa_model
-    resolved = resolve_model(None, download=False)  # the default model, fetched by earlier runs
-    return resolved.path
+    # the default model from the user's cache (the tests' own cache is empty): fetched once if missing
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "phaseserve"
+    return resolve_model(None, cache=user_cache).path
 
 
 @pytest.mark.parametrize("name", ["bundled", "gqa", "default"])
