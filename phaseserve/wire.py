@@ -536,9 +536,6 @@ class TokenEvent(Row):
     logprobs: list | None = None
     error: str | None = None
     error_kind: str | None = sent_if_set(None)
-    # speculative decoding: tokens proposed and verified for this event (token_ids holds those accepted
-    # plus the one sampled after them)
-    num_drafted: int = sent_if_set(0)
 
 
 @dataclass
@@ -589,6 +586,9 @@ class StepResult(Message):
     # (tokens, keys, prefill chunks) the step ran, when that differs from its plan (speculative decodes
     # verify as many tokens as the worker proposed): what the scheduler learns its step costs from
     ran: list[int] = sent_if_set(default_factory=list)
+    # speculative decodes: seq id -> drafts the worker proposed and verified (its event's token_ids are
+    # those it kept, then the token drawn after them)
+    drafted: dict[str, int] = sent_if_set(default_factory=dict)
 
 
 @dataclass

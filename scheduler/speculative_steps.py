@@ -74,8 +74,9 @@ class SpeculativeSteps:
             budget.cap_left -= cost
             budget.decode_units += cost
 
-    def _settle_drafts(self, seq: Sequence, step_id: int, ev: TokenEvent | None) -> None:
-        """A step planned to speculate for `seq` reported `ev` (None: no event, or the step was lost)."""
+    def _settle_drafts(self, seq: Sequence, step_id: int, ev: TokenEvent | None, drafted: int = 0) -> None:
+        """A step planned to speculate for `seq` reported `ev` after verifying `drafted` drafts (None: no event,
+        or the step was lost)."""
         k = seq.drafts_in_step.pop(step_id, 0)
         if not k:
             return
@@ -83,8 +84,8 @@ class SpeculativeSteps:
         if ev is None or ev.error:
             return  # recomputed or gone: its position starts afresh
         kept = max(len(ev.token_ids) - 1, 0)  # drafts kept (a finish inside the run counts those before it)
-        seq.acceptance.observe(ev.num_drafted, kept)
-        if ev.num_drafted:
-            self.spec_stats.observe(ev.num_drafted, kept)
+        seq.acceptance.observe(drafted, kept)
+        if drafted:
+            self.spec_stats.observe(drafted, kept)
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens -= k - kept

@@ -176,7 +176,7 @@ def test_plans_in_flight_carry_the_highest_position_and_the_slack_below_it():
     assert len(c2.block_table) * 4 >= 10 + 1 + 3
     policy.update(StepResult(p0.step_id, "local", [TokenEvent("a", 0, [50])]))
     # p1 kept one draft of the three it was allowed: the bound comes down by two
-    policy.update(StepResult(p1.step_id, "local", [TokenEvent("a", 1, [51, 52], num_drafted=3)]))
+    policy.update(StepResult(p1.step_id, "local", [TokenEvent("a", 1, [51, 52])], drafted={"a": 3}))
     p3 = policy.schedule()
     (c3,) = p3.chunks
     assert (c3.start_pos, c3.slack) == (12, 3)  # 8 (after p1) + 4 at most from p2

@@ -245,7 +245,8 @@ class ModelRunner:
             events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
         ran = step_shape(chunks) if any(c.num_draft for c in plan.chunks) else []
-        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran)
+        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
+                          drafted={seq_id: len(d) for seq_id, d in drafts.items()})
 
     def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, list[int]]:
         """A speculative decode as run: from the sequence's own position, its last token followed by the
@@ -393,8 +394,7 @@ class ModelRunner:
                     break
             if d:
                 seq.num_computed = len(seq.token_ids) - 1
-            events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason,
-                                     lps[:n] if lps[0] is not None else None, num_drafted=len(d)))
+            events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason, lps[:n] if lps[0] is not None else None))
         return events
 
 
