@@ -63,6 +63,9 @@ class SpeculativeSteps:
                     spare = 0
             if not k:
                 seq.acceptance.rest()
+                if seq.num_inflight_drafts:  # its start is the highest it can be: say how far below it may be
+                    step.decodes[cand.key] = ScheduledChunk(c.seq_id, c.start_pos, 1, c.block_table,
+                                                            slack=seq.num_inflight_drafts)
                 continue
             bm.append(seq.block_table, c.start_pos + 1, k)
             step.decodes[cand.key] = ScheduledChunk(c.seq_id, c.start_pos, 1, list(seq.block_table), num_draft=k,

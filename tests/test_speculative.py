@@ -375,3 +375,33 @@ def test_unseeded_samples_come_from_the_models_distribution(tmp_path):
     p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                       torch.tensor(chi2 / 2, dtype=torch.float64)).item()  # chi-square sf
     assert p_value > 1e-3, (chi2, dof)
+
+
+def test_a_plain_decode_behind_drafts_in_flight_carries_their_slack():
+    """A decode planned without drafts while an earlier step's drafts are in flight: its start is the highest
+    the sequence can have reached, so the worker must be told how far below it may be (it used to skip the
+    chunk as one after a lost plan, and the sequence was recomputed)."""
+    policy = spec_policy(k=3)
+    submit(policy, "a", max_tokens=6)
+    policy.schedule()
+    (c1,) = policy.schedule().chunks
+    assert c1.num_draft == 3
+    (c2,) = policy.schedule().chunks  # outputs 0, 1 and three drafts planned: one more may come, no draft
+    assert (c2.start_pos, c2.num_draft, c2.slack) == (10, 0, 3)
+
+
+def test_the_worker_runs_a_plain_decode_behind_rejected_drafts_where_the_sequence_is(tmp_path):
+    from workers.runner import ModelRunner
+    from phaseserve.wire import SeqStart, StepPlan
+    runner = ModelRunner(make_model(tmp_path, "llama"), num_blocks=16, block_size=4, speculative=FIXED)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    table = list(range(8))
+    # one output known (a recomputed sequence): prompt lookup proposes 5, 6, 7 after "6 7"
+    runner.execute(StepPlan(0, "w", [SeqStart("a", "gw", prompt, params, [7])], [ScheduledChunk("a", 0, 8, table)]))
+    r1 = runner.execute(StepPlan(1, "w", [], [ScheduledChunk("a", 8, 1, table, num_draft=3)]))
+    kept = len(r1.events[0].token_ids)
+    assert r1.drafted == {"a": 3} and 1 <= kept < 4  # the random model rejects a draft
+    # planned at the highest start (8 + 4) with the three drafts as slack: it runs where the sequence is
+    r2 = runner.execute(StepPlan(2, "w", [], [ScheduledChunk("a", 12, 1, table, slack=3)]))
+    assert [e.offset for e in r2.events] == [1 + kept] and len(r2.events[0].token_ids) == 1

@@ -221,9 +221,9 @@ class ModelRunner:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
                 continue  # planned one step ahead of a finish, or already released
-            if c.num_draft and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
-                # a speculative decode: earlier steps may have kept fewer drafts than the plan allowed for,
-                # so it runs from where this sequence is (its blocks cover the highest start)
+            if (c.num_draft or c.slack) and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
+                # a decode with drafts in flight or its own: earlier steps may have kept fewer drafts than the
+                # plan allowed for, so it runs from where this sequence is (its blocks cover the highest start)
                 c, d = self._verify_chunk(c, seq)
                 if d:
                     drafts[c.seq_id] = d
