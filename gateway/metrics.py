@@ -71,6 +71,9 @@ class GatewayMetrics:
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
                                         registry=r)
         # speculative decoding, cumulative as the scheduler reports it (its live workers')
+        self.spec_slots = Gauge("phaseserve_spec_decode_num_draft_slots", "Draft tokens plans allowed, with "
+                                "their budget and blocks, whether the worker found a draft or not (scheduler)",
+                                registry=r)
         self.spec_drafted = Gauge("phaseserve_spec_decode_num_draft_tokens", "Draft tokens verified "
                                   "(speculative decoding; scheduler)", registry=r)
         self.spec_accepted = Gauge("phaseserve_spec_decode_num_accepted_tokens", "Draft tokens kept "
@@ -112,6 +115,7 @@ class GatewayMetrics:
             gauge.set(stats.get(key, 0))
         self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
         drafted, accepted = stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0)
+        self.spec_slots.set(stats.get("num_draft_slots", 0))
         self.spec_drafted.set(drafted)
         self.spec_accepted.set(accepted)
         self.spec_rate.set(accepted / drafted if drafted else 0.0)

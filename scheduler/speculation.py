@@ -113,6 +113,7 @@ def choose_drafts(candidates: list[DraftCandidate], *, step_units: float, step_t
 class SpeculationStats:
     """Counts for /metrics: drafts verified and kept, in total and by position in the run (1 = first)."""
 
+    num_draft_slots: int = 0  # drafts plans allowed (budget and blocks reserved), proposed or not
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verifications: int = 0
@@ -135,6 +136,7 @@ class SpeculationStats:
     def total(cls, parts: list[SpeculationStats]) -> SpeculationStats:
         out = cls()
         for p in parts:
+            out.num_draft_slots += p.num_draft_slots
             out.num_draft_tokens += p.num_draft_tokens
             out.num_accepted_tokens += p.num_accepted_tokens
             out.num_verifications += p.num_verifications
@@ -147,7 +149,7 @@ class SpeculationStats:
         return out
 
     def as_stats(self) -> dict:
-        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+        return {"num_draft_slots": self.num_draft_slots, "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
                 "num_verifications": self.num_verifications, "drafted_at": list(self.drafted_at),
                 "accepted_at": list(self.accepted_at)}
 

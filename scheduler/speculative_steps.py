@@ -73,6 +73,7 @@ class SpeculativeSteps:
             seq.num_computed_tokens += k
             seq.num_inflight_drafts += k
             seq.drafts_in_step[self._next_step_id] = k
+            self.spec_stats.num_draft_slots += k
             cost = chunk_cost(c.start_pos + 1, k, budget.horizon) + budget.prefill_chunk_units
             budget.cap_left -= cost
             budget.decode_units += cost

@@ -180,7 +180,7 @@ def test_plans_in_flight_carry_the_highest_position_and_the_slack_below_it():
     p3 = policy.schedule()
     (c3,) = p3.chunks
     assert (c3.start_pos, c3.slack) == (12, 3)  # 8 (after p1) + 4 at most from p2
-    assert policy.spec_stats.as_stats() == {"num_draft_tokens": 3, "num_accepted_tokens": 1,
+    assert policy.spec_stats.as_stats() == {"num_draft_slots": 9, "num_draft_tokens": 3, "num_accepted_tokens": 1,
                                             "num_verifications": 1, "drafted_at": [1, 1, 1],
                                             "accepted_at": [1, 0, 0]}
 
@@ -270,6 +270,7 @@ def test_greedy_outputs_are_identical_with_speculation_on_and_off(name, gqa_mode
     for spec in (FIXED, NGRAM):
         on = Engine(path, dtype="float32", speculative=spec)
         assert outputs(on, prompts, params) == reference, spec
+        assert on.scheduler.stats()["num_resyncs"] == 0  # no planned decode was skipped and recomputed
         if spec is FIXED:
             stats = on.scheduler.spec_stats
             assert stats.num_accepted_tokens > 0 and on.num_steps < off.num_steps
@@ -284,6 +285,7 @@ def test_greedy_outputs_are_identical_under_preemption():
     on = Engine(path, dtype="float32", num_blocks=14, block_size=16, speculative=FIXED)
     assert outputs(on, prompts, params) == reference
     assert on.scheduler.num_preemptions > 0 and on.scheduler.spec_stats.num_accepted_tokens > 0
+    assert on.scheduler.stats()["num_resyncs"] == 0
 
 
 def run_of_several(completion) -> tuple[int, int] | None:
