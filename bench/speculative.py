@@ -38,9 +38,13 @@ CONFIGS = {
     "vllm-off": ("vllm", None),
     "vllm-ngram": ("vllm", NGRAM),
 }
-# counters of drafted and accepted tokens on each server's /metrics
-COUNTERS = {"phaseserve": ("phaseserve_spec_decode_num_draft_tokens", "phaseserve_spec_decode_num_accepted_tokens"),
-            "vllm": ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")}
+# counters of drafted and accepted tokens on each server's /metrics (phaseserve's also the draft slots its plans
+# reserved before knowing what earlier steps kept: what planning two steps ahead costs)
+COUNTERS = {"phaseserve": {"drafted": "phaseserve_spec_decode_num_draft_tokens",
+                           "accepted": "phaseserve_spec_decode_num_accepted_tokens",
+                           "slots": "phaseserve_spec_decode_num_draft_slots"},
+            "vllm": {"drafted": "vllm:spec_decode_num_draft_tokens_total",
+                     "accepted": "vllm:spec_decode_num_accepted_tokens_total"}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,15 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_counters(url: str, names: tuple[str, str]) -> tuple[float, float]:
-    """(drafted, accepted) from a server's Prometheus text; absent series count 0 (summed over labels)."""
+def read_counters(url: str, names: dict[str, str]) -> dict[str, float]:
+    """Each named series from a server's Prometheus text; absent ones count 0 (summed over labels)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out = []
-    for name in names:
+    out = {}
+    for key, name in names.items():
         pat = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
-        out.append(sum(float(v) for v in pat.findall(text)))
-    return out[0], out[1]
+        out[key] = sum(float(v) for v in pat.findall(text))
+    return out
 
 
 def cell_args(workload: str, concurrency: int, args, model_dir: Path, label: str, url: str) -> argparse.Namespace:
@@ -114,12 +118,13 @@ def run(args) -> dict:
                     before = read_counters(proc.url, COUNTERS[server])
                     result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url))
                     after = read_counters(proc.url, COUNTERS[server])
-                    drafted, accepted = after[0] - before[0], after[1] - before[1]
+                    delta = {k: after[k] - before[k] for k in after}
+                    drafted, accepted = delta["drafted"], delta["accepted"]
                     m = result["metrics"]
                     cells.append({"config": config, "workload": workload, "concurrency": c,
                                   "tpot_p50_ms": m.get("p50_tpot_ms"), "output_tok_s": m.get("output_throughput"),
                                   "completed": m.get("completed"), "failed": m.get("failed"),
-                                  "drafted": drafted, "accepted": accepted,
+                                  "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
                                   "acceptance": accepted / drafted if drafted else None})
                     print(format_cell(cells[-1]), flush=True)
         finally:
@@ -152,7 +157,7 @@ def _f(v, fmt):
 def format_cell(c: dict) -> str:
     return (f"{c['config']:<12} {c['workload']:<7} c={c['concurrency']:<3} TPOT p50 {_f(c['tpot_p50_ms'], '{:.1f}')} ms"
             f"  {_f(c['output_tok_s'], '{:.1f}')} tok/s  acceptance {_f(c['acceptance'], '{:.2f}')}"
-            f" ({c['accepted']:.0f}/{c['drafted']:.0f})  failed {c['failed']}")
+            f" ({c['accepted']:.0f}/{c['drafted']:.0f}, {_f(c['slots'], '{:.0f}')} slots)  failed {c['failed']}")
 
 
 def format_table(cells: list[dict]) -> str:

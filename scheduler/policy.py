@@ -150,6 +150,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, SpeculativeSteps):
         - A sequence is admitted only with blocks for its whole prefill above the watermark and the blocks
           promised to partial prefills, never in a step that preempted, and never restarted while a sample
           of it is in flight (its SeqStart carries every token the worker published).
+        - Speculation last (a worker that offers it): drafts for decodes in what prefill left of the budget,
+          never a promised block, chosen as scheduler/speculation.py says (docs/speculative.md).
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
