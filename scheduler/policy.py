@@ -21,7 +21,7 @@ from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
 from scheduler.handoffs import HandoffBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
-from scheduler.speculation import SpeculationStats
+from scheduler.speculation import SpeculationStats, VerifyCost
 from scheduler.speculative_steps import SpeculativeSteps
 from scheduler.step_cost import StepCosts
 from scheduler.step_results import StepResults
@@ -72,6 +72,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, SpeculativeSteps):
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self._num_steps_held_by_itl_target = 0
         self.spec_stats = SpeculationStats()
+        self.verify_cost = VerifyCost()
 
     # ------------------------------------------------------------------ requests
 

@@ -63,6 +63,46 @@ class Acceptance:
         self.proposed *= RECOVERY
 
 
+# what a verification costs beyond its tokens before it is measured, in token-units: a sequence's drafts run
+# as a chunk on the prefill path, one more attention call per layer than in the batched decode call
+PRIOR_VERIFY_UNITS = 1.0
+VERIFY_FADE = 0.95  # per step measured: the estimates follow the last ~20 steps
+
+
+@dataclass
+class VerifyCost:
+    """The extra cost of a verification, learned from measured steps: a step's time beyond what the learned
+    step costs predict for what it ran, in steps with verifications against steps without (whose residual is
+    the prediction's own bias), per verification."""
+
+    with_sum: float = 0.0  # faded sums over steps with verifications: residual seconds, steps, verifications
+    with_steps: float = 0.0
+    with_count: float = 0.0
+    without_sum: float = 0.0  # faded sums over steps without: residual seconds, steps
+    without_steps: float = 0.0
+    token_s: float = 0.0  # the cost model's unit when last observed
+
+    def observe(self, residual_s: float, verifications: int, token_s: float) -> None:
+        self.token_s = token_s
+        if verifications:
+            self.with_sum = self.with_sum * VERIFY_FADE + residual_s
+            self.with_steps = self.with_steps * VERIFY_FADE + 1
+            self.with_count = self.with_count * VERIFY_FADE + verifications
+        else:
+            self.without_sum = self.without_sum * VERIFY_FADE + residual_s
+            self.without_steps = self.without_steps * VERIFY_FADE + 1
+
+    @property
+    def units(self) -> float:
+        """Token-units a verification adds beyond its tokens (the prior until some were measured)."""
+        if self.with_count < 2 or self.token_s <= 0:
+            return PRIOR_VERIFY_UNITS
+        # residual = bias + verifications * cost: the bias from steps without any
+        bias = self.without_sum / self.without_steps if self.without_steps >= 2 else 0.0
+        per_verify = (self.with_sum - bias * self.with_steps) / self.with_count
+        return max(per_verify / self.token_s, 0.0)
+
+
 @dataclass(frozen=True)
 class DraftCandidate:
     """A decode of this step that may speculate."""

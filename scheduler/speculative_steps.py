@@ -14,7 +14,8 @@ from __future__ import annotations
 from phaseserve.wire import ScheduledChunk, TokenEvent
 from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import DraftCandidate, SpeculationStats, choose_drafts, fixed_drafts
+from phaseserve.wire import StepResult
+from scheduler.speculation import DraftCandidate, SpeculationStats, VerifyCost, choose_drafts, fixed_drafts
 from scheduler.step_cost import DEFAULT_PRIOR
 
 
@@ -23,6 +24,7 @@ class SpeculativeSteps:
     share of the step), and their outcome (`_settle_drafts`)."""
 
     spec_stats: SpeculationStats
+    verify_cost: VerifyCost
 
     def _plan_drafts(self, step: StepDraft, budget: StepBudget) -> None:
         k_max = self.config.speculative_tokens
@@ -47,8 +49,7 @@ class SpeculativeSteps:
             costs = self.step_costs if self.step_costs is not None and self.step_costs.is_plausible else None
             overhead = (costs or DEFAULT_PRIOR).overhead_units
             chosen = choose_drafts(candidates, step_units=overhead + budget.decode_units,
-                                   step_tokens=len(step.decodes),
-                                   chunk_units=costs.prefill_chunk_units if costs else 0.0,
+                                   step_tokens=len(step.decodes), chunk_units=self.verify_cost.units,
                                    horizon=budget.horizon, budget_units=max(budget.cap_left, 0.0))
         else:
             chosen = fixed_drafts(candidates)
@@ -74,9 +75,20 @@ class SpeculativeSteps:
             seq.num_inflight_drafts += k
             seq.drafts_in_step[self._next_step_id] = k
             self.spec_stats.num_draft_slots += k
-            cost = chunk_cost(c.start_pos + 1, k, budget.horizon) + budget.prefill_chunk_units
+            cost = chunk_cost(c.start_pos + 1, k, budget.horizon) + self.verify_cost.units
             budget.cap_left -= cost
             budget.decode_units += cost
+
+    def _learn_verify_cost(self, result: StepResult) -> None:
+        """What a step's verifications cost beyond their tokens: its measured time against the learned costs'
+        prediction for what it ran."""
+        costs = self.step_costs
+        if costs is None or not costs.is_plausible or len(result.ran) != 3 or result.step_time_s <= 0:
+            return
+        tokens, keys, prefills = result.ran
+        predicted = costs.predict(tokens, keys, prefills)
+        verifications = sum(1 for n in result.drafted.values() if n)
+        self.verify_cost.observe(result.step_time_s - predicted, verifications, costs.token_s)
 
     def _settle_drafts(self, seq: Sequence, step_id: int, ev: TokenEvent | None, drafted: int = 0) -> None:
         """A step planned to speculate for `seq` reported `ev` after verifying `drafted` drafts (None: no event,

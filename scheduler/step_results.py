@@ -33,6 +33,7 @@ class StepResults:
             if lost:
                 log.warning("step result missing; recomputing its sequences", step_id=old, num_seqs=len(lost))
                 self._settle(lost, set(), old)
+        self._learn_verify_cost(result)
         planned = set(sampled)
         accepted: set[Sequence] = set()
         finished: list[str] = []

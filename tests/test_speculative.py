@@ -407,3 +407,32 @@ def test_the_worker_runs_a_plain_decode_behind_rejected_drafts_where_the_sequenc
     # planned at the highest start (8 + 4) with the three drafts as slack: it runs where the sequence is
     r2 = runner.execute(StepPlan(2, "w", [], [ScheduledChunk("a", 12, 1, table, slack=3)]))
     assert [e.offset for e in r2.events] == [1 + kept] and len(r2.events[0].token_ids) == 1
+
+
+def test_a_verifications_extra_cost_is_learned_from_measured_steps():
+    from scheduler.speculation import PRIOR_VERIFY_UNITS, VerifyCost
+    v = VerifyCost()
+    assert v.units == PRIOR_VERIFY_UNITS
+    for i in range(40):  # the prediction runs 1 ms short on every step; each verification adds 0.5 ms
+        v.observe(1e-3, 0, 1e-4)
+        v.observe(1e-3 + 3 * 0.5e-3, 3, 1e-4)
+    assert v.units == pytest.approx(5.0)  # 0.5 ms at 0.1 ms a token-unit
+    for i in range(200):  # verifications got cheaper than predicted: never below nothing
+        v.observe(1e-3, 0, 1e-4)
+        v.observe(0.0, 2, 1e-4)
+    assert v.units == 0.0
+
+
+def test_the_policy_learns_the_verify_cost_from_results():
+    policy = spec_policy(k=2)
+    policy.step_costs = StepCosts(overhead_s=5e-3, token_s=1e-4, key_s=1e-8)
+    submit(policy, "a", max_tokens=100)
+    p = policy.schedule()
+    policy.update(StepResult(p.step_id, "local", [TokenEvent("a", 0, [9])], step_time_s=0.01, ran=[6, 21, 1]))
+    for i in range(1, 20):
+        p = policy.schedule()
+        (c,) = p.chunks
+        predicted = policy.step_costs.predict(3, 3 * c.start_pos + 6, 0)
+        policy.update(StepResult(p.step_id, "local", [TokenEvent("a", len(policy._seqs["a"].output_ids), [9])],
+                                 step_time_s=predicted + 2e-4, ran=[3, 3 * c.start_pos + 6, 0], drafted={"a": 2}))
+    assert policy.verify_cost.units == pytest.approx(2.0, rel=0.01)

@@ -244,7 +244,7 @@ class ModelRunner:
         if chunks:
             events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
-        ran = step_shape(chunks) if any(c.num_draft for c in plan.chunks) else []
+        ran = step_shape(chunks, drafts) if any(c.num_draft for c in plan.chunks) else []
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
                           drafted={seq_id: len(d) for seq_id, d in drafts.items()})
 
@@ -398,13 +398,14 @@ class ModelRunner:
         return events
 
 
-def step_shape(chunks: list[ScheduledChunk]) -> list[int]:
-    """[tokens, keys, prefill chunks] of the chunks a step ran (the scheduler's step-cost features: a chunk
-    of more than one token, a verification too, runs on the prefill path)."""
+def step_shape(chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[int]:
+    """[tokens, keys, prefill chunks] of the chunks a step ran (the scheduler's step-cost features). A
+    verification is not counted as a prefill chunk: the scheduler learns what one costs beyond its tokens on
+    its own (scheduler/speculative_steps.py), and the prefill chunks' cost stays that of prefills."""
     tokens = keys = prefills = 0
     for c in chunks:
         n, s = c.num_tokens, c.start_pos
         tokens += n
         keys += n * s + n * (n + 1) // 2
-        prefills += n > 1
+        prefills += n > 1 and c.seq_id not in drafts
     return [tokens, keys, prefills]
