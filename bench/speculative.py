@@ -106,7 +106,8 @@ def run(args) -> dict:
         if server == "vllm":
             extra = ["--speculative-config", json.dumps(spec)] if spec else []
             proc = vllm_server(safetensors_folder(model_dir), port, "bench-model", log_path, vllm_bin=args.vllm_bin,
-                               model_len=args.max_model_len, dtype=args.vllm_dtype, extra=extra)
+                               model_len=args.max_model_len, dtype=args.vllm_dtype, extra=extra,
+                               log_stats=True)  # its spec-decode counters are stats: off, /metrics has none
         else:
             extra = list(args.phaseserve_arg) + (["--speculative-config", json.dumps(spec)] if spec else [])
             proc = phaseserve_server(model_dir, port, "bench-model", log_path, model_len=args.max_model_len,
