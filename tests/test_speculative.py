@@ -436,3 +436,44 @@ def test_the_policy_learns_the_verify_cost_from_results():
         policy.update(StepResult(p.step_id, "local", [TokenEvent("a", len(policy._seqs["a"].output_ids), [9])],
                                  step_time_s=predicted + 2e-4, ran=[3, 3 * c.start_pos + 6, 0], drafted={"a": 2}))
     assert policy.verify_cost.units == pytest.approx(2.0, rel=0.01)
+
+
+def test_drafts_take_only_what_prefill_leaves_under_the_itl_target():
+    """One stream decoding beside a long prompt, under the ITL target with learned costs that make drafts pay:
+    each step's prefill chunk is the one planned without speculation, and the drafts come on top of it from
+    what is left of max_num_batched_tokens."""
+    from phaseserve.itl_target import ItlTarget
+    costs = StepCosts(overhead_s=0.020, token_s=0.0008, key_s=0.0008 / 2000, prefill_chunk_s=0.002)
+
+    def plans(k):
+        cfg = SchedulerConfig(num_blocks=512, block_size=16, max_num_batched_tokens=128, max_model_len=4096,
+                              attention_horizon=2000, itl_target=ItlTarget(ratio=1.3), speculative_tokens=k)
+        policy = WorkerPolicy(cfg)
+        policy.step_costs = costs
+        policy.add_request(SubmitRequest("s", "gw", list(range(1, 9)), SamplingParams(max_tokens=200)))
+        first = policy.schedule()
+        policy.update(StepResult(first.step_id, "local", [TokenEvent("s", 0, [5])]))
+        policy.add_request(SubmitRequest("long", "gw", list(range(1, 1001)), SamplingParams(max_tokens=2)))
+        out = []
+        for _ in range(4):
+            p = policy.schedule()
+            out.append(p)
+            outputs = len(policy._seqs["s"].output_ids)
+            policy.update(StepResult(p.step_id, "local", [TokenEvent("s", outputs, [5])]))
+        return out
+
+    with_spec, without = plans(4), plans(0)
+    for a, b in zip(with_spec, without):
+        assert [c for c in a.chunks if c.seq_id == "long"] == [c for c in b.chunks if c.seq_id == "long"]
+        assert sum(c.num_tokens + c.num_draft for c in a.chunks) <= 128
+    assert any(c.num_draft for p in with_spec for c in p.chunks if c.seq_id == "s")
+
+
+def test_a_bad_speculative_config_flag_is_a_clear_usage_error(capsys):
+    from phaseserve import settings
+    args = settings.parse("worker", ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert args.speculative_config == SpeculativeConfig("ngram", 4)
+    assert settings.parse("worker", []).speculative_config is None
+    with pytest.raises(SystemExit):
+        settings.parse("worker", ["--speculative-config", '{"method": "draft_model"}'])
+    assert "speculative method 'draft_model' is not one of ngram" in capsys.readouterr().err
