@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -23,6 +23,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
+    # draft_model: a model with the target's tokenizer (a folder or .gguf), its quantization (as --quantization)
+    model: str | None = None
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -36,12 +39,15 @@ class SpeculativeConfig:
                              f"1 <= min <= max, got {lo!r} and {hi!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('method "draft_model" needs "model": the draft model\'s folder or .gguf file')
 
     def __str__(self) -> str:  # the flag's value, as a parent hands it to a child process
         return json.dumps({f: getattr(self, f) for f in _FIELDS}, separators=(",", ":"))
 
 
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive")
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive", "model",
+           "quantization")
 
 
 def parse_speculative_config(text: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

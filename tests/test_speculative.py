@@ -477,3 +477,20 @@ def test_a_bad_speculative_config_flag_is_a_clear_usage_error(capsys):
     with pytest.raises(SystemExit):
         settings.parse("worker", ["--speculative-config", '{"method": "draft_model"}'])
     assert "speculative method 'draft_model' is not one of ngram" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bundled", "gqa"])
+def test_a_draft_model_keeps_greedy_outputs_identical(name, gqa_model):
+    """The model drafting for itself (the simplest pair with one tokenizer): its greedy drafts are the
+    target's own tokens, so nearly all are kept, and the output is the one without speculation."""
+    path = model_path(name, gqa_model)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    off = Engine(path, dtype="float32")
+    prompts = copy_prompts(off.runner.vocab_size)
+    reference = outputs(off, prompts, params)
+    on = Engine(path, dtype="float32", speculative={"method": "draft_model", "model": str(path),
+                                                    "num_speculative_tokens": 3, "adaptive": False})
+    assert outputs(on, prompts, params) == reference
+    stats = on.scheduler.spec_stats
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+    assert on.scheduler.stats()["num_resyncs"] == 0

@@ -25,7 +25,7 @@ from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, stop_id_tensor
-from workers.speculation import NgramProposer, accepted_run
+from workers.speculation import NgramDrafts, accepted_run
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +87,6 @@ class SequenceState:
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
-    proposer: NgramProposer | None = None  # speculative decoding: its drafts (built on its first one)
 
     @property
     def num_outputs(self) -> int:
@@ -138,7 +137,14 @@ class ModelRunner:
         self.num_blocks = self.kv.num_blocks
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
-        self.speculative = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
+        self.speculative = spec = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            from workers.draft_model import DraftModelDrafts  # loads a second model: only when asked for
+
+            self.proposer = DraftModelDrafts(self, spec.model, spec.quantization)
         self.seqs: dict[str, SequenceState] = {}
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
@@ -200,6 +206,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every sequence (a new scheduler or adoption owns this worker's blocks now)."""
         self.seqs.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -207,8 +215,12 @@ class ModelRunner:
             self.reset()
         for seq_id in plan.releases:
             self.seqs.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(seq_id)
         events: list[TokenEvent] = []
         for s in plan.starts:
+            if self.proposer is not None:
+                self.proposer.forget(s.seq_id)
             self._start(s)
             problem = self._check_start(s)
             if problem:  # fails this sequence alone: its chunks are skipped below, the batch runs
@@ -216,7 +228,7 @@ class ModelRunner:
                 self.seqs[s.seq_id].finished = True
                 events.append(TokenEvent(s.seq_id, len(s.output_ids), [], "error", None, problem))
         chunks: list[ScheduledChunk] = []
-        drafts: dict[str, list[int]] = {}
+        wants: dict[str, tuple[list[int], int, list[int]]] = {}  # seq id -> (tokens, most drafts, block table)
         for c in plan.chunks:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
@@ -224,16 +236,16 @@ class ModelRunner:
             if (c.num_draft or c.slack) and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
                 # a decode with drafts in flight or its own: earlier steps may have kept fewer drafts than the
                 # plan allowed for, so it runs from where this sequence is (its blocks cover the highest start)
-                c, d = self._verify_chunk(c, seq)
-                if d:
-                    drafts[c.seq_id] = d
+                c, room = self._verify_chunk(c, seq)
+                if room > 0:
+                    wants[c.seq_id] = (seq.token_ids, room, c.block_table)
             if c.start_pos != seq.num_computed:
                 # a plan before this one never reached us (lost from its stream): this chunk's context is
                 # missing from the cache. Run nothing for it; the scheduler sees no sample and recomputes it.
                 log.warning("chunk after a missing one; skipped", seq_id=c.seq_id, start_pos=c.start_pos,
                             computed=seq.num_computed, step_id=plan.step_id)
                 continue
-            problem = self._check_chunk(c, seq, len(drafts.get(c.seq_id, ())))
+            problem = self._check_chunk(c, seq)
             if problem:
                 log.error("bad chunk", seq_id=c.seq_id, error=problem)
                 seq.finished = True
@@ -241,6 +253,7 @@ class ModelRunner:
                 continue
             chunks.append(c)
             seq.num_computed = c.start_pos + c.num_tokens  # a verification's is set by what it keeps
+        drafts = self._propose(wants, chunks)
         if chunks:
             events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
@@ -248,20 +261,28 @@ class ModelRunner:
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
                           drafted={seq_id: len(d) for seq_id, d in drafts.items()})
 
-    def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, list[int]]:
-        """A speculative decode as run: from the sequence's own position, its last token followed by the
-        drafts its proposer finds (at most the plan's num_draft, and none past its blocks, max_model_len or
-        max_tokens)."""
+    def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, int]:
+        """A speculative decode as run: a decode from the sequence's own position, and the most drafts it may
+        verify (the plan's num_draft, and none past its blocks, max_model_len or max_tokens)."""
         start = seq.num_computed
-        if start != len(seq.token_ids) - 1 or self.speculative is None:
-            return ScheduledChunk(c.seq_id, start, 1, c.block_table), []
+        if start != len(seq.token_ids) - 1 or self.proposer is None:
+            return ScheduledChunk(c.seq_id, start, 1, c.block_table), 0
         room = min(c.num_draft, len(c.block_table) * self.block_size - start - 1,
                    self.max_model_len - start - 1, seq.params.max_tokens - seq.num_outputs - 1)
-        if seq.proposer is None:
-            spec = self.speculative
-            seq.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        d = seq.proposer.propose(seq.token_ids, room) if room > 0 else []
-        return ScheduledChunk(c.seq_id, start, 1 + len(d), c.block_table), d
+        return ScheduledChunk(c.seq_id, start, 1, c.block_table), room
+
+    def _propose(self, wants: dict[str, tuple[list[int], int, list[int]]],
+                 chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
+        """The drafts of the step's speculative decodes (all proposed at once: a draft model batches them),
+        each decode's chunk grown by its drafts."""
+        if not wants:
+            return {}
+        drafts = self.proposer.propose(wants)
+        for i, c in enumerate(chunks):
+            d = drafts.get(c.seq_id)
+            if d:
+                chunks[i] = ScheduledChunk(c.seq_id, c.start_pos, 1 + len(d), c.block_table)
+        return drafts
 
     def _check_start(self, s) -> str | None:
         """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
@@ -271,9 +292,9 @@ class ModelRunner:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
-    def _check_chunk(self, c: ScheduledChunk, seq: SequenceState, num_drafts: int = 0) -> str | None:
+    def _check_chunk(self, c: ScheduledChunk, seq: SequenceState) -> str | None:
         end = c.start_pos + c.num_tokens
-        if c.num_tokens < 1 or c.start_pos < 0 or end - num_drafts > len(seq.token_ids):
+        if c.num_tokens < 1 or c.start_pos < 0 or end > len(seq.token_ids):
             return f"chunk [{c.start_pos}, {end}) is outside the {len(seq.token_ids)} known tokens"
         if len(c.block_table) * self.block_size < end:
             return f"block table of {len(c.block_table)} blocks cannot hold {end} tokens"
@@ -393,6 +414,7 @@ class ModelRunner:
                     seq.finished = True
                     break
             if d:
+                self.proposer.kept(seq.seq_id, len(seq.token_ids) - n, n - 1)
                 seq.num_computed = len(seq.token_ids) - 1
             events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason, lps[:n] if lps[0] is not None else None))
         return events

@@ -49,6 +49,35 @@ class NgramProposer:
         return []
 
 
+class NgramDrafts:
+    """The runner's proposer for method "ngram": one NgramProposer per sequence."""
+
+    def __init__(self, lookup_min: int, lookup_max: int):
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+        self._by_seq: dict[str, NgramProposer] = {}
+
+    def propose(self, wants: dict[str, tuple[list[int], int, list[int]]]) -> dict[str, list[int]]:
+        """seq id -> (its tokens, the most drafts it may have, its block table): seq id -> drafts."""
+        out = {}
+        for seq_id, (tokens, room, _) in wants.items():
+            p = self._by_seq.get(seq_id)
+            if p is None:
+                p = self._by_seq[seq_id] = NgramProposer(self.lookup_min, self.lookup_max)
+            d = p.propose(tokens, room)
+            if d:
+                out[seq_id] = d
+        return out
+
+    def kept(self, seq_id: str, num_before: int, accepted: int) -> None:
+        """A verification of `seq_id`'s drafts kept `accepted` after its num_before tokens."""
+
+    def forget(self, seq_id: str) -> None:
+        self._by_seq.pop(seq_id, None)
+
+    def reset(self) -> None:
+        self._by_seq.clear()
+
+
 def accepted_run(drafts: list[int], draws: list[int]) -> int:
     """How many drafts a verification keeps: the longest prefix of `drafts` equal to the tokens drawn at
     their positions (draws[j] is the token drawn after drafts[:j]; len(draws) == len(drafts) + 1). The
