@@ -10,7 +10,9 @@ Each server is started once and runs every workload and concurrency before the n
 share the CPU. Reports TPOT p50, output tok/s and the drafts' acceptance (from each server's /metrics, as the
 difference over each run), and each configuration against phaseserve's `off` at the same cell: TPOT (the
 target at concurrency 1 is <= 0.5x) and throughput (>= 1.2x at 16 on the copy workload; >= 0.97x on workload
-A: speculation left on must never lose). Writes JSON into --out-dir.
+A: speculation left on must never lose). The draft model is the served model's own int4 weights drafting for
+its dequantized self (`draft`, against `off-dense`: the same dense target without speculation). Writes JSON into
+--out-dir.
 """
 
 from __future__ import annotations
@@ -30,13 +32,20 @@ from bench.side_by_side import bench_args
 from phaseserve.redis_server import free_port
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-# name -> (server, its speculative config or None)
+# the draft model: the served model's own int4 weights (as its GGUF stores them) drafting for its
+# dequantized self ("off-dense": the same target without speculation); "MODEL" becomes the model's folder
+DRAFT = {"method": "draft_model", "model": "MODEL", "num_speculative_tokens": 3}
+DENSE = ["--quantization", "none"]
+# name -> (server, its speculative config or None, extra server flags, the config it is compared with)
 CONFIGS = {
-    "off": ("phaseserve", None),
-    "ngram": ("phaseserve", NGRAM),
-    "ngram-fixed": ("phaseserve", {**NGRAM, "adaptive": False}),
-    "vllm-off": ("vllm", None),
-    "vllm-ngram": ("vllm", NGRAM),
+    "off": ("phaseserve", None, [], "off"),
+    "ngram": ("phaseserve", NGRAM, [], "off"),
+    "ngram-fixed": ("phaseserve", {**NGRAM, "adaptive": False}, [], "off"),
+    "off-dense": ("phaseserve", None, DENSE, "off-dense"),
+    "draft": ("phaseserve", DRAFT, DENSE, "off-dense"),
+    "draft-fixed": ("phaseserve", {**DRAFT, "adaptive": False}, DENSE, "off-dense"),
+    "vllm-off": ("vllm", None, [], "off"),
+    "vllm-ngram": ("vllm", NGRAM, [], "off"),
 }
 # counters of drafted and accepted tokens on each server's /metrics (phaseserve's also the draft slots its plans
 # reserved before knowing what earlier steps kept: what planning two steps ahead costs)
@@ -100,7 +109,9 @@ def run(args) -> dict:
     tag = f"{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cells = []
     for config in configs:
-        server, spec = CONFIGS[config]
+        server, spec, flags, _ = CONFIGS[config]
+        if spec and spec.get("model") == "MODEL":
+            spec = {**spec, "model": str(model_dir)}
         port = free_port()
         log_path = out / f"speculative-{tag}-{config}.log"
         if server == "vllm":
@@ -109,7 +120,7 @@ def run(args) -> dict:
                                model_len=args.max_model_len, dtype=args.vllm_dtype, extra=extra,
                                log_stats=True)  # its spec-decode counters are stats: off, /metrics has none
         else:
-            extra = list(args.phaseserve_arg) + (["--speculative-config", json.dumps(spec)] if spec else [])
+            extra = list(args.phaseserve_arg) + flags + (["--speculative-config", json.dumps(spec)] if spec else [])
             proc = phaseserve_server(model_dir, port, "bench-model", log_path, model_len=args.max_model_len,
                                      extra=extra)
         proc.start(args.startup_timeout)
@@ -132,7 +143,7 @@ def run(args) -> dict:
             proc.stop()
     add_ratios(cells)
     payload = {"model": str(model_dir), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "configs": {c: CONFIGS[c] for c in configs}, "cells": cells}
+               "configs": {c: CONFIGS[c][:3] for c in configs}, "cells": cells}
     path = out / f"speculative-{tag}.json"
     path.write_text(json.dumps(payload, indent=1))
     print()
@@ -142,10 +153,11 @@ def run(args) -> dict:
 
 
 def add_ratios(cells: list[dict]) -> None:
-    """Each cell against phaseserve's `off` at the same workload and concurrency."""
-    base = {(c["workload"], c["concurrency"]): c for c in cells if c["config"] == "off"}
+    """Each cell against its baseline (phaseserve's `off`; `off-dense` for the draft model's dense target) at
+    the same workload and concurrency."""
+    base = {(c["config"], c["workload"], c["concurrency"]): c for c in cells}
     for c in cells:
-        b = base.get((c["workload"], c["concurrency"]))
+        b = base.get((CONFIGS[c["config"]][3], c["workload"], c["concurrency"]))
         ok = b is not None and b["tpot_p50_ms"] and b["output_tok_s"]
         c["tpot_vs_off"] = c["tpot_p50_ms"] / b["tpot_p50_ms"] if ok and c["tpot_p50_ms"] else None
         c["tok_s_vs_off"] = c["output_tok_s"] / b["output_tok_s"] if ok and c["output_tok_s"] else None
@@ -163,7 +175,7 @@ def format_cell(c: dict) -> str:
 
 def format_table(cells: list[dict]) -> str:
     head = (f"{'config':<12} {'workload':<8} {'conc':>4} {'TPOT p50 ms':>12} {'tok/s':>8} {'accept':>7}"
-            f" {'TPOT/off':>9} {'tok/s/off':>10}")
+            f" {'TPOT/base':>9} {'tok/s/base':>10}")
     lines = [head, "-" * len(head)]
     for c in cells:
         lines.append(f"{c['config']:<12} {c['workload']:<8} {c['concurrency']:>4} "

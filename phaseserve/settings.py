@@ -210,8 +210,9 @@ SETTINGS: list[Setting] = [
             ("scheduler", "up")),
     Setting("speculative_config", "PHASESERVE_SPECULATIVE_CONFIG", None, parse_speculative_config_arg,
             "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-            "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}; each decode verifies up to that many tokens "
-            "the worker proposes, and the scheduler chooses fewer (or none) per sequence and step from measured "
+            "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}, or {\"method\": \"draft_model\", \"model\": "
+            "PATH, \"num_speculative_tokens\": 3} (a model with the same tokenizer; its KV cache takes half of "
+            "--kv-cache-memory); each decode verifies up to that many tokens the worker proposes, and the scheduler chooses fewer (or none) per sequence and step from measured "
             "acceptance and the worker's learned step cost (\"adaptive\": false: always the most); off when unset "
             "(docs/speculative.md)", ("worker", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,

@@ -2,7 +2,8 @@
 shared by the settings table, the worker (which proposes and verifies) and the scheduler (which learns a
 worker's k from its heartbeat). No I/O.
 
-`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}`;
+`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}`, or
+`{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3, "quantization": "auto"}`;
 `"adaptive": false` makes the scheduler always allow the full k (for measuring; the default lets the
 scheduler choose k per sequence per step, docs/speculative.md).
 """

@@ -476,7 +476,10 @@ def test_a_bad_speculative_config_flag_is_a_clear_usage_error(capsys):
     assert settings.parse("worker", []).speculative_config is None
     with pytest.raises(SystemExit):
         settings.parse("worker", ["--speculative-config", '{"method": "draft_model"}'])
-    assert "speculative method 'draft_model' is not one of ngram" in capsys.readouterr().err
+    assert 'method "draft_model" needs "model"' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        settings.parse("worker", ["--speculative-config", '{"method": "eagle"}'])
+    assert "speculative method 'eagle' is not one of ngram, draft_model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["bundled", "gqa"])

@@ -131,13 +131,16 @@ class ModelRunner:
             release_free_heap()  # float weights converted at load (quantized) are gone: return their memory
         if num_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_KV_CACHE_BYTES
+        spec = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
+        if spec is not None and spec.method == "draft_model" and num_blocks is None:
+            kv_cache_memory_bytes //= 2  # the draft model's cache has as many blocks (workers/draft_model.py)
         self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
                           num_blocks=num_blocks, memory_bytes=kv_cache_memory_bytes, dtype=self.dtype,
                           device=self.device)
         self.num_blocks = self.kv.num_blocks
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
-        self.speculative = spec = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
+        self.speculative = spec
         self.proposer = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
