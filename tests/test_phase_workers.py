@@ -112,6 +112,18 @@ async def test_speculative_greedy_outputs_do_not_depend_on_the_topology(model, t
         assert st["handoff_sequences"] == len(ps)
 
 
+async def test_a_decode_worker_with_a_draft_model_gives_the_reference(model, redis_server):
+    """The decode worker's draft model never saw the prompts (they were prefilled elsewhere): it catches up
+    over each handed-in sequence's tokens before its first draft."""
+    model_dir, ps, reference = model
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False}
+    outputs, st, gw, _ = await run_topology(model_dir, ps, redis_server, Keys("pd"), ("prefill", "decode"),
+                                            speculative=spec)
+    assert outputs == reference
+    assert gw.conflicts == 0 and gw.duplicates == 0
+    assert st["num_accepted_tokens"] >= 0.9 * st["num_draft_tokens"] > 0
+
+
 async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_server):
     """The decode worker's receive of one sequence fails (as if its transfer vanished): nothing is written,
     the sequence is not started there, and the scheduler recomputes it; every output is still the reference."""

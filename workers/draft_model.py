@@ -87,6 +87,10 @@ class DraftModelDrafts:
         self._valid.pop(seq_id, None)
         self.runner.seqs.pop(seq_id, None)
 
+    def warm_up(self) -> None:
+        """Its kernels loaded now, with the target's, not inside a planned step."""
+        self.runner.warm_up()
+
     def reset(self) -> None:
         self._valid.clear()
         self.runner.reset()

@@ -177,6 +177,8 @@ class ModelRunner:
                               chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
         self.reset()
+        if self.proposer is not None:
+            self.proposer.warm_up()
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:

@@ -74,6 +74,9 @@ class NgramDrafts:
     def forget(self, seq_id: str) -> None:
         self._by_seq.pop(seq_id, None)
 
+    def warm_up(self) -> None:
+        """Nothing to load or compile."""
+
     def reset(self) -> None:
         self._by_seq.clear()
 
