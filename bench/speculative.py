@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="bundled, small-200m, smollm2 (the default model), or a folder")
-    p.add_argument("--configs", default="off,ngram,vllm-ngram",
+    p.add_argument("--configs", default="off,ngram,ngram-fixed,off-dense,draft,vllm-off,vllm-ngram",
                    help=f"comma-separated, run in this order; from {', '.join(CONFIGS)}")
     p.add_argument("--workloads", default="copy,random", help="copy (standard-library rewrites), random (workload A)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")

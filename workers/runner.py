@@ -262,7 +262,9 @@ class ModelRunner:
         if chunks:
             events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
-        ran = step_shape(chunks, drafts) if any(c.num_draft for c in plan.chunks) else []
+        # a speculating worker reports every step's shape: the scheduler learns a verification's extra cost
+        # against the steps without one
+        ran = step_shape(chunks, drafts) if self.proposer is not None else []
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
                           drafted={seq_id: len(d) for seq_id, d in drafts.items()})
 
