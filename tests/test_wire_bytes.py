@@ -40,7 +40,7 @@ def test_older_senders_fields_take_their_defaults():
     assert (plan.epoch, plan.reset, plan.timeout_s, plan.receives, plan.drained) == (0, False, 0.0, [], False)
     assert plan.chunks == [wire.ScheduledChunk("s", 0, 1, [3])]
     # a newer sender's extra trailing list item and extra key are ignored
-    newer = msgpack.packb({"step_id": 1, "worker_id": "w", "events": [["s", 0, [1], None, None, None, "k", "x"]],
+    newer = msgpack.packb({"step_id": 1, "worker_id": "w", "events": [["s", 0, [1], None, None, None, "k", 0, "x"]],
                            "future": 1, "v": wire.PROTOCOL_VERSION, "k": "tokens"})
     assert wire.TokenBatch.from_wire(newer).events == [wire.TokenEvent("s", 0, [1], error_kind="k")]
 

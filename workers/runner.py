@@ -85,6 +85,7 @@ class SequenceState:
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
+    cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
 
     @property
     def num_outputs(self) -> int:
@@ -187,7 +188,7 @@ class ModelRunner:
         self.seqs[s.seq_id] = SequenceState(
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
             stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
-            num_computed=s.num_cached,
+            num_computed=s.num_cached, cached_tokens=s.cached_tokens,
         )
 
     # ------------------------------------------------------------------ step
@@ -338,5 +339,6 @@ class ModelRunner:
                                    self.max_model_len)
             if reason is not None:
                 seq.finished = True
-            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
+            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None,
+                                     cached_tokens=seq.cached_tokens if offset == 0 else 0))
         return events
