@@ -351,7 +351,9 @@ class Generation:
                         [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
     def _usage(self) -> dict:
-        return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs))
+        # the prompt was computed once: what every choice found cached (n > 1 forks from the first)
+        cached = min(min(o.cached_tokens for o in self.outputs), len(self.prompt_ids)) if self.outputs else 0
+        return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs), cached)
 
     def _logprobs(self, entries) -> dict | None:
         if self.kind == "chat":
