@@ -113,8 +113,8 @@ class PolicyLimits:
 # worker.
 PREFIX_SLACK_SEQS = 2
 PREFIX_SLACK_RATIO = 0.25
-# a prompt sharing at least this many tokens with a recent one, of which the cache matched under half, gets a
-# debug line saying where the two first differ
+# a prompt agreeing with a recent one on at least this many positions, of which the cache matched under half,
+# gets a debug line saying where the two first differ
 SHARED_PREFIX_LOG_TOKENS = 64
 
 
@@ -316,19 +316,19 @@ class Cluster:
         return True
 
     def note_prefix_miss(self, req: SubmitRequest, slot: WorkerSlot) -> None:
-        """A debug line when a prompt shares a long prefix with a recent one but the worker it goes to has
-        little of it cached: where the two first differ (a chat template changing an early token, a
-        timestamp in a system prompt) is what a user cannot see from the hit rate."""
+        """A debug line when a prompt agrees with a recent one on many positions but the worker it goes to
+        has little of it cached: where the two first differ (a chat template writing an early token
+        differently, a timestamp in a system prompt) is what a user cannot see from the hit rate."""
         prompt = req.prompt_ids
-        other, shared = self.recent_prompts.longest_shared(prompt)
+        other, first, agreed = self.recent_prompts.most_similar(prompt)
         self.recent_prompts.add(req.request_id, prompt)
-        if shared < SHARED_PREFIX_LOG_TOKENS:
+        if agreed < SHARED_PREFIX_LOG_TOKENS:
             return
         hit = slot.policy.num_cached_tokens(prompt)
-        if 2 * hit < shared:
-            log.debug("prefix cache matched little of a shared prefix", request_id=req.request_id,
-                      similar_request_id=other, first_difference=shared, cached_tokens=hit,
-                      prompt_tokens=len(prompt), worker_id=slot.info.worker_id)
+        if 2 * hit < agreed:
+            log.debug("prefix cache matched little of a similar prompt", request_id=req.request_id,
+                      similar_request_id=other, first_difference=first, tokens_in_common=agreed,
+                      cached_tokens=hit, prompt_tokens=len(prompt), worker_id=slot.info.worker_id)
 
     def fail_request(self, req: SubmitRequest, message: str, error_kind: str | None = None) -> None:
         self.tell_error(req.request_id, req.gateway_id, message, error_kind)

@@ -19,6 +19,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+import numpy as np
+
 BlockHash = bytes
 
 
@@ -104,39 +106,39 @@ class PrefixIndex:
         return idle
 
 
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first index at which `a` and `b` differ (the shorter one's length if one is a prefix of the
-    other). Bisects over slice comparisons, which run in C."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class RecentPrompts:
-    """The last few prompts admitted, to say why a prompt that shares a long prefix with one of them found
-    little of it cached (a chat template that changes an early byte is the commonest cause)."""
+    """The last few prompts admitted, to say why a prompt much like one of them found little of it cached.
+    The commonest cause is a chat template (or a system prompt) that changes an early token, a date say:
+    the two prompts then agree on most positions but part early, and the cache, which matches only up to
+    the first difference, finds little. "Much like" is the positions the two agree on, the common prefix
+    plus the rest compared at a small shift (a changed token may change the length a little)."""
 
-    def __init__(self, size: int = 32):
+    MAX_SHIFT = 2
+
+    def __init__(self, size: int = 16):
         self.size = size
-        self._prompts: OrderedDict[str, list[int]] = OrderedDict()
+        self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
 
-    def longest_shared(self, prompt: list[int]) -> tuple[str | None, int]:
-        """(request id, tokens shared) of the recent prompt sharing the longest prefix with `prompt`."""
-        best: tuple[str | None, int] = (None, 0)
-        for rid, other in self._prompts.items():
-            n = first_difference(prompt, other)
-            if n > best[1]:
-                best = (rid, n)
+    def most_similar(self, prompt: list[int]) -> tuple[str | None, int, int]:
+        """(request id, first difference, positions in agreement) of the recent prompt that agrees with
+        `prompt` on the most positions; (None, 0, 0) when there is none."""
+        a = np.asarray(prompt, dtype=np.int64)
+        best: tuple[str | None, int, int] = (None, 0, 0)
+        for rid, b in self._prompts.items():
+            n = min(len(a), len(b))
+            diff = np.flatnonzero(a[:n] != b[:n])
+            first = int(diff[0]) if len(diff) else n
+            rest = 0
+            if first < n:
+                for shift in range(-self.MAX_SHIFT, self.MAX_SHIFT + 1):
+                    x, y = a[first + 1 + max(shift, 0):], b[first + 1 + max(-shift, 0):]
+                    m = min(len(x), len(y))
+                    rest = max(rest, int(np.count_nonzero(x[:m] == y[:m])))
+            if first + rest > best[2]:
+                best = (rid, first, first + rest)
         return best
 
     def add(self, request_id: str, prompt: list[int]) -> None:
-        self._prompts[request_id] = prompt
+        self._prompts[request_id] = np.asarray(prompt, dtype=np.int64)
         while len(self._prompts) > self.size:
             self._prompts.popitem(last=False)

@@ -17,7 +17,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts, block_hashes, first_difference
+from scheduler.prefix_cache import RecentPrompts, block_hashes
 
 
 def shared_req(rid: str, prefix: list[int], tail_len: int, max_tokens: int = 8, n_tail_seed: str | None = None):
@@ -48,18 +48,18 @@ def test_block_hashes_chain_the_prefix():
     assert block_hashes(a[8:16], 8) != [ha[1]]
 
 
-def test_first_difference():
-    assert first_difference([1, 2, 3], [1, 2, 4]) == 2
-    assert first_difference([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert first_difference([], [1]) == 0
-    assert first_difference([5], [6]) == 0
-    big = list(range(5000))
-    assert first_difference(big, big[:3333] + [-1] + big[3334:]) == 3333
+def test_recent_prompts_say_where_a_similar_prompt_parts():
     recent = RecentPrompts(size=2)
     recent.add("a", [1, 2, 3, 4])
     recent.add("b", [1, 2, 9])
     recent.add("c", [7])  # "a" leaves
-    assert recent.longest_shared([1, 2, 3, 4, 5]) == ("b", 2)
+    assert recent.most_similar([1, 2, 3, 4, 5]) == ("b", 2, 2)
+    long = list(range(100, 400))
+    recent.add("d", long)
+    # one early token changed: they part at 10 and agree on every other position
+    assert recent.most_similar(long[:10] + [0] + long[11:] + [5]) == ("d", 10, 299)
+    # one early token became two: the rest agrees a position later
+    assert recent.most_similar(long[:10] + [0, 0] + long[11:]) == ("d", 10, 299)
 
 
 def test_block_manager_shares_counts_idle_cached_blocks_as_free_and_evicts_lru():

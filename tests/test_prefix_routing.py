@@ -156,3 +156,24 @@ def test_sixteen_multi_turn_sessions_stay_with_their_prefix_and_the_load_stays_b
     assert later == 16 * 5
     assert landed >= 0.9 * later, (landed, later)
     assert max(admitted.values()) <= 1.5 * min(admitted.values()), admitted
+
+
+def test_a_prompt_that_shares_a_long_prefix_but_missed_the_cache_says_where_they_differ():
+    from structlog.testing import capture_logs
+
+    sim = Sim("a")
+    c = sim.cluster
+    system = tokens("sys", 150)
+    c.admit(chat_req("r1", system + [5]))
+    while c.owner:
+        sim.step()
+    changed = list(system)
+    changed[40] += 1  # a template writing one early token differently (a date, say)
+    with capture_logs() as logs:
+        c.admit(chat_req("r2", changed + [5]))
+        c.admit(chat_req("r3", system + [6]))  # shares all of it, and finds it cached: no line
+    lines = [e for e in logs if e["event"] == "prefix cache matched little of a similar prompt"]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["request_id"] == "r2" and line["similar_request_id"] == "r1" and line["first_difference"] == 40
+    assert line["cached_tokens"] == 32 and line["tokens_in_common"] == 150 and line["log_level"] == "debug"
