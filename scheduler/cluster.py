@@ -109,10 +109,10 @@ class PolicyLimits:
 
 # Cache-aware routing: a request goes to the worker holding the longest cached prefix of it among the workers
 # whose load (unfinished sequences) is within this slack of the least loaded one's: max(PREFIX_SLACK_SEQS,
-# PREFIX_SLACK_RATIO x the least load). Past it, load wins: a hot prefix does not pile every request on one
-# worker.
-PREFIX_SLACK_SEQS = 2
-PREFIX_SLACK_RATIO = 0.25
+# the least load), i.e. up to twice the least load (a few more at light load). A history prefilled again
+# costs more than a few more sequences in a decode batch; past the slack, load wins, so a hot prefix does not
+# pile every request on one worker (and once a second worker has it too, load decides between them).
+PREFIX_SLACK_SEQS = 4
 # a prompt agreeing with a recent one on at least this many positions, of which the cache matched under half,
 # gets a debug line saying where the two first differ
 SHARED_PREFIX_LOG_TOKENS = 64
@@ -279,7 +279,7 @@ class Cluster:
         # the longest cached prefix among the workers loaded within a slack of the least loaded one
         loads = {s.info.worker_id: s.policy.num_waiting + s.policy.num_running for s in fits}
         least = min(loads.values())
-        slack = max(PREFIX_SLACK_SEQS, int(PREFIX_SLACK_RATIO * least))
+        slack = max(PREFIX_SLACK_SEQS, least)
         near = [s for s in fits if loads[s.info.worker_id] <= least + slack]
         return min(near, key=lambda s: (-cached[s.info.worker_id], *by_load(s)))
 

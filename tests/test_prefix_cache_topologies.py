@@ -74,3 +74,40 @@ async def test_cached_prefixes_give_the_reference_tokens_in_every_topology(model
         await stop(client, sched, gw, tasks)
         for w in workers:
             w.stop()
+
+
+async def test_sixteen_multi_turn_sessions_on_two_mixed_workers_stay_with_their_prefix(redis_server):
+    """Two mixed workers on the bundled model, 16 sessions of 3 turns at once, each resending its history:
+    >= 90% of the later turns run on the worker that ran the turn before (the one holding its history), and
+    neither worker runs more than 1.5x the sequences of the other."""
+    import asyncio
+
+    model_dir = bundled_model_path()
+    keys = Keys("pr")
+    workers = [WorkerThread(model_dir, redis_server, keys, f"mixed{i}", num_blocks=256) for i in range(2)]
+    client, sched, gw, tasks = await start(redis_server, keys, limits=PolicyLimits(max_num_batched_tokens=256))
+    system = [(11 * j + 5) % 500 + 5 for j in range(40)]
+    ran_on: dict[tuple[int, int], str] = {}
+
+    async def session(s: int) -> None:
+        history = system + [(s * 31 + j) % 500 + 7 for j in range(8)]
+        for t in range(3):
+            rid = f"s{s}-t{t}"
+            await gw.submit(rid, history, max_tokens=4)
+            await gw.wait(lambda: rid in gw.finish, 120)
+            ran_on[s, t] = gw.finished_by[rid]
+            history = history + gw.tokens[rid] + [(s * 17 + t + j) % 500 + 9 for j in range(8)]
+
+    try:
+        await gw.wait(lambda: len(sched.workers) == 2, 10)
+        await asyncio.gather(*(session(s) for s in range(16)))
+        later = [(s, t) for s in range(16) for t in (1, 2)]
+        stayed = sum(ran_on[s, t] == ran_on[s, t - 1] for s, t in later)
+        assert stayed >= 0.9 * len(later), ran_on
+        per_worker = [list(ran_on.values()).count(w) for w in ("mixed0", "mixed1")]
+        assert max(per_worker) <= 1.5 * min(per_worker), per_worker
+        assert sched.stats()["prefix_cache_hits"] > 0
+    finally:
+        await stop(client, sched, gw, tasks)
+        for w in workers:
+            w.stop()

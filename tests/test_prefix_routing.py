@@ -62,12 +62,13 @@ def test_a_request_goes_to_the_worker_holding_its_prefix_within_the_load_slack()
     # b is idle as well: a tie on load, but a holds the prefix
     c.admit(chat_req("second", system + tokens("u2", 10)))
     assert c.owner["second"] == "a"
-    # a holds 1 sequence more than b now; up to the slack (2) more, the prefix still wins
+    # a holds 1 sequence more than b now; up to the slack (4, or b's load) more, the prefix still wins
     a = c.workers["a"].policy
-    a.add_request(chat_req("load0", tokens("y0", 30)))
+    for i in range(3):
+        a.add_request(chat_req(f"load{i}", tokens(f"y{i}", 30)))
     c.admit(chat_req("third", system + tokens("u3", 10)))
     assert c.owner["third"] == "a"
-    # past it (3 more), load wins
+    # past it (5 more), load wins
     c.admit(chat_req("fourth", system + tokens("u4", 10)))
     assert c.owner["fourth"] == "b"
 
