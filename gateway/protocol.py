@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
 from gateway.errors import APIError, bad_request
 from phaseserve.params import InvalidParams, SamplingParams
 
@@ -79,12 +80,11 @@ class _SamplingFields(_Strict):
     user: str | None = None
     priority: int = 0
     min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "_SamplingFields":
-        if self.logit_bias:
-            raise ValueError("'logit_bias' is not supported")
+        check_keys(self.logit_bias)
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
         return self
@@ -95,6 +95,7 @@ class _SamplingFields(_Strict):
         if outside:
             raise bad_request(f"'stop_token_ids' has token ids outside the vocabulary (size {vocab_size}): "
                               f"{outside[:5]}", "stop_token_ids")
+        check_vocabulary(self.logit_bias, vocab_size)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -224,6 +225,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         ignore_eos=req.ignore_eos,
         logprobs=req.requested_logprobs(),
         min_tokens=req.min_tokens,
+        logit_bias=by_token_id(req.logit_bias),
     )
     try:
         return params.validate()
