@@ -287,12 +287,16 @@ def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None = None,
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def models_response(model: str, created: int, max_model_len: int | None) -> dict:
+def model_card(model: str, created: int, max_model_len: int | None) -> dict:
     card = {"id": model, "object": "model", "created": created, "owned_by": "phaseserve", "root": model,
             "parent": None}
     if max_model_len:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def models_response(model: str, created: int, max_model_len: int | None) -> dict:
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 
 
 def error_chunk(err: APIError) -> dict:
