@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
+from gateway.completion_prompts import MAX_CHOICES, CompletionPrompt, check_shape, prompt_list
 from gateway.errors import APIError, bad_request
 from phaseserve.params import InvalidParams, SamplingParams
 
@@ -35,6 +36,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has the "
+                                         "usage of its choice so far")
 
 
 class TextPart(_Strict):
@@ -106,24 +109,52 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Sequences generated for each prompt: n, or best_of when the n best of more are returned."""
+        return self.n
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions"""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: CompletionPrompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generates best_of sequences a prompt and "
+                                "returns the n with the highest cumulative logprob (not with `stream`)")
+
+    _prompt_shape = field_validator("prompt", mode="wrap")(check_shape)
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
         if self.suffix:
-            raise ValueError("'suffix' is not supported")
-        if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
-            raise ValueError("'prompt' token ids must be >= 0")
+            raise ValueError("'suffix' (insertion after the completion) is not supported by this server; "
+                             "send the request without it")
         if self.echo and self.logprobs is not None:
             raise ValueError("'echo' together with 'logprobs' (prompt logprobs) is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"'best_of' must be at least 'n' ({self.n}); got {self.best_of}")
+        if self.stream and self.choices_per_prompt > self.n:
+            raise ValueError("'best_of' greater than 'n' cannot be streamed (the best are known at the end)")
+        total = len(self.prompts) * self.choices_per_prompt
+        if total > MAX_CHOICES:
+            raise ValueError(f"'prompt' has {len(self.prompts)} prompts x {self.choices_per_prompt} choices each = "
+                             f"{total} sequences; at most {MAX_CHOICES} in one request")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return prompt_list(self.prompt)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.best_of or self.n
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -140,6 +171,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # accepted, and ignored: the models served here do not reason before they answer
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
