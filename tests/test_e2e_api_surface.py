@@ -158,8 +158,10 @@ async def test_malformed_forms_are_openai_errors_while_a_stream_goes_on_untouche
                 assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         await reader
     assert "".join(texts) == alone  # the stream saw none of it
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=stack.model, prompt="hi", logit_bias={"1": 500})
-    assert e.value.body["param"] == "logit_bias"
+    for bad, param in (({"logit_bias": {"1": 500}}, "logit_bias"), ({"suffix": "!"}, "suffix"),
+                       ({"best_of": 1, "n": 2}, "best_of")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=stack.model, prompt="hi", max_tokens=2, **bad)
+        assert e.value.body["param"] == param
     assert client.completions.create(model=stack.model, prompt="still alive", max_tokens=2).usage.completion_tokens
     assert stack.alive()
