@@ -1,8 +1,17 @@
-"""`best_of`: of each prompt's candidates, the n the client gets back (policy only, no I/O)."""
+"""`best_of`: when a request may have it, and which of each prompt's candidates the client gets back
+(policy only, no I/O)."""
 
 from __future__ import annotations
 
 from gateway.output import SequenceOutput
+
+
+def check_request(n: int, best_of: int | None, stream: bool) -> None:
+    """ValueError naming `best_of` (the schema's validator turns it into a 400) for a form not served."""
+    if best_of is not None and best_of < n:
+        raise ValueError(f"'best_of' must be at least 'n' ({n}); got {best_of}")
+    if stream and best_of is not None and best_of > n:
+        raise ValueError("'best_of' greater than 'n' cannot be streamed (the best are known at the end)")
 
 
 def cumulative_logprob(out: SequenceOutput) -> float:

@@ -2,7 +2,7 @@
 either (several prompts in one request; choice `i * n + j` is the j-th of prompt i).
 
 `check_shape` turns pydantic's error for a union of four shapes into one sentence naming `prompt`;
-`prompt_list` gives every shape as a list of prompts.
+`prompt_list` gives every shape as a list of prompts; `check_choice_count` bounds prompts x choices.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ def check_shape(value: Any, handler) -> Any:
         return handler(value)
     except ValidationError:
         raise ValueError(f"'prompt' must be {SHAPES}") from None
+
+
+def check_choice_count(prompts: int, per_prompt: int) -> None:
+    if prompts * per_prompt > MAX_CHOICES:
+        raise ValueError(f"'prompt' has {prompts} prompts x {per_prompt} choices each = {prompts * per_prompt} "
+                         f"sequences; at most {MAX_CHOICES} in one request")
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:

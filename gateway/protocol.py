@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
-from gateway.completion_prompts import MAX_CHOICES, CompletionPrompt, check_shape, prompt_list
+from gateway.best_of import check_request as check_best_of
+from gateway.completion_prompts import CompletionPrompt, check_choice_count, check_shape, prompt_list
 from gateway.errors import APIError, bad_request
+from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
 from phaseserve.params import InvalidParams, SamplingParams
 
 MAX_N = 16
@@ -138,14 +139,8 @@ class CompletionRequest(_SamplingFields):
                              "send the request without it")
         if self.echo and self.logprobs is not None:
             raise ValueError("'echo' together with 'logprobs' (prompt logprobs) is not supported")
-        if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"'best_of' must be at least 'n' ({self.n}); got {self.best_of}")
-        if self.stream and self.choices_per_prompt > self.n:
-            raise ValueError("'best_of' greater than 'n' cannot be streamed (the best are known at the end)")
-        total = len(self.prompts) * self.choices_per_prompt
-        if total > MAX_CHOICES:
-            raise ValueError(f"'prompt' has {len(self.prompts)} prompts x {self.choices_per_prompt} choices each = "
-                             f"{total} sequences; at most {MAX_CHOICES} in one request")
+        check_best_of(self.n, self.best_of, self.stream)
+        check_choice_count(len(self.prompts), self.choices_per_prompt)
         return self
 
     @property
