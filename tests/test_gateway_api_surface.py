@@ -138,3 +138,18 @@ async def test_models_by_id_tokenize_detokenize_and_version(gw):
         assert_openai_error(err, "invalid_request_error", param)
     status, err = await post(gw, "/tokenize", {"model": "other", "prompt": "a"})
     assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_best_of_ranks_within_each_prompt_and_indexes_choices_prompt_times_n():
+    from types import SimpleNamespace
+
+    from gateway.best_of import best_of
+    from gateway.output import TokenLogprob
+
+    def out(name, *lps):
+        return SimpleNamespace(name=name, index=-1, logprobs=[TokenLogprob(0, lp, [], 0) for lp in lps])
+
+    # two prompts, three candidates each; a short candidate can win on cumulative logprob
+    outs = [out("a0", -1, -1), out("a1", -0.5), out("a2", -3), out("b0", -0.1, -0.1), out("b1", -2), out("b2", -0.1)]
+    chosen = best_of(outs, per_prompt=3, n=2)
+    assert [(o.name, o.index) for o in chosen] == [("a1", 0), ("a0", 1), ("b2", 2), ("b0", 3)]
