@@ -5,8 +5,8 @@ the noise is a pure function of (seed, output offset), so a seeded request
 draws the same tokens alone, in any batch, and after a recompute restart.
 Rows without a seed share one batched draw.
 
-Logprobs come from the raw model distribution (before penalties and
-temperature), as vLLM reports them by default.
+Logprobs come from the raw model distribution (before penalties, logit_bias
+and temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
