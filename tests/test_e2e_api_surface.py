@@ -81,6 +81,23 @@ def test_several_prompts_in_one_request_match_each_alone(client, stack, tokenize
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 10
 
 
+def test_continuous_usage_stats_on_every_chat_chunk(client, stack):
+    chunks = list(client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    *per_choice, last = chunks
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in per_choice if c.choices[0].delta.role] == [0, 0]  # opening chunks
+    final = {c.choices[0].index: c.usage for c in per_choice if c.choices[0].finish_reason}
+    assert {i: u.completion_tokens for i, u in final.items()} == {0: 6, 1: 6}
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens == final[0].prompt_tokens  # one prompt, counted once
+    plain = list(client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_best_of_returns_n_of_best_of_generated(client, stack):
     r = client.completions.create(model=stack.model, prompt="class Foo:", max_tokens=4, n=2, best_of=4,
                                   temperature=1.0, seed=5, logprobs=0, extra_body={"ignore_eos": True})
