@@ -80,3 +80,14 @@ def test_relay_pipe_messages_read_back():
     assert wire.model_to_relay(wire.RelayNotice(draining=True).to_pipe()) == wire.RelayNotice(draining=True)
     assert wire.relay_to_model(wire.PlanDelivery(b"2-0", b"p").to_pipe()) == wire.PlanDelivery(b"2-0", b"p")
     assert wire.relay_to_model(wire.RelayNotice(no_scheduler=True).to_pipe()) == wire.RelayNotice(no_scheduler=True)
+
+
+def test_a_logit_bias_travels_in_the_params_and_is_left_off_while_empty():
+    from phaseserve.params import SamplingParams
+
+    params = SamplingParams(logit_bias={17: 100.0, 3: -100.0})
+    for msg in (wire.SubmitRequest("r", "gw", [1], params), wire.SeqStart("s", "gw", [1], params)):
+        back = type(msg).from_wire(msg.to_wire()) if isinstance(msg, wire.Message) else \
+            wire.SeqStart.from_dict(msgpack.unpackb(msgpack.packb(msg.to_dict()), strict_map_key=False))
+        assert back.params.logit_bias == {17: 100.0, 3: -100.0}
+    assert "logit_bias" not in wire.SubmitRequest("r", "gw", [1], SamplingParams()).to_dict()["params"]

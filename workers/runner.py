@@ -23,7 +23,7 @@ from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
-from workers.sampler import SampleRow, Sampler, stop_id_tensor
+from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,7 @@ class SequenceState:
     finished: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias for the sampler, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
     cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
@@ -188,6 +189,7 @@ class ModelRunner:
         self.seqs[s.seq_id] = SequenceState(
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
             stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
+            bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
             num_computed=s.num_cached, cached_tokens=s.cached_tokens,
         )
 
@@ -328,7 +330,7 @@ class ModelRunner:
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
-        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
+        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor, s.bias)
                 for s in sampling]
         out = self.sampler(logits, rows)
         events = []
