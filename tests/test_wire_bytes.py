@@ -91,3 +91,15 @@ def test_a_logit_bias_travels_in_the_params_and_is_left_off_while_empty():
             wire.SeqStart.from_dict(msgpack.unpackb(msgpack.packb(msg.to_dict()), strict_map_key=False))
         assert back.params.logit_bias == {17: 100.0, 3: -100.0}
     assert "logit_bias" not in wire.SubmitRequest("r", "gw", [1], SamplingParams()).to_dict()["params"]
+
+
+def test_cached_tokens_travel_in_seq_start_and_token_event_and_are_left_off_while_zero():
+    from phaseserve.params import SamplingParams
+
+    start = wire.SeqStart("s", "gw", [1, 2], SamplingParams(), num_cached=16, cached_tokens=16)
+    assert wire.SeqStart.from_dict(msgpack.unpackb(msgpack.packb(start.to_dict()))).cached_tokens == 16
+    assert "cached_tokens" not in wire.SeqStart("s", "gw", [1], SamplingParams()).to_dict()
+    batch = wire.TokenBatch(1, "w", [wire.TokenEvent("s", 0, [5], cached_tokens=32), wire.TokenEvent("t", 3, [6])])
+    back = wire.TokenBatch.from_wire(batch.to_wire())
+    assert [e.cached_tokens for e in back.events] == [32, 0]
+    assert batch.to_dict()["events"][1] == ["t", 3, [6], None, None, None]  # the tail stays off
