@@ -54,3 +54,29 @@ def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(model_dir, num_bl
     assert st_on["num_prefill_tokens"] < st_off["num_prefill_tokens"]
     if num_blocks == 14:
         assert st_on["num_preemptions"] > 0  # the cache lets more start at once: they preempt
+
+
+def test_a_worker_reads_a_cached_prefix_only_from_blocks_it_wrote_itself():
+    """A scheduler that has not yet seen a worker restart may still name blocks of its previous life: the
+    runner computes nothing over blocks this process never wrote (no token: the scheduler recomputes), and
+    shares blocks it did write, with the same token as computing them."""
+    from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+    from workers.runner import ModelRunner
+
+    runner = ModelRunner(bundled_model_path(), num_blocks=16, dtype="float32")
+    runner.warm_up()  # writes scratch KV into the first blocks: that is no one's prefix either
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * j) % 500 + 5 for j in range(20)]
+
+    def start(seq_id, num_cached, table, step):
+        return runner.execute(StepPlan(step, "w", [SeqStart(seq_id, "gw", prompt, params, [], num_cached,
+                                                            cached_tokens=num_cached)],
+                                       [ScheduledChunk(seq_id, num_cached, 20 - num_cached, table)]))
+
+    assert start("stale", 16, [0, 1], 1).events == []  # block 0: warm-up scratch, not a prefix
+    assert runner.seqs["stale"].finished
+    whole = runner.execute(StepPlan(2, "w", [SeqStart("a", "gw", prompt, params)],
+                                    [ScheduledChunk("a", 0, 20, [2, 3])]))
+    shared = start("b", 16, [2, 4], 3)
+    assert [e.token_ids for e in shared.events] == [e.token_ids for e in whole.events]
+    assert shared.events[0].cached_tokens == 16 and whole.events[0].cached_tokens == 0
