@@ -372,8 +372,12 @@ class Generation:
                         [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
     def _usage(self) -> dict:
-        # every prompt once (as OpenAI counts n choices), every token generated (best_of's unreturned ones too)
-        return P.usage(self.num_prompt_tokens, sum(o.num_tokens for o in self.outputs))
+        # every prompt once (as OpenAI counts n choices), every token generated (best_of's unreturned ones too);
+        # a prompt's cached tokens are what all of its choices found (n > 1 forks from the first one's prefill)
+        k = self.per_prompt
+        cached = sum(min(min(o.cached_tokens for o in self.outputs[i * k:(i + 1) * k]), len(p.ids))
+                     for i, p in enumerate(self.prompts)) if self.outputs else 0
+        return P.usage(self.num_prompt_tokens, sum(o.num_tokens for o in self.outputs), cached)
 
     def _logprobs(self, entries) -> dict | None:
         if self.kind == "chat":

@@ -264,9 +264,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 # --------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # prompt tokens whose KV the prefix cache held (OpenAI's field)
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def now() -> int:

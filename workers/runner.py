@@ -86,6 +86,9 @@ class SequenceState:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias for the sampler, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
+    cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
+    # positions its first chunk reads from cached blocks, checked against the blocks written in this process
+    unchecked_cached: int = 0
 
     @property
     def num_outputs(self) -> int:
@@ -136,6 +139,9 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
         self.seqs: dict[str, SequenceState] = {}
+        # blocks this process wrote (or received): a cached prefix may be read only from those. A scheduler that
+        # has not yet seen this worker restart may still name blocks its previous life computed.
+        self.written_blocks = bytearray(self.num_blocks)
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
         # gets decodes in calls of similar lengths (decode_buckets); a kernel reading each sequence's own
@@ -164,6 +170,7 @@ class ModelRunner:
                               chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
         self.reset()
+        self.written_blocks[:] = bytes(self.num_blocks)  # scratch: no prefix of anyone's
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
@@ -189,7 +196,8 @@ class ModelRunner:
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
             stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
             bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
-            num_computed=s.num_cached,
+            num_computed=s.num_cached, cached_tokens=s.cached_tokens,
+            unchecked_cached=s.num_cached if s.cached_tokens else 0,
         )
 
     # ------------------------------------------------------------------ step
@@ -229,12 +237,31 @@ class ModelRunner:
                 seq.finished = True
                 events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem))
                 continue
+            if seq.unchecked_cached and not self._holds_prefix(c.block_table, seq.unchecked_cached):
+                # a prefix cached in this worker's previous life (the scheduler has not seen it restart):
+                # compute nothing over it; no token comes, and the scheduler recomputes the sequence
+                log.warning("told of a cached prefix this worker never computed; skipped", seq_id=c.seq_id,
+                            num_cached=seq.unchecked_cached, step_id=plan.step_id)
+                seq.finished = True
+                continue
+            seq.unchecked_cached = 0
             chunks.append(c)
+            self.mark_written(c.block_table[c.start_pos // self.block_size:
+                                            (c.start_pos + c.num_tokens - 1) // self.block_size + 1])
             seq.num_computed = c.start_pos + c.num_tokens
         if chunks:
             events.extend(self._run(chunks))
         num_tokens = sum(c.num_tokens for c in chunks)
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+
+    def mark_written(self, block_ids) -> None:
+        """Blocks whose KV this process wrote (a chunk) or received (a KV transfer)."""
+        for b in block_ids:
+            self.written_blocks[b] = 1
+
+    def _holds_prefix(self, block_table: list[int], num_cached: int) -> bool:
+        written = self.written_blocks
+        return all(written[b] for b in block_table[:num_cached // self.block_size])
 
     def _check_start(self, s) -> str | None:
         """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
@@ -340,5 +367,6 @@ class ModelRunner:
                                    self.max_model_len)
             if reason is not None:
                 seq.finished = True
-            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
+            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None,
+                                     cached_tokens=seq.cached_tokens if offset == 0 else 0))
         return events
