@@ -155,8 +155,8 @@ def spec_policy(k=3, adaptive=False, num_blocks=64, **kw):
     return WorkerPolicy(cfg)
 
 
-def submit(policy, rid, n_prompt=6, max_tokens=20):
-    policy.add_request(SubmitRequest(rid, "gw", list(range(1, n_prompt + 1)),
+def submit(policy, rid, n_prompt=6, max_tokens=20, first=1):
+    policy.add_request(SubmitRequest(rid, "gw", list(range(first, first + n_prompt)),
                                      SamplingParams(max_tokens=max_tokens, temperature=0.0)))
 
 
@@ -195,7 +195,7 @@ def test_drafts_never_plan_past_max_tokens_and_never_preempt():
     # a cache with no block to spare: the decode runs, its drafts get only what its table already holds
     tight = spec_policy(k=4, num_blocks=4)
     submit(tight, "b", n_prompt=7, max_tokens=8)
-    submit(tight, "c", n_prompt=7, max_tokens=8)
+    submit(tight, "c", n_prompt=7, max_tokens=8, first=20)  # no prefix shared with "b"
     tight.schedule()
     plan = tight.schedule()
     assert tight.num_preemptions == 0 and tight.num_free_blocks == 0 and len(plan.chunks) == 2
