@@ -26,7 +26,7 @@ from phaseserve.procs import parse_cpus
 
 log = structlog.get_logger("bench")
 
-WORKLOADS = ("random", "interference", "shared-prefix")
+WORKLOADS = ("random", "interference", "shared-prefix", "copy")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,11 +121,13 @@ def _vocab(args, model_dir: Path | None) -> workloads.Vocab | None:
 
 def build_specs(args, vocab):
     """(main specs, long spec or None) for the chosen workload."""
-    needs_vocab = args.workload in ("random", "shared-prefix", "interference")
+    needs_vocab = args.workload in ("random", "shared-prefix", "interference", "copy")
     if needs_vocab and vocab is None:
         raise ValueError(f"workload {args.workload!r} needs token ids: pass --tokenizer DIR or --vocab-size N")
     if args.workload == "random":
         return workloads.random_workload(vocab, args.num_prompts, args.input_len, args.output_len, args.seed), None
+    if args.workload == "copy":
+        return workloads.copy_workload(vocab, args.num_prompts, args.input_len, args.output_len, args.seed), None
     if args.workload == "shared-prefix":
         return workloads.shared_prefix_workload(vocab, args.num_prompts, args.prefix_len, args.input_len,
                                                 args.output_len, args.seed), None

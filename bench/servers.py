@@ -106,7 +106,7 @@ def max_model_len(model_dir: Path, cap: int = 4096) -> int:
 
 def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin: str | None = DEFAULT_VLLM,
                 threads: str = "auto", kv_cache_gib: int = 2, model_len: int | None = None,
-                dtype: str = "bfloat16") -> ServerProcess:
+                dtype: str = "bfloat16", extra: list[str] | None = None, log_stats: bool = False) -> ServerProcess:
     if not vllm_bin:
         raise FileNotFoundError(f"where is vLLM? pass --vllm-bin PATH/bin/vllm or set {VLLM_ENV}; "
                                 "`bash bench/setup_vllm.sh VENV_DIR` installs vLLM's CPU build into VENV_DIR")
@@ -115,7 +115,8 @@ def vllm_server(model_dir: Path, port: int, name: str, log_path: Path, vllm_bin:
                                 f"{VLLM_ENV})")
     cmd = [vllm_bin, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", name, "--dtype", dtype,
-           "--max-model-len", str(model_len or max_model_len(model_dir)), "--disable-log-stats"]
+           "--max-model-len", str(model_len or max_model_len(model_dir)),
+           *([] if log_stats else ["--disable-log-stats"]), *(extra or [])]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **vllm_thread_env(threads)}
     # vLLM runs from its own virtualenv: a PYTHONPATH pointing at this checkout would shadow its imports

@@ -100,6 +100,39 @@ def chat_workload(num_prompts: int, words: int, output_len: int, seed: int,
     return specs
 
 
+def stdlib_sources() -> list[Path]:
+    """Python's own standard library modules: real source text any machine running this has."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)
+
+
+def copy_workload(vocab: Vocab, num_prompts: int, input_len: int, output_len: int, seed: int) -> list[RequestSpec]:
+    """Prompts that ask to rewrite a piece of a standard-library module with comments and start the copy:
+    the answer mostly repeats the prompt (what prompt-lookup speculation is for). Each is `input_len` tokens:
+    the instruction, a window of the module's lines, and the window's first line again."""
+    _check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
+    if vocab.tokenizer is None:
+        raise ValueError("the copy workload tokenizes source text: pass --tokenizer DIR (or a local --model)")
+    rng = np.random.default_rng(seed)
+    files = stdlib_sources()
+    tok = vocab.tokenizer
+    head = tok.encode("# Rewrite the following Python code exactly, with a short comment above each "
+                      "function.\n\n").ids
+    specs = []
+    for _ in range(num_prompts):
+        lines = files[int(rng.integers(0, len(files)))].read_text(errors="replace").splitlines(keepends=True)
+        start = int(rng.integers(0, max(1, len(lines) - 40)))
+        window = "".join(lines[start:start + 400])
+        body = tok.encode(window).ids
+        first = tok.encode("\n# Rewritten:\n" + lines[start] if start < len(lines) else "\n").ids
+        keep = max(1, input_len - len(head) - len(first))
+        ids = [t for t in head + body[:keep] + first if t < vocab.size][:input_len]
+        specs.append(RequestSpec("completions", ids, len(ids), output_len))
+    return specs
+
+
 def long_prompt(vocab: Vocab, input_len: int, output_len: int, seed: int) -> RequestSpec:
     """The long prompt the interference workload injects every K seconds."""
     _check_positive(input_len=input_len, output_len=output_len)

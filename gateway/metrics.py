@@ -78,6 +78,18 @@ class GatewayMetrics:
         self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
                                         registry=r)
+        # speculative decoding, cumulative as the scheduler reports it (its live workers')
+        self.spec_slots = Gauge("phaseserve_spec_decode_num_draft_slots", "Draft tokens plans allowed, with "
+                                "their budget and blocks, whether the worker found a draft or not (scheduler)",
+                                registry=r)
+        self.spec_drafted = Gauge("phaseserve_spec_decode_num_draft_tokens", "Draft tokens verified "
+                                  "(speculative decoding; scheduler)", registry=r)
+        self.spec_accepted = Gauge("phaseserve_spec_decode_num_accepted_tokens", "Draft tokens kept "
+                                   "(speculative decoding; scheduler)", registry=r)
+        self.spec_rate = Gauge("phaseserve_spec_decode_acceptance_rate", "Kept / verified draft tokens", registry=r)
+        self.spec_rate_at = Gauge("phaseserve_spec_decode_acceptance_rate_per_position", "Kept / verified "
+                                  "draft tokens at each position of a run (1 = the first draft)", ["position"],
+                                  registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         # info gauges (always 1), one series per live worker: what it computes with, from its heartbeat
         self.worker_info = Gauge("phaseserve_worker_info", "A live worker: its role, host, activations' dtype "
@@ -112,6 +124,14 @@ class GatewayMetrics:
         for key, gauge in self.prefix_cache.items():
             gauge.set(stats.get(key, 0))
         self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
+        drafted, accepted = stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0)
+        self.spec_slots.set(stats.get("num_draft_slots", 0))
+        self.spec_drafted.set(drafted)
+        self.spec_accepted.set(accepted)
+        self.spec_rate.set(accepted / drafted if drafted else 0.0)
+        self.spec_rate_at.clear()
+        for j, (d, a) in enumerate(zip(stats.get("drafted_at", []), stats.get("accepted_at", []))):
+            self.spec_rate_at.labels(str(j + 1)).set(a / d if d else 0.0)
         self.stats_age.set(stats.get("updated_at", 0))
 
     def render(self) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from phaseserve.models import model_source
 from phaseserve.models.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
 from phaseserve.itl_target import ItlTarget, parse_itl_target
+from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
 def parse_size(text: str | int) -> int:
@@ -46,6 +47,13 @@ def parse_itl_target_arg(text: str | ItlTarget) -> ItlTarget:
     try:
         return parse_itl_target(text)
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    try:
+        return parse_speculative_config(text)
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -205,6 +213,13 @@ SETTINGS: list[Setting] = [
             "what is left under it, so they wait (their TTFT grows) instead of the streams' inter-token "
             "latency; off = no bound",
             ("scheduler", "up")),
+    Setting("speculative_config", "PHASESERVE_SPECULATIVE_CONFIG", None, parse_speculative_config_arg,
+            "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+            "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}, or {\"method\": \"draft_model\", \"model\": "
+            "PATH, \"num_speculative_tokens\": 3} (a model with the same tokenizer; its KV cache takes half of "
+            "--kv-cache-memory); each decode verifies up to that many tokens the worker proposes, and the scheduler chooses fewer (or none) per sequence and step from measured "
+            "acceptance and the worker's learned step cost (\"adaptive\": false: always the most); off when unset "
+            "(docs/speculative.md)", ("worker", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,

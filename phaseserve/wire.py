@@ -470,12 +470,19 @@ class ScheduledChunk(Row):
     KV block ids covering positions [0, start_pos + num_tokens); the scheduler
     owns allocation, the worker only writes where it is told. The worker samples
     a token when the chunk reaches the end of the sequence's known tokens.
+
+    A speculative decode (`num_draft` > 0) lets the worker verify up to `num_draft` tokens it proposes
+    after the sequence's last one, in this pass. Its position is the worker's: earlier steps in flight may
+    have accepted fewer than they were allowed, so `start_pos` is the highest it can be and `slack` how far
+    below that it may be; the block table covers start_pos + 1 + num_draft positions (docs/speculative.md).
     """
 
     seq_id: str
     start_pos: int
     num_tokens: int
     block_table: list[int]
+    num_draft: int = sent_if_set(0)
+    slack: int = sent_if_set(0)
 
 
 @dataclass
@@ -581,6 +588,12 @@ class StepResult(Message):
     step_time_s: float = 0.0
     epoch: int = 0  # the plan's epoch, echoed: a scheduler ignores results of another epoch's plans
     handoffs: list[KVHandoffResult] = sent_if_set(default_factory=list)  # how the plan's KVReceives went
+    # (tokens, keys, prefill chunks) the step ran, when that differs from its plan (speculative decodes
+    # verify as many tokens as the worker proposed): what the scheduler learns its step costs from
+    ran: list[int] = sent_if_set(default_factory=list)
+    # speculative decodes: seq id -> drafts the worker proposed and verified (its event's token_ids are
+    # those it kept, then the token drawn after them)
+    drafted: dict[str, int] = sent_if_set(default_factory=dict)
 
 
 @dataclass
@@ -617,6 +630,10 @@ class WorkerInfo(Message):
     # the model's vocabulary (embedding rows): the scheduler refuses a prompt with a token id outside
     # [0, vocab_size) before it reaches a batch (0 = unknown, as from older workers: not checked)
     vocab_size: int = 0
+    # speculative decoding (--speculative-config): the most tokens it verifies a step per sequence (0: off),
+    # and whether the scheduler chooses fewer by acceptance and step cost (docs/speculative.md)
+    speculative_tokens: int = sent_if_set(0)
+    speculative_fixed: bool = sent_if_set(False)
 
 
 # --------------------------------------------------------------- delivery (gateway side)

@@ -26,6 +26,7 @@ from phaseserve.wire import (
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts
+from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.cluster")
@@ -180,6 +181,7 @@ class Cluster:
             long_prefill_threshold=self.limits.long_prefill_threshold,
             itl_target=self.limits.itl_target, vocab_size=info.vocab_size,
             enable_prefix_caching=self.limits.enable_prefix_caching,
+            speculative_tokens=info.speculative_tokens, speculative_adaptive=not info.speculative_fixed,
         )
         self.adoptions += 1
         policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self.adoptions * STEP_IDS_PER_ADOPTION,
@@ -526,7 +528,7 @@ class Cluster:
         planned = features.pop(result.step_id, None)
         if planned is None or any(e.error for e in result.events):
             return
-        tokens, keys, prefill_chunks = planned
+        tokens, keys, prefill_chunks = result.ran if len(result.ran) == 3 else planned  # speculation: as run
         model = slot.step_costs
         model.observe(tokens, keys, result.step_time_s, prefill_chunks)
         slot.policy.step_costs = costs = model.costs
@@ -585,6 +587,7 @@ class Cluster:
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
             **self.prefix_cache_stats(),
+            **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
         }
 
     def prefix_cache_stats(self) -> dict:

@@ -46,6 +46,10 @@ class SchedulerConfig:
     vocab_size: int = 0
     # share the cached KV blocks of prompts' common prefixes (scheduler/prefix_caching.py)
     enable_prefix_caching: bool = True
+    # speculative decoding: the most drafts a decode may verify (the worker's WorkerInfo.speculative_tokens;
+    # 0 = off), and whether the policy chooses fewer per step by acceptance and step cost
+    speculative_tokens: int = 0
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -22,6 +22,8 @@ from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
 from scheduler.handoffs import HandoffBookkeeping
 from scheduler.prefix_caching import PrefixCacheBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
+from scheduler.speculation import SpeculationStats, VerifyCost
+from scheduler.speculative_steps import SpeculativeSteps
 from scheduler.step_cost import StepCosts
 from scheduler.step_results import StepResults
 
@@ -31,11 +33,12 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 
 
-class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
+class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, SpeculativeSteps):
     """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
     It applies step results as scheduler/step_results.py says, and phase workers hand sequences over
     (scheduler/handoffs.py) while `kv_transport` is set. Sequences share cached prefixes as
-    scheduler/prefix_caching.py says."""
+    scheduler/prefix_caching.py says; decodes speculate as scheduler/speculative_steps.py says when the
+    worker offers it."""
 
     def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0,
                  transfer_prefix: str = "t"):
@@ -73,6 +76,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
         self._num_steps_held_by_itl_target = 0
         self._num_prefix_queries = 0  # prefill tokens of sequence (re)starts, and those found cached
         self._num_prefix_hits = 0
+        self.spec_stats = SpeculationStats()
+        self.verify_cost = VerifyCost()
 
     # ------------------------------------------------------------------ requests
 
@@ -151,6 +156,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
         - A sequence is admitted only with blocks for its whole prefill above the watermark and the blocks
           promised to partial prefills, never in a step that preempted, and never restarted while a sample
           of it is in flight (its SeqStart carries every token the worker published).
+        - Speculation last (a worker that offers it): drafts for decodes in what prefill left of the budget,
+          never a promised block, chosen as scheduler/speculation.py says (docs/speculative.md).
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
@@ -158,6 +165,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
         self._reserve_head_of_queue(step, budget)
         self._schedule_prefill_chunks(step, budget)
         self._admit_waiting(step, budget)
+        self._plan_drafts(step, budget)
         self._note_itl_target(budget)
         return self._seal(step)
 
@@ -418,4 +426,5 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
             "prefix_cache_hits": self._num_prefix_hits,
             "prefix_cache_evictions": self.block_manager.num_evictions,
             "num_cached_blocks": self.block_manager.num_cached_blocks,
+            **self.spec_stats.as_stats(),
         }

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
+from scheduler.speculation import Acceptance
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +44,11 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_named_blocks: int = 0
     num_cached_tokens: int = 0
+    # speculative decoding (scheduler/speculative_steps.py): drafts allowed by the steps in flight, in
+    # total and per step id, and the measured acceptance the next steps' drafts are chosen by
+    num_inflight_drafts: int = 0
+    drafts_in_step: dict[int, int] = field(default_factory=dict)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
     def seq_id(self) -> str:
@@ -63,8 +69,8 @@ class Sequence:
 
     @property
     def num_planned_outputs(self) -> int:
-        """Outputs there will be once every planned step has reported."""
-        return len(self.output_ids) + self.num_inflight_samples
+        """Outputs there will be once every planned step has reported (at most: drafts may be rejected)."""
+        return len(self.output_ids) + self.num_inflight_samples + self.num_inflight_drafts
 
     @property
     def is_prefilling(self) -> bool:

@@ -32,7 +32,8 @@ class StepResults:
             lost = self._inflight.pop(old)
             if lost:
                 log.warning("step result missing; recomputing its sequences", step_id=old, num_seqs=len(lost))
-                self._settle(lost, set())
+                self._settle(lost, set(), old)
+        self._learn_verify_cost(result)
         planned = set(sampled)
         accepted: set[Sequence] = set()
         finished: list[str] = []
@@ -47,6 +48,7 @@ class StepResults:
                 continue
             seq.output_ids.extend(ev.token_ids)
             accepted.add(seq)
+            self._settle_drafts(seq, result.step_id, ev, result.drafted.get(ev.seq_id, 0))
             self._name_confirmed_blocks(seq)  # the positions before this token are in the cache
             if ev.finish_reason is None and self._at_limit(seq):
                 log.error("worker did not finish a sequence at its length limit; finishing it",
@@ -60,7 +62,7 @@ class StepResults:
                 finished.append(seq.seq_id)
             elif seq.awaiting_handoff:
                 self._ready_handoffs.append(seq)
-        self._settle(sampled, accepted)
+        self._settle(sampled, accepted, result.step_id)
         return finished
 
     def drop_step(self, step_id: int) -> bool:
@@ -70,7 +72,7 @@ class StepResults:
         if lost is None:
             return False
         log.warning("step given up; recomputing its sequences", step_id=step_id, num_seqs=len(lost))
-        self._settle(lost, set())
+        self._settle(lost, set(), step_id)
         return True
 
     def outputs_of(self, seq_id: str) -> list[int] | None:
@@ -78,10 +80,12 @@ class StepResults:
         seq = self._seqs.get(seq_id)
         return None if seq is None else seq.output_ids
 
-    def _settle(self, sampled: list[Sequence], accepted: set[Sequence]) -> None:
+    def _settle(self, sampled: list[Sequence], accepted: set[Sequence], step_id: int) -> None:
         """Close a step's expected samples; a live sequence whose sample never came is recomputed."""
         for seq in sampled:
             seq.num_inflight_samples -= 1
+            if seq not in accepted:
+                self._settle_drafts(seq, step_id, None)
             if seq in accepted or self._seqs.get(seq.seq_id) is not seq:
                 continue
             log.warning("planned token never reported; recomputing the sequence", seq_id=seq.seq_id)

@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class WorkerThread:
-    def __init__(self, model_dir, url: str, keys: Keys, worker_id: str, num_blocks: int = 64, **service_kw):
-        runner = ModelRunner(model_dir, num_blocks=num_blocks)
+    def __init__(self, model_dir, url: str, keys: Keys, worker_id: str, num_blocks: int = 64, speculative=None,
+                 **service_kw):
+        runner = ModelRunner(model_dir, num_blocks=num_blocks, speculative=speculative)
         kw = dict(heartbeat_interval=0.1, heartbeat_ttl=0.6, block_ms=20) | service_kw
         self.service = WorkerService(runner, url, keys, worker_id, **kw)
         self.error: Exception | None = None

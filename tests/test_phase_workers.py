@@ -51,8 +51,8 @@ def model(request, tmp_path_factory):
     return path, ps, reference
 
 
-async def run_topology(model_dir, ps, url, keys, roles, kv_transport="auto", worker_hook=None):
-    workers = [WorkerThread(model_dir, url, keys, f"{role}{i}", num_blocks=96, role=role)
+async def run_topology(model_dir, ps, url, keys, roles, kv_transport="auto", worker_hook=None, speculative=None):
+    workers = [WorkerThread(model_dir, url, keys, f"{role}{i}", num_blocks=96, role=role, speculative=speculative)
                for i, role in enumerate(roles)]
     if worker_hook:
         worker_hook(workers)
@@ -95,6 +95,33 @@ async def test_greedy_outputs_do_not_depend_on_the_topology(model, topology, red
         assert workers[0].service.handoffs.num_sent == {"redis" if transport == "redis" else "shm": len(ps)}
     else:
         assert st["handoff_sequences"] == 0
+
+
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+async def test_speculative_greedy_outputs_do_not_depend_on_the_topology(model, topology, redis_server):
+    """Every worker speculates (the full k every step, two plans in flight); a decode worker verifies the
+    drafts of the sequences handed to it. The streams equal the reference without speculation."""
+    model_dir, ps, reference = model
+    roles = TOPOLOGIES[topology]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    outputs, st, gw, workers = await run_topology(model_dir, ps, redis_server, Keys("ps"), roles, speculative=spec)
+    assert outputs == reference
+    assert gw.conflicts == 0 and gw.duplicates == 0
+    assert st["num_draft_tokens"] > 0  # with phase workers, every decode (so every draft) ran on a decode worker
+    if "decode" in roles:
+        assert st["handoff_sequences"] == len(ps)
+
+
+async def test_a_decode_worker_with_a_draft_model_gives_the_reference(model, redis_server):
+    """The decode worker's draft model never saw the prompts (they were prefilled elsewhere): it catches up
+    over each handed-in sequence's tokens before its first draft."""
+    model_dir, ps, reference = model
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False}
+    outputs, st, gw, _ = await run_topology(model_dir, ps, redis_server, Keys("pd"), ("prefill", "decode"),
+                                            speculative=spec)
+    assert outputs == reference
+    assert gw.conflicts == 0 and gw.duplicates == 0
+    assert st["num_accepted_tokens"] >= 0.9 * st["num_draft_tokens"] > 0
 
 
 async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_server):

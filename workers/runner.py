@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from phaseserve.params import SamplingParams, finish_reason
+from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
@@ -24,6 +25,7 @@ from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
+from workers.speculation import NgramDrafts, accepted_run
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +103,7 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
         num_threads: int | None = None, quantization: str = "auto",
+        speculative: SpeculativeConfig | dict | str | None = None,
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -132,12 +135,23 @@ class ModelRunner:
             release_free_heap()  # float weights converted at load (quantized) are gone: return their memory
         if num_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_KV_CACHE_BYTES
+        spec = parse_speculative_config(speculative)  # also a dict or vLLM's JSON
+        if spec is not None and spec.method == "draft_model" and num_blocks is None:
+            kv_cache_memory_bytes //= 2  # the draft model's cache has as many blocks (workers/draft_model.py)
         self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
                           num_blocks=num_blocks, memory_bytes=kv_cache_memory_bytes, dtype=self.dtype,
                           device=self.device)
         self.num_blocks = self.kv.num_blocks
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
+        self.speculative = spec
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            from workers.draft_model import DraftModelDrafts  # loads a second model: only when asked for
+
+            self.proposer = DraftModelDrafts(self, spec.model, spec.quantization)
         self.seqs: dict[str, SequenceState] = {}
         # blocks this process wrote (or received): a cached prefix may be read only from those. A scheduler that
         # has not yet seen this worker restart may still name blocks its previous life computed.
@@ -171,6 +185,8 @@ class ModelRunner:
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
         self.reset()
         self.written_blocks[:] = bytes(self.num_blocks)  # scratch: no prefix of anyone's
+        if self.proposer is not None:
+            self.proposer.warm_up()
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
@@ -205,6 +221,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every sequence (a new scheduler or adoption owns this worker's blocks now)."""
         self.seqs.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -212,8 +230,12 @@ class ModelRunner:
             self.reset()
         for seq_id in plan.releases:
             self.seqs.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(seq_id)
         events: list[TokenEvent] = []
         for s in plan.starts:
+            if self.proposer is not None:
+                self.proposer.forget(s.seq_id)
             self._start(s)
             problem = self._check_start(s)
             if problem:  # fails this sequence alone: its chunks are skipped below, the batch runs
@@ -221,10 +243,17 @@ class ModelRunner:
                 self.seqs[s.seq_id].finished = True
                 events.append(TokenEvent(s.seq_id, len(s.output_ids), [], "error", None, problem))
         chunks: list[ScheduledChunk] = []
+        wants: dict[str, tuple[list[int], int, list[int]]] = {}  # seq id -> (tokens, most drafts, block table)
         for c in plan.chunks:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
                 continue  # planned one step ahead of a finish, or already released
+            if (c.num_draft or c.slack) and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
+                # a decode with drafts in flight or its own: earlier steps may have kept fewer drafts than the
+                # plan allowed for, so it runs from where this sequence is (its blocks cover the highest start)
+                c, room = self._verify_chunk(c, seq)
+                if room > 0:
+                    wants[c.seq_id] = (seq.token_ids, room, c.block_table)
             if c.start_pos != seq.num_computed:
                 # a plan before this one never reached us (lost from its stream): this chunk's context is
                 # missing from the cache. Run nothing for it; the scheduler sees no sample and recomputes it.
@@ -246,13 +275,42 @@ class ModelRunner:
                 continue
             seq.unchecked_cached = 0
             chunks.append(c)
+            seq.num_computed = c.start_pos + c.num_tokens  # a verification's is set by what it keeps
+        drafts = self._propose(wants, chunks)
+        for c in chunks:  # with their drafts
             self.mark_written(c.block_table[c.start_pos // self.block_size:
                                             (c.start_pos + c.num_tokens - 1) // self.block_size + 1])
-            seq.num_computed = c.start_pos + c.num_tokens
         if chunks:
-            events.extend(self._run(chunks))
+            events.extend(self._run(chunks, drafts))
         num_tokens = sum(c.num_tokens for c in chunks)
-        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+        # a speculating worker reports every step's shape: the scheduler learns a verification's extra cost
+        # against the steps without one
+        ran = step_shape(chunks, drafts) if self.proposer is not None else []
+        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
+                          drafted={seq_id: len(d) for seq_id, d in drafts.items()})
+
+    def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, int]:
+        """A speculative decode as run: a decode from the sequence's own position, and the most drafts it may
+        verify (the plan's num_draft, and none past its blocks, max_model_len or max_tokens)."""
+        start = seq.num_computed
+        if start != len(seq.token_ids) - 1 or self.proposer is None:
+            return ScheduledChunk(c.seq_id, start, 1, c.block_table), 0
+        room = min(c.num_draft, len(c.block_table) * self.block_size - start - 1,
+                   self.max_model_len - start - 1, seq.params.max_tokens - seq.num_outputs - 1)
+        return ScheduledChunk(c.seq_id, start, 1, c.block_table), room
+
+    def _propose(self, wants: dict[str, tuple[list[int], int, list[int]]],
+                 chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
+        """The drafts of the step's speculative decodes (all proposed at once: a draft model batches them),
+        each decode's chunk grown by its drafts."""
+        if not wants:
+            return {}
+        drafts = self.proposer.propose(wants)
+        for i, c in enumerate(chunks):
+            d = drafts.get(c.seq_id)
+            if d:
+                chunks[i] = ScheduledChunk(c.seq_id, c.start_pos, 1 + len(d), c.block_table)
+        return drafts
 
     def mark_written(self, block_ids) -> None:
         """Blocks whose KV this process wrote (a chunk) or received (a KV transfer)."""
@@ -296,7 +354,8 @@ class ModelRunner:
                               torch.tensor(ends, dtype=torch.int32, device=d),
                               torch.tensor(qsl, dtype=torch.int32, device=d), max(counts))
 
-    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, list[ScheduledChunk]]:
+    def _inputs(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]
+                ) -> tuple[StepInputs, list[ScheduledChunk]]:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers (int32 where the
         kernels read int32, so no layer converts anything). Plain Python lists and one torch.tensor per
         input: between two forward passes the caches are cold, and there this costs ~105 us a 16-decode step
@@ -316,7 +375,12 @@ class ModelRunner:
             tokens = seqs[c.seq_id].token_ids
             start = c.start_pos
             end = start + c.num_tokens
-            ids += tokens[start:end]
+            d = drafts.get(c.seq_id)
+            if d:  # a verification: the last token, then the drafts; every row is sampled
+                ids.append(tokens[start])
+                ids += d
+            else:
+                ids += tokens[start:end]
             table = c.block_table
             if end - start == 1:
                 positions.append(start)
@@ -326,7 +390,9 @@ class ModelRunner:
                 for b in range(start // bs, (end - 1) // bs + 1):  # the chunk's slots, block by block
                     first = table[b] * bs
                     slots += range(first + max(start - b * bs, 0), first + min(end - b * bs, bs))
-            if end == len(tokens):
+            if d:
+                sample_rows += range(len(ids) - len(d) - 1, len(ids))
+            elif end == len(tokens):
                 sample_rows.append(len(ids) - 1)
         nd = len(decodes)
         if self._split_decodes:
@@ -350,23 +416,57 @@ class ModelRunner:
         return inp, ordered
 
     @torch.inference_mode()
-    def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
-        inp, ordered = self._inputs(chunks)
-        sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
+    def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:
+        inp, ordered = self._inputs(chunks, drafts)
+        seqs = self.seqs
+        sampling = [(seqs[c.seq_id], drafts.get(c.seq_id, ())) for c in ordered
+                    if c.seq_id in drafts or c.start_pos + c.num_tokens == len(seqs[c.seq_id].token_ids)]
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
-        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor, s.bias)
-                for s in sampling]
+        rows = []
+        for s, d in sampling:
+            rows.append(SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor,
+                                  s.bias))
+            # each draft's position is drawn as decoding would draw it there: its output offset, and the
+            # drafts before it counted as outputs (penalties, min_tokens)
+            rows += [SampleRow(s.params, s.num_outputs + j, s.token_ids + list(d[:j]), s.prompt_len, s.stop_ids,
+                               s.stop_tensor, s.bias) for j in range(1, len(d) + 1)]
         out = self.sampler(logits, rows)
         events = []
-        for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+        r = 0
+        for seq, d in sampling:
+            draws = out.token_ids[r:r + len(d) + 1]
+            lps = out.logprobs[r:r + len(d) + 1]
+            r += len(d) + 1
+            kept = draws[:accepted_run(list(d), draws) + 1]
             offset = seq.num_outputs
-            seq.token_ids.append(tok)
-            reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
-                                   self.max_model_len)
-            if reason is not None:
-                seq.finished = True
-            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None,
+            reason = None
+            n = 0
+            for tok in kept:  # a stop token or the length limit inside an accepted run ends it there
+                seq.token_ids.append(tok)
+                n += 1
+                reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
+                                       self.max_model_len)
+                if reason is not None:
+                    seq.finished = True
+                    break
+            if d:
+                self.proposer.kept(seq.seq_id, len(seq.token_ids) - n, n - 1)
+                seq.num_computed = len(seq.token_ids) - 1
+            events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason, lps[:n] if lps[0] is not None else None,
                                      cached_tokens=seq.cached_tokens if offset == 0 else 0))
         return events
+
+
+def step_shape(chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[int]:
+    """[tokens, keys, prefill chunks] of the chunks a step ran (the scheduler's step-cost features). A
+    verification is not counted as a prefill chunk: the scheduler learns what one costs beyond its tokens on
+    its own (scheduler/speculative_steps.py), and the prefill chunks' cost stays that of prefills."""
+    tokens = keys = prefills = 0
+    for c in chunks:
+        n, s = c.num_tokens, c.start_pos
+        tokens += n
+        keys += n * s + n * (n + 1) // 2
+        prefills += n > 1 and c.seq_id not in drafts
+    return [tokens, keys, prefills]

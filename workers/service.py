@@ -77,6 +77,8 @@ class WorkerService:
             started_at=time.time(), attention_horizon=runner.attention_horizon, host=socket.gethostname(),
             dtype=dtype, cpu_level=cpu_level, kernels=implementations,
             vocab_size=runner.vocab_size,
+            speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
+            speculative_fixed=bool(runner.speculative and not runner.speculative.adaptive),
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
                              kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None,
-                             quantization=args.quantization)
+                             quantization=args.quantization, speculative=args.speculative_config)
     except KeyboardInterrupt:
         log.info("stopped during model load")
         return 0

@@ -22,7 +22,7 @@ from workers.runner import ModelRunner
 log = structlog.get_logger(__name__)
 
 _RUNNER_SETTINGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory_bytes", "max_model_len", "seed",
-                    "num_threads", "quantization")
+                    "num_threads", "quantization", "speculative")
 _SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark",
                        "attention_horizon", "long_prefill_threshold", "enable_prefix_caching")
 
@@ -39,10 +39,10 @@ class Completion:
 
 class Engine:
     """`Engine(model_dir, **settings)`: runner settings (dtype, device, block_size, num_blocks,
-    kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization) and scheduler settings (max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, watermark, long_prefill_threshold, enable_prefix_caching,
-    attention_horizon: None or absent = the runner's estimate for the model, 0 = every token costs 1 budget
-    unit)."""
+    kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization, speculative: a SpeculativeConfig, its
+    dict or JSON) and scheduler settings (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+    watermark, long_prefill_threshold, enable_prefix_caching, attention_horizon: None or absent = the runner's
+    estimate for the model, 0 = every token costs 1 budget unit)."""
 
     def __init__(self, model_dir: str | Path, **settings):
         unknown = set(settings) - set(_RUNNER_SETTINGS) - set(_SCHEDULER_SETTINGS)
@@ -53,8 +53,11 @@ class Engine:
         policy = {k: v for k, v in settings.items() if k in _SCHEDULER_SETTINGS}
         if policy.get("attention_horizon") is None:
             policy["attention_horizon"] = r.attention_horizon  # as the service does with WorkerInfo's
+        spec = r.speculative
         self.scheduler = WorkerPolicy(SchedulerConfig(
-            num_blocks=r.num_blocks, block_size=r.block_size, max_model_len=r.max_model_len, **policy))
+            num_blocks=r.num_blocks, block_size=r.block_size, max_model_len=r.max_model_len,
+            speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_adaptive=spec.adaptive if spec else True, **policy))
         self.tokenizer = None
         tok_path = Path(model_dir) / "tokenizer.json"
         if tok_path.is_file():
