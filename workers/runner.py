@@ -8,7 +8,9 @@ batch. Block ids come from the plan; the runner never allocates any.
 from __future__ import annotations
 
 import itertools
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import structlog
 import torch
 
 import kernels
+from phaseserve import grammar
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
@@ -85,6 +88,8 @@ class SequenceState:
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
+    # a constrained sequence's matcher, built on the grammar thread (GrammarMatcher once it is done)
+    matcher: Future | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -135,6 +140,10 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
         self.seqs: dict[str, SequenceState] = {}
+        # grammar matchers are built and their masks computed on this thread, while the forward pass runs
+        self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.grammar_mask_seconds: list[float] = []  # per constrained token since the last step result
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
         # gets decodes in calls of similar lengths (decode_buckets); a kernel reading each sequence's own
@@ -188,13 +197,45 @@ class ModelRunner:
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
             stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
             num_computed=s.num_cached,
+            matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
         )
+
+    def _matcher(self, spec, output_ids: list[int]) -> grammar.GrammarMatcher:
+        """On the grammar thread: the sequence's matcher, advanced over the outputs it already has."""
+        tokenizer = grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+        return grammar.GrammarMatcher(spec, tokenizer, output_ids)
+
+    def _masks(self, futures: list[Future]) -> tuple[torch.Tensor | None, list[str | None]]:
+        """On the grammar thread: the allowed tokens of each constrained row ([B, vocab] bool), and per row
+        the error of a matcher that could not be built or advanced (None: fine)."""
+        matchers, errors = [], []
+        for f in futures:
+            try:
+                m = f.result()
+                errors.append(m.error)
+            except Exception as e:  # the gateway checked the grammar: this is a worker-side failure
+                m, _ = None, errors.append(f"grammar: {e}")
+            matchers.append(m)
+        ok = [m for m, e in zip(matchers, errors) if e is None]
+        masks = grammar.allocate_masks(len(matchers), self.vocab_size)
+        if ok:
+            rows = torch.tensor([i for i, e in enumerate(errors) if e is None])
+            part = masks[rows].contiguous()
+            seconds = grammar.fill_masks(ok, part)
+            masks[rows] = part
+            self.grammar_mask_seconds += [seconds / len(ok)] * len(ok)
+        return grammar.allowed_tokens(masks, self.vocab_size), errors
 
     # ------------------------------------------------------------------ step
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler or adoption owns this worker's blocks now)."""
         self.seqs.clear()
+
+    def take_grammar_masks(self) -> list[float]:
+        """StepResult.grammar_masks of the masks computed since the last call ([] when none)."""
+        seconds, self.grammar_mask_seconds = self.grammar_mask_seconds, []
+        return grammar.mask_histogram(seconds) if seconds else []
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -232,7 +273,8 @@ class ModelRunner:
         if chunks:
             events.extend(self._run(chunks))
         num_tokens = sum(c.num_tokens for c in chunks)
-        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0)
+        return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0,
+                          grammar_masks=self.take_grammar_masks())
 
     def _check_start(self, s) -> str | None:
         """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
@@ -324,19 +366,45 @@ class ModelRunner:
     def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
         inp, ordered = self._inputs(chunks)
         sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
+        constrained = [i for i, s in enumerate(sampling) if s.matcher is not None]
+        # the masks depend only on the tokens so far: computed while the forward pass runs
+        masks = self._grammar_thread.submit(self._masks, [sampling[i].matcher for i in constrained]) \
+            if constrained else None
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
         rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
                 for s in sampling]
+        errors: dict[int, str] = {}
+        if masks is not None:
+            allowed, row_errors = masks.result()
+            for j, i in enumerate(constrained):
+                rows[i].allowed = allowed[j]
+                if row_errors[j] is not None:
+                    errors[i] = row_errors[j]
         out = self.sampler(logits, rows)
         events = []
-        for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+        for i, (seq, tok, lp) in enumerate(zip(sampling, out.token_ids, out.logprobs)):
             offset = seq.num_outputs
+            if i in errors:
+                log.error("grammar failed", seq_id=seq.seq_id, error=errors[i])
+                seq.finished = True
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, errors[i]))
+                continue
             seq.token_ids.append(tok)
             reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
                                    self.max_model_len)
+            if seq.matcher is not None and reason is None:
+                matcher = seq.matcher.result()
+                if not matcher.advance(tok):
+                    reason = "error"
+                elif matcher.is_stopped:  # the document is complete: nothing but EOS could follow
+                    reason = "stop"
             if reason is not None:
                 seq.finished = True
+            if reason == "error":
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None,
+                                         f"grammar: {seq.matcher.result().error}"))
+                continue
             events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
         return events
