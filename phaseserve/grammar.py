@@ -16,6 +16,7 @@ llguidance grammar, a matcher follows the sampled tokens, and its bitmask says w
 from __future__ import annotations
 
 import json
+import re
 import time
 from functools import lru_cache
 
@@ -90,9 +91,10 @@ def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> float:
 
 
 def _first_line(error: str) -> str:
-    # the engine appends its parser state and the grammar it compiled: the first lines name the problem
-    lines = [ln for ln in error.strip().splitlines() if ln.strip()]
-    return " ".join(lines[:3])[:500] if lines else "the grammar does not compile"
+    # the engine may append its parser state and the grammar it compiled: what comes before names the problem
+    head = re.split(r"\n\s*<(?:state|grammar)>", error.strip(), maxsplit=1)[0]
+    lines = [ln.strip() for ln in head.splitlines() if ln.strip() and not re.match(r"^\d+ \|", ln.strip())]
+    return " ".join(lines)[:500] or "the grammar does not compile"
 
 
 class GrammarMatcher:
@@ -100,9 +102,8 @@ class GrammarMatcher:
 
     def __init__(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, output_ids: list[int] = ()):
         self.matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0)
-        if output_ids and not self.matcher.consume_tokens(list(output_ids)):
-            pass  # is_error says so; the sequence fails where its runner checks
-        self.tokenizer = tokenizer
+        if output_ids:  # a token the grammar refuses leaves `error` set: the runner fails that sequence
+            self.matcher.consume_tokens(list(output_ids))
 
     @property
     def error(self) -> str | None:
