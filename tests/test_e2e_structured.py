@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import urllib.request
 
 import jsonschema
 import openai
 import pytest
 
 from bench.grammar_schemas import NESTED
-from e2e_stack import running_stack
+from e2e_stack import running_stack, wait_for
 from phaseserve import settings
 
 RUNS = 20
@@ -183,3 +184,31 @@ def test_malformed_forms_are_400s_while_other_streams_go_on(served):
     t.join(120)
     jsonschema.validate(json.loads(result["text"]), NESTED)
     assert client.models.list().data  # healthy
+
+
+def test_metrics_show_compile_and_mask_times(served):
+    stack, client = served
+    client.chat.completions.create(model=stack.model, messages=PET_MESSAGES, max_tokens=300, temperature=1.0,
+                                   response_format=_schema_format(NESTED))
+    text = wait_for(lambda: _metric_text(stack, "phaseserve_grammar_mask_seconds_count"), 10)
+    assert text, "no mask time in /metrics"
+    assert float(text.split()[-1]) > 0
+    compiled = _metric_text(stack, "phaseserve_grammar_compile_seconds_count")
+    assert compiled and float(compiled.split()[-1]) > 0
+
+
+def _metric_text(stack, name: str) -> str | None:
+    body = urllib.request.urlopen(stack.base_url + "/metrics", timeout=10).read().decode()
+    line = next((ln for ln in body.splitlines() if ln.startswith(name)), None)
+    return line if line and float(line.split()[-1]) > 0 else None
+
+
+def test_a_handed_over_sequence_keeps_its_grammar(tmp_path):
+    """Prefill worker samples the first token, the decode worker rebuilds the matcher from it and goes on."""
+    with running_stack(settings.bundled_model_path(), tmp_path, prefill_workers=1, decode_workers=1) as stack:
+        with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=300) as client:
+            r = client.chat.completions.create(model=stack.model, messages=PET_MESSAGES, n=8, temperature=1.0,
+                                               max_tokens=300, seed=21, response_format=_schema_format(NESTED))
+            for c in r.choices:
+                jsonschema.validate(json.loads(c.message.content), NESTED)
+        assert stack.scheduler_stats().get("handoff_sequences", 0) >= 8
