@@ -158,10 +158,10 @@ def fill_masks(matchers: list[GrammarMatcher], masks: torch.Tensor) -> float:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bitmask rows [B, W] -> bool [B, vocab_size]: True where a token is allowed."""
+def disallowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask rows [B, W] -> bool [B, vocab_size]: True where a token is forbidden."""
     bits = (masks.unsqueeze(-1) >> _BITS) & 1
-    return bits.view(masks.shape[0], -1)[:, :vocab_size].bool()
+    return bits.view(masks.shape[0], -1)[:, :vocab_size] == 0
 
 
 def mask_histogram(seconds: list[float]) -> list[float]:

@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from bench.grammar_schemas import NESTED
 from gateway import protocol as P
@@ -21,6 +22,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import GrammarSpec, SeqStart, SubmitRequest
 from runner_driver import run
 from workers.runner import ModelRunner
+from workers.sampler import SampleRow, Sampler
 
 BUNDLED = settings.bundled_model_path()
 
@@ -230,3 +232,23 @@ def test_plan_tools_renders_checks_and_forces(tokenizer):
         assert e.value.param == param
     with pytest.raises(APIError, match="no assistant message"):
         plan_tools(_chat(), [history[0], history[2]], parser, template)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_masks_constrained_rows_only_and_leaves_the_logits_alone(dtype):
+    V = 64
+    logits = torch.randn(3, V).to(dtype)
+    before = logits.clone()
+    forbid = torch.ones(V, dtype=torch.bool)
+    forbid[5] = False
+    params = SamplingParams(temperature=1.0, logprobs=0)
+    rows = [SampleRow(params, 0, [1], 1, frozenset(), disallowed=forbid), SampleRow(params, 0, [1], 1, frozenset()),
+            SampleRow(SamplingParams(temperature=0.0), 0, [1], 1, frozenset(), disallowed=forbid)]
+    for _ in range(5):
+        out = Sampler(V)(logits, rows)
+        assert out.token_ids[0] == 5 and out.token_ids[2] == 5
+    assert torch.equal(logits, before)  # logprobs are read from the caller's logits: never masked in place
+    both = logits[[0, 2]]
+    kept = both.clone()
+    only = Sampler(V)(both, [rows[0], rows[2]])  # every row constrained: the masked copy is made in one pass
+    assert only.token_ids == [5, 5] and torch.equal(both, kept)

@@ -206,7 +206,7 @@ class ModelRunner:
         return grammar.GrammarMatcher(spec, tokenizer, output_ids)
 
     def _masks(self, futures: list[Future]) -> tuple[torch.Tensor | None, list[str | None]]:
-        """On the grammar thread: the allowed tokens of each constrained row ([B, vocab] bool), and per row
+        """On the grammar thread: the forbidden tokens of each constrained row ([B, vocab] bool), and per row
         the error of a matcher that could not be built or advanced (None: fine)."""
         matchers, errors = [], []
         for f in futures:
@@ -224,7 +224,7 @@ class ModelRunner:
             seconds = grammar.fill_masks(ok, part)
             masks[rows] = part
             self.grammar_mask_seconds += [seconds / len(ok)] * len(ok)
-        return grammar.allowed_tokens(masks, self.vocab_size), errors
+        return grammar.disallowed_tokens(masks, self.vocab_size), errors
 
     # ------------------------------------------------------------------ step
 
@@ -377,9 +377,9 @@ class ModelRunner:
                 for s in sampling]
         errors: dict[int, str] = {}
         if masks is not None:
-            allowed, row_errors = masks.result()
+            disallowed, row_errors = masks.result()
             for j, i in enumerate(constrained):
-                rows[i].allowed = allowed[j]
+                rows[i].disallowed = disallowed[j]
                 if row_errors[j] is not None:
                     errors[i] = row_errors[j]
         out = self.sampler(logits, rows)

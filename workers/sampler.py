@@ -41,8 +41,8 @@ class SampleRow:
     stop_ids: frozenset[int]  # eos + stop_token_ids: masked while min_tokens is not reached
     # stop_ids as a tensor (stop_id_tensor), built once per sequence by its owner, not on every step
     stop_tensor: torch.Tensor | None = None
-    # a constrained sequence: bool [V], True where its grammar allows the token (phaseserve.grammar)
-    allowed: torch.Tensor | None = None
+    # a constrained sequence: bool [V], True where its grammar forbids the token (phaseserve.grammar)
+    disallowed: torch.Tensor | None = None
 
     def stop_id_tensor(self, vocab_size: int) -> torch.Tensor:
         return self.stop_tensor if self.stop_tensor is not None else stop_id_tensor(self.stop_ids, vocab_size)
@@ -70,8 +70,8 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Repetition (prompt + output tokens, vLLM/HF rule), frequency and presence (output tokens)
-        penalties, and min_tokens masking, for the rows that ask for them: fp32 logits then, else `logits`
-        itself (any dtype)."""
+        penalties, the grammar's mask and min_tokens masking, for the rows that ask for them: fp32 logits
+        then (a copy), else `logits` itself (any dtype)."""
         idx = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
                or r.params.presence_penalty != 0.0]
@@ -91,13 +91,17 @@ class Sampler:
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
             x = x - freq * out_counts - pres * (out_counts > 0).float()
             logits = logits.index_copy(0, sel, x)
-        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        constrained = [i for i, r in enumerate(rows) if r.disallowed is not None]
         if constrained:  # after the penalties, before temperature and top-k/p: the grammar has the last word
             dev = logits.device
-            allowed = torch.stack([rows[i].allowed for i in constrained]).to(dev)
-            sel = torch.tensor(constrained, device=dev)
-            logits = logits.float()
-            logits = logits.index_copy(0, sel, logits[sel].masked_fill(~allowed, float("-inf")))
+            if not idx:  # still the caller's tensor (logprobs read it): mask a float copy
+                logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            if len(constrained) == len(rows):  # in place, one pass
+                logits.masked_fill_(torch.stack([r.disallowed for r in rows]).to(dev), float("-inf"))
+            else:
+                sel = torch.tensor(constrained, device=dev)
+                forbid = torch.stack([rows[i].disallowed for i in constrained]).to(dev)
+                logits[sel] = logits[sel].masked_fill_(forbid, float("-inf"))
         masked = [(i, r.stop_id_tensor(self.vocab_size)) for i, r in enumerate(rows)
                   if r.offset < r.params.min_tokens and r.stop_ids]
         masked = [(i, ids) for i, ids in masked if len(ids)]
