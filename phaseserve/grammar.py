@@ -160,8 +160,8 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 def disallowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bitmask rows [B, W] -> bool [B, vocab_size]: True where a token is forbidden."""
-    bits = (masks.unsqueeze(-1) >> _BITS) & 1
-    return bits.view(masks.shape[0], -1)[:, :vocab_size] == 0
+    bits = (masks.unsqueeze(-1) >> _BITS).bitwise_and_(1)
+    return bits.view(masks.shape[0], -1)[:, :vocab_size].logical_not()
 
 
 def mask_histogram(seconds: list[float]) -> list[float]:

@@ -140,7 +140,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(cfg.vocab_size, seed)
         self.seqs: dict[str, SequenceState] = {}
-        # grammar matchers are built and their masks computed on this thread, while the forward pass runs
+        # grammar matchers are built on this thread (a large grammar, or a recomputed sequence's rebuild over
+        # many outputs, takes a while), beside the steps of the other sequences
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.grammar_mask_seconds: list[float] = []  # per constrained token since the last step result
@@ -205,9 +206,9 @@ class ModelRunner:
         tokenizer = grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
         return grammar.GrammarMatcher(spec, tokenizer, output_ids)
 
-    def _masks(self, futures: list[Future]) -> tuple[torch.Tensor | None, list[str | None]]:
-        """On the grammar thread: the forbidden tokens of each constrained row ([B, vocab] bool), and per row
-        the error of a matcher that could not be built or advanced (None: fine)."""
+    def _masks(self, futures: list[Future]) -> tuple[torch.Tensor, list[str | None]]:
+        """The forbidden tokens of each constrained row ([B, vocab] bool), and per row the error of a matcher
+        that could not be built or advanced (None: fine). Waits for matchers still being built."""
         matchers, errors = [], []
         for f in futures:
             try:
@@ -218,11 +219,14 @@ class ModelRunner:
             matchers.append(m)
         ok = [m for m, e in zip(matchers, errors) if e is None]
         masks = grammar.allocate_masks(len(matchers), self.vocab_size)
-        if ok:
+        if len(ok) == len(matchers):
+            seconds = grammar.fill_masks(ok, masks)
+        elif ok:  # a failed row keeps everything allowed; it is not sampled from
             rows = torch.tensor([i for i, e in enumerate(errors) if e is None])
             part = masks[rows].contiguous()
             seconds = grammar.fill_masks(ok, part)
             masks[rows] = part
+        if ok:
             self.grammar_mask_seconds += [seconds / len(ok)] * len(ok)
         return grammar.disallowed_tokens(masks, self.vocab_size), errors
 
@@ -367,9 +371,11 @@ class ModelRunner:
         inp, ordered = self._inputs(chunks)
         sampling = [self.seqs[c.seq_id] for c in ordered if c.start_pos + c.num_tokens == len(self.seqs[c.seq_id].token_ids)]
         constrained = [i for i, s in enumerate(sampling) if s.matcher is not None]
-        # the masks depend only on the tokens so far: computed while the forward pass runs
-        masks = self._grammar_thread.submit(self._masks, [sampling[i].matcher for i in constrained]) \
-            if constrained else None
+        # The masks depend only on the tokens so far. They are computed here, before the forward pass, by
+        # llguidance's threads without the GIL. Computing them on the grammar thread during the forward pass
+        # cost more CPU a step (the two threads hand the GIL to each other), and a worker's core has no idle
+        # time for an overlap to fill (docs/decisions.md, "Structured outputs").
+        masks = self._masks([sampling[i].matcher for i in constrained]) if constrained else None
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
         if not sampling:
             return []
@@ -377,7 +383,7 @@ class ModelRunner:
                 for s in sampling]
         errors: dict[int, str] = {}
         if masks is not None:
-            disallowed, row_errors = masks.result()
+            disallowed, row_errors = masks
             for j, i in enumerate(constrained):
                 rows[i].disallowed = disallowed[j]
                 if row_errors[j] is not None:
