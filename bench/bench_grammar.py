@@ -6,6 +6,10 @@ no cache helps), and the time of one token mask, walking a matcher through the t
 valid instance (mask, then consume the next token: what a sampler does per step).
 
     python -m bench.bench_grammar [--rounds 3] [--engines llguidance,xgrammar]
+
+`--step-cost` measures instead what the masks cost a worker: process CPU seconds of a decode step of 16
+sequences on the default model, all free against all constrained by NESTED, alternating rounds (CPU
+time, not wall time, so other load on the machine does not blur it).
 """
 
 from __future__ import annotations
@@ -102,13 +106,56 @@ def run(tokenizer: Tokenizer, engine_name: str, rounds: int) -> dict:
             "schemas": len(_instances()), "masks": len(mask_us)}
 
 
+def step_cost(model: str, rounds: int, batch: int = 16, steps: int = 25) -> None:
+    from phaseserve import grammar
+    from phaseserve.params import SamplingParams
+    from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+    from workers.runner import ModelRunner
+
+    path = str(model_source.resolve_model(model).path)
+    tok = Tokenizer(path)
+    runner = ModelRunner(path, num_blocks=batch * 32)
+    prompt = tok.encode("Describe a pet as JSON.")
+
+    def one(spec, seed: int) -> float:
+        params = SamplingParams(max_tokens=steps + 5, temperature=1.0, seed=seed, ignore_eos=True)
+        ids = [f"s{i}" for i in range(batch)]
+        tables = {s: list(range(i * 32, (i + 1) * 32)) for i, s in enumerate(ids)}
+        runner.execute(StepPlan(0, "b", [SeqStart(s, "g", prompt, params, grammar=spec) for s in ids],
+                                [ScheduledChunk(s, 0, len(prompt), tables[s]) for s in ids]))
+        cpu = []
+        for step in range(steps):
+            t = time.process_time()
+            result = runner.execute(StepPlan(step + 1, "b", [], [ScheduledChunk(s, len(prompt) + step, 1, tables[s])
+                                                                  for s in ids]))
+            cpu.append(time.process_time() - t)
+            if any(e.finish_reason for e in result.events):
+                break  # a document done: the batch would shrink
+        runner.reset()
+        return statistics.median(cpu)
+
+    costs: dict[str, list[float]] = {"free": [], "constrained": []}
+    for r in range(rounds):
+        costs["free"].append(one(None, r))
+        costs["constrained"].append(one(grammar.json_schema(NESTED), r))
+    free, constrained = statistics.median(costs["free"]), statistics.median(costs["constrained"])
+    print(f"| {model} | {batch} | {free * 1e3:.2f} ms | {constrained * 1e3:.2f} ms | {constrained / free:.3f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engines", default="llguidance,xgrammar")
     p.add_argument("--models", default="bundled,smollm2")
+    p.add_argument("--step-cost", action="store_true", help="CPU a decode step, free against constrained")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.step_cost:
+        print("| model | batch | CPU a step, free | constrained (NESTED) | ratio |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for model in args.models.split(","):
+            step_cost(model, args.rounds)
+        return
     print("| tokenizer | vocab | engine | compile p50 (ms) | compile max (ms) | mask p50 (us) | mask p99 (us) |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for model in args.models.split(","):

@@ -15,6 +15,7 @@ llguidance grammar, a matcher follows the sampled tokens, and its bitmask says w
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
@@ -164,11 +165,21 @@ def disallowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(masks.shape[0], -1)[:, :vocab_size].logical_not()
 
 
-def mask_histogram(seconds: list[float]) -> list[float]:
-    """Counts per MASK_BUCKETS_S bucket (le), one more for slower, then the sum (StepResult.grammar_masks)."""
-    counts = [0.0] * (len(MASK_BUCKETS_S) + 2)
-    for s in seconds:
-        i = next((i for i, b in enumerate(MASK_BUCKETS_S) if s <= b), len(MASK_BUCKETS_S))
-        counts[i] += 1
-        counts[-1] += s
-    return counts
+class MaskHistogram:
+    """Mask times as StepResult.grammar_masks carries them: counts per MASK_BUCKETS_S bucket (le), one more
+    for slower, then the sum of the seconds."""
+
+    def __init__(self):
+        self.counts: list[float] = []
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        """`n` masks of `seconds` each."""
+        if not self.counts:
+            self.counts = [0.0] * (len(MASK_BUCKETS_S) + 2)
+        self.counts[bisect.bisect_left(MASK_BUCKETS_S, seconds)] += n
+        self.counts[-1] += seconds * n
+
+    def take(self) -> list[float]:
+        """The counts since the last take ([] when none)."""
+        counts, self.counts = self.counts, []
+        return counts

@@ -74,9 +74,14 @@ def test_matcher_rebuilt_from_outputs_and_the_speculation_hook(tokenizer, engine
 
 
 def test_mask_histogram_counts_and_sums():
-    counts = grammar.mask_histogram([1e-6, 3e-5, 1.0])
-    assert len(counts) == len(grammar.MASK_BUCKETS_S) + 2
-    assert counts[0] == 1 and counts[3] == 1 and counts[-2] == 1 and counts[-1] == pytest.approx(1.0 + 3.1e-5)
+    h = grammar.MaskHistogram()
+    assert h.take() == []
+    h.add(1e-6)
+    h.add(3e-5, 2)
+    h.add(1.0)
+    counts = h.take()
+    assert len(counts) == len(grammar.MASK_BUCKETS_S) + 2 and h.take() == []
+    assert counts[0] == 1 and counts[3] == 2 and counts[-2] == 1 and counts[-1] == pytest.approx(1.0 + 6.1e-5)
 
 
 # ------------------------------------------------------------------ the worker

@@ -144,7 +144,7 @@ class ModelRunner:
         # many outputs, takes a while), beside the steps of the other sequences
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self.grammar_mask_seconds: list[float] = []  # per constrained token since the last step result
+        self.grammar_masks = grammar.MaskHistogram()  # since the last step result
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
         # gets decodes in calls of similar lengths (decode_buckets); a kernel reading each sequence's own
@@ -227,7 +227,7 @@ class ModelRunner:
             seconds = grammar.fill_masks(ok, part)
             masks[rows] = part
         if ok:
-            self.grammar_mask_seconds += [seconds / len(ok)] * len(ok)
+            self.grammar_masks.add(seconds / len(ok), len(ok))
         return grammar.disallowed_tokens(masks, self.vocab_size), errors
 
     # ------------------------------------------------------------------ step
@@ -238,8 +238,7 @@ class ModelRunner:
 
     def take_grammar_masks(self) -> list[float]:
         """StepResult.grammar_masks of the masks computed since the last call ([] when none)."""
-        seconds, self.grammar_mask_seconds = self.grammar_mask_seconds, []
-        return grammar.mask_histogram(seconds) if seconds else []
+        return self.grammar_masks.take()
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
