@@ -195,7 +195,7 @@ def plan_tools(req, messages: list[dict], parser: HermesParser, template_source:
         raise bad_request("'tool_choice' is 'required' but the request has no 'tools'", "tool_choice")
     uses_tools = choice != "none" and bool(tools)
     template_knows_tools = "tools" in template_source
-    rendered = messages if template_knows_tools else _in_parser_format(messages, parser)
+    rendered = _arguments_as_objects(messages) if template_knows_tools else _in_parser_format(messages, parser)
     kwargs: dict[str, Any] = {}
     if uses_tools:
         if template_knows_tools:
@@ -221,6 +221,24 @@ def _check_conversation(messages: list[dict]) -> None:
                                   "assistant message with that call in 'tool_calls' comes before it", "messages")
             continue
         open_calls = {c["id"] for c in m.get("tool_calls") or []} if role == "assistant" else set()
+
+
+def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """Calls' JSON arguments as objects, as templates that render tool calls expect (vLLM does the same)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _json_or_text(
+                c["function"]["arguments"])}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _in_parser_format(messages: list[dict], parser: HermesParser) -> list[dict]:

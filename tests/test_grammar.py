@@ -223,6 +223,10 @@ def test_plan_tools_renders_checks_and_forces(tokenizer):
     with_tools_template = plan_tools(_chat(tools=[TOOL]), [{"role": "user", "content": "hi"}], parser,
                                      "{% for t in tools %}{{ t }}{% endfor %}")
     assert with_tools_template.template_kwargs["tools"][0]["function"]["name"] == "get_weather"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    rendered = plan_tools(_chat(tools=[TOOL]), [{"role": "assistant", "tool_calls": [call]}], parser,
+                          "{{ tools }}").messages
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # as templates expect
 
     history = [{"role": "user", "content": "hi"},
                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
