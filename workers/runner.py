@@ -164,7 +164,8 @@ class ModelRunner:
         """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
         kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
         not inside the first step a scheduler plans. Call it before the worker announces itself: nothing else
-        holds blocks yet (it writes the first one or two). Returns kernel_implementations()."""
+        holds blocks yet (it writes the first one or two). Also starts building the grammar engine's index of
+        the vocabulary, so the first constrained request does not wait for it. Returns kernel_implementations()."""
         seq = "warm-up"
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         prompt = [0, min(1, self.vocab_size - 1)]
@@ -173,6 +174,8 @@ class ModelRunner:
                               chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
         self.reset()
+        if os.path.isfile(self._tokenizer_json):
+            self._grammar_thread.submit(self._engine_tokenizer)
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
@@ -201,10 +204,12 @@ class ModelRunner:
             matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
         )
 
+    def _engine_tokenizer(self):
+        return grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+
     def _matcher(self, spec, output_ids: list[int]) -> grammar.GrammarMatcher:
         """On the grammar thread: the sequence's matcher, advanced over the outputs it already has."""
-        tokenizer = grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
-        return grammar.GrammarMatcher(spec, tokenizer, output_ids)
+        return grammar.GrammarMatcher(spec, self._engine_tokenizer(), output_ids)
 
     def _masks(self, futures: list[Future]) -> tuple[torch.Tensor, list[str | None]]:
         """The forbidden tokens of each constrained row ([B, vocab] bool), and per row the error of a matcher
@@ -374,16 +379,21 @@ class ModelRunner:
         # llguidance's threads without the GIL. Computing them on the grammar thread during the forward pass
         # cost more CPU a step (the two threads hand the GIL to each other), and a worker's core has no idle
         # time for an overlap to fill (docs/decisions.md, "Structured outputs").
-        masks = self._masks([sampling[i].matcher for i in constrained]) if constrained else None
+        # A matcher still being built (a sequence started by this plan) gets its mask after the forward
+        # pass, which its build overlaps.
+        ready = [i for i in constrained if sampling[i].matcher.done()]
+        building = [i for i in constrained if not sampling[i].matcher.done()]
+        masks = [(ready, self._masks([sampling[i].matcher for i in ready]))] if ready else []
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
+        if building:
+            masks.append((building, self._masks([sampling[i].matcher for i in building])))
         if not sampling:
             return []
         rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
                 for s in sampling]
         errors: dict[int, str] = {}
-        if masks is not None:
-            disallowed, row_errors = masks
-            for j, i in enumerate(constrained):
+        for group, (disallowed, row_errors) in masks:
+            for j, i in enumerate(group):
                 rows[i].disallowed = disallowed[j]
                 if row_errors[j] is not None:
                     errors[i] = row_errors[j]
