@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import re
 import time
 from functools import lru_cache
@@ -141,13 +142,23 @@ def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
 _EXECUTOR: llguidance.LLExecutor | None = None
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def fill_masks(matchers: list[GrammarMatcher], masks: torch.Tensor) -> float:
-    """Row i of `masks` := what matchers[i] allows next, computed in llguidance's threads (GIL released).
-    Returns the seconds it took."""
+    """Row i of `masks` := what matchers[i] allows next (the GIL released while llguidance works). Several
+    rows go to llguidance's thread pool when this process may run on more than one CPU; on one (a worker
+    pinned to its core) they are computed here one after another, as handing them to threads that share
+    that core only adds waits. Returns the seconds it took."""
     global _EXECUTOR
     t = time.perf_counter()
-    if len(matchers) == 1:
-        llguidance.torch.fill_next_token_bitmask(matchers[0].matcher, masks, 0)
+    if len(matchers) == 1 or _cpus() == 1:
+        for i, m in enumerate(matchers):
+            llguidance.torch.fill_next_token_bitmask(m.matcher, masks, i)
     elif matchers:
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
