@@ -133,6 +133,19 @@ class GrammarMatcher:
         """Undo the last `num_tokens` advanced (rejected speculative tokens)."""
         return self.matcher.rollback(num_tokens)
 
+    def fill_proposal_masks(self, proposed: list[int], masks: torch.Tensor, first_row: int = 0) -> int:
+        """The masks of the positions a speculative step verifies: row first_row + j := what may follow
+        proposed[:j], for j = 0 .. n, n being how many of `proposed` the grammar allows (the proposal is cut
+        there: nothing it refuses is verified). The matcher ends where it began. Returns n."""
+        n = self.accepted_prefix(proposed)
+        for j in range(n + 1):
+            if j:
+                self.matcher.consume_token(proposed[j - 1])
+            llguidance.torch.fill_next_token_bitmask(self.matcher, masks, first_row + j)
+        if n:
+            self.matcher.rollback(n)
+        return n
+
 
 def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     """int32 bitmask rows, 32 tokens a word, all allowed."""

@@ -70,6 +70,17 @@ def test_matcher_rebuilt_from_outputs_and_the_speculation_hook(tokenizer, engine
     assert m.accepted_prefix(bad) == 0  # checking moves nothing
     assert m.advance_many(ids[1:]) and m.is_stopped
     assert m.rollback(len(ids) - 1) and not m.is_stopped
+    # the masks a speculative step verifies: one per allowed proposed token, plus the one after them
+    proposal = ids[1:] + bad
+    masks = grammar.allocate_masks(len(proposal) + 1, tokenizer.vocab_size)
+    n = m.fill_proposal_masks(proposal, masks)
+    assert n == len(ids) - 1 and not m.is_stopped  # cut at the first refused token; the matcher is back
+    forbidden = grammar.disallowed_tokens(masks, tokenizer.vocab_size)
+    for j in range(n):
+        assert not forbidden[j, ids[1 + j]]  # each verified position allows its proposed token
+    after = set((~forbidden[n]).nonzero().flatten().tolist())
+    assert after and after <= set(tokenizer.eos_token_ids)  # "alpha" is complete: only an end may follow
+    assert masks[n + 1:].eq(-1).all()  # rows past the cut are not touched
     assert m.advance_many(ids[1:])
 
 
