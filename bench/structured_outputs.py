@@ -7,7 +7,8 @@ batches carry the same token profile); rounds alternate so drift on a shared mac
 Reports TPOT p50 of each kind and their ratio, the schema compile time (p50, max) of bench.grammar_schemas'
 real schemas with the code the gateway runs (phaseserve.grammar.check on the served model's tokenizer),
 and the mask time per token (p50, p99) from the stack's /metrics histogram. Every constrained output is
-checked against the schema (jsonschema).
+checked against the schema (jsonschema). With a stack of its own, also the worker's CPU a model step for
+each kind (bench.proc_cpu: CPU time, which other load on a shared machine does not change).
 
     python -m bench.structured_outputs [--model smollm2] [--streams 16] [--rounds 3] [--url URL]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -27,6 +29,7 @@ import aiohttp
 import jsonschema
 
 from bench.grammar_schemas import NESTED, SCHEMAS
+from bench.proc_cpu import ProcessTreeCPU
 from bench.servers import phaseserve_server
 from bench.sse import sse_messages
 from phaseserve import grammar
@@ -72,16 +75,38 @@ async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, seed: i
     return text, tokens, tpot
 
 
-async def _rounds(url: str, streams: int, rounds: int, max_tokens: int) -> dict:
+class _WorkerCPU:
+    """Worker CPU seconds and model steps over runs of one kind (bench.proc_cpu; none without a server pid)."""
+
+    def __init__(self, server_pid: int | None):
+        self.server_pid, self.seconds, self.steps = server_pid, 0.0, 0
+
+    def measure(self):
+        return ProcessTreeCPU(self.server_pid) if self.server_pid else contextlib.nullcontext()
+
+    def add(self, cpu) -> None:
+        if isinstance(cpu, ProcessTreeCPU) and cpu.steps:
+            self.seconds += cpu.by_role().get("worker", 0.0)
+            self.steps += cpu.steps
+
+    @property
+    def per_step(self) -> float | None:
+        return self.seconds / self.steps if self.steps else None
+
+
+async def _rounds(url: str, streams: int, rounds: int, max_tokens: int, server_pid: int | None) -> dict:
     tpot = {"constrained": [], "free": []}
+    cpu = {"constrained": _WorkerCPU(server_pid), "free": _WorkerCPU(server_pid)}
     invalid = 0
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for r in range(rounds):
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
             seeds = [r * 1000 + i for i in range(streams)]
-            done = await asyncio.gather(*(_stream(session, url, p, s, max_tokens, True)
-                                          for p, s in zip(prompts, seeds)))
+            with cpu["constrained"].measure() as measured:
+                done = await asyncio.gather(*(_stream(session, url, p, s, max_tokens, True)
+                                              for p, s in zip(prompts, seeds)))
+            cpu["constrained"].add(measured)
             for text, _, t in done:
                 try:
                     jsonschema.validate(json.loads(text), NESTED)
@@ -89,12 +114,15 @@ async def _rounds(url: str, streams: int, rounds: int, max_tokens: int) -> dict:
                     invalid += 1
                 if t is not None:
                     tpot["constrained"].append(t)
-            free = await asyncio.gather(*(_stream(session, url, p, s, max(n, 1), False)
-                                          for p, s, (_, n, _) in zip(prompts, seeds, done)))
+            with cpu["free"].measure() as measured:
+                free = await asyncio.gather(*(_stream(session, url, p, s, max(n, 1), False)
+                                              for p, s, (_, n, _) in zip(prompts, seeds, done)))
+            cpu["free"].add(measured)
             tpot["free"] += [t for _, _, t in free if t is not None]
             print(f"round {r + 1}/{rounds}: constrained TPOT p50 {statistics.median(tpot['constrained']) * 1e3:.1f} ms, "
                   f"free {statistics.median(tpot['free']) * 1e3:.1f} ms", flush=True)
-    return {"tpot": tpot, "invalid": invalid, "outputs": streams * rounds}
+    return {"tpot": tpot, "invalid": invalid, "outputs": streams * rounds,
+            "cpu_per_step": {k: v.per_step for k, v in cpu.items()}}
 
 
 def compile_times(model_path: str) -> list[float]:
@@ -146,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         server = phaseserve_server(Path(model.path), free_port(), NAME, log).start()
         url = server.url
     try:
-        result = asyncio.run(_rounds(url, args.streams, args.rounds, args.max_tokens))
+        result = asyncio.run(_rounds(url, args.streams, args.rounds, args.max_tokens,
+                                     server.proc.pid if server is not None else None))
         mask_p50, mask_p99, masks = mask_quantiles(url)
     finally:
         if server is not None:
@@ -159,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| TPOT p50, constrained (JSON schema) | {c * 1e3:.2f} ms |")
     print(f"| TPOT p50, free (same token counts) | {f * 1e3:.2f} ms |")
     print(f"| ratio constrained / free | {c / f:.3f}x |")
+    cc, cf = result["cpu_per_step"]["constrained"], result["cpu_per_step"]["free"]
+    if cc and cf:  # CPU time: what other load on the machine does not change
+        print(f"| worker CPU a step, constrained / free | {cc * 1e3:.2f} ms / {cf * 1e3:.2f} ms = {cc / cf:.3f}x |")
     print(f"| constrained outputs valid | {result['outputs'] - result['invalid']} / {result['outputs']} |")
     print(f"| schema compile p50 / max ({len(compiles)} schemas) | {statistics.median(compiles) * 1e3:.2f} ms / "
           f"{max(compiles) * 1e3:.2f} ms |")

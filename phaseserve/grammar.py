@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import re
 import time
+from concurrent.futures import Executor
 from functools import lru_cache
 
 import llguidance
@@ -152,31 +152,22 @@ def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full(((num_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_EXECUTOR: llguidance.LLExecutor | None = None
+def _fill(matchers: list[GrammarMatcher], masks: torch.Tensor, rows: range) -> None:
+    for i in rows:
+        llguidance.torch.fill_next_token_bitmask(matchers[i].matcher, masks, i)
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def fill_masks(matchers: list[GrammarMatcher], masks: torch.Tensor) -> float:
-    """Row i of `masks` := what matchers[i] allows next (the GIL released while llguidance works). Several
-    rows go to llguidance's thread pool when this process may run on more than one CPU; on one (a worker
-    pinned to its core) they are computed here one after another, as handing them to threads that share
-    that core only adds waits. Returns the seconds it took."""
-    global _EXECUTOR
+def fill_masks(matchers: list[GrammarMatcher], masks: torch.Tensor, helper: Executor | None = None) -> float:
+    """Row i of `masks` := what matchers[i] allows next. llguidance releases the GIL while it works, so with
+    a `helper` thread (a worker whose torch uses more than one core) the first half of the rows is computed
+    there while this thread computes the rest. Not llguidance's own thread pool: beside torch's threads
+    on the same cores it made steps slower (docs/decisions.md). Returns the seconds it took."""
     t = time.perf_counter()
-    if len(matchers) == 1 or _cpus() == 1:
-        for i, m in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(m.matcher, masks, i)
-    elif matchers:
-        if _EXECUTOR is None:
-            _EXECUTOR = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(m.matcher, i) for i, m in enumerate(matchers)],
-                                                     masks)
+    half = len(matchers) // 2 if helper is not None else 0
+    other = helper.submit(_fill, matchers, masks, range(half)) if half else None
+    _fill(matchers, masks, range(half, len(matchers)))
+    if other is not None:
+        other.result()
     return time.perf_counter() - t
 
 

@@ -144,6 +144,9 @@ class ModelRunner:
         # many outputs, takes a while), beside the steps of the other sequences
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # computes half of a step's masks beside the model thread when torch runs on more than one core
+        self._mask_helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") \
+            if torch.get_num_threads() > 1 else None
         self.grammar_masks = grammar.MaskHistogram()  # since the last step result
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
@@ -225,11 +228,11 @@ class ModelRunner:
         ok = [m for m, e in zip(matchers, errors) if e is None]
         masks = grammar.allocate_masks(len(matchers), self.vocab_size)
         if len(ok) == len(matchers):
-            seconds = grammar.fill_masks(ok, masks)
+            seconds = grammar.fill_masks(ok, masks, self._mask_helper)
         elif ok:  # a failed row keeps everything allowed; it is not sampled from
             rows = torch.tensor([i for i, e in enumerate(errors) if e is None])
             part = masks[rows].contiguous()
-            seconds = grammar.fill_masks(ok, part)
+            seconds = grammar.fill_masks(ok, part, self._mask_helper)
             masks[rows] = part
         if ok:
             self.grammar_masks.add(seconds / len(ok), len(ok))
