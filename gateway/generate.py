@@ -453,6 +453,8 @@ class Generation:
                 lp = self._logprobs(d.logprobs)
                 if chat and calls:
                     choice = self._tool_chunk_choice(calls[out.index], out.index, d, lp)
+                    if choice is None:  # all of it held back (it may open a call)
+                        continue
                 elif chat:
                     choice = P.chat_chunk_choice(out.index, {"content": d.text} if d.text else {}, lp,
                                                  d.finish_reason)
@@ -482,8 +484,9 @@ class Generation:
         return resp
 
     @staticmethod
-    def _tool_chunk_choice(parser: StreamingToolParser, index: int, d: Delta, lp: dict | None) -> dict:
-        """A chat chunk's choice with calls parsed out of the text: content as it comes, a call once whole."""
+    def _tool_chunk_choice(parser: StreamingToolParser, index: int, d: Delta, lp: dict | None) -> dict | None:
+        """A chat chunk's choice with calls parsed out of the text: content as it comes, a call once whole
+        (None: nothing to send yet)."""
         td = parser.feed(d.text)
         if d.finish_reason:
             td.content += parser.finish().content
@@ -492,6 +495,8 @@ class Generation:
             delta["content"] = td.content
         if td.tool_calls:
             delta["tool_calls"] = td.tool_calls
+        if not delta and lp is None and not d.finish_reason:
+            return None
         return P.chat_chunk_choice(index, delta, lp, _finish(d.finish_reason, parser.num_calls > 0))
 
     @staticmethod
