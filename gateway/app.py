@@ -9,11 +9,13 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import auth_middleware, load_api_keys
-from gateway.errors import MAX_BODY_BYTES, error_middleware
+from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.state import GATEWAY, Gateway
+from gateway.tokenize_routes import detokenize, tokenize
+from phaseserve import __version__
 
 log = structlog.get_logger("gateway")
 
@@ -22,6 +24,18 @@ async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     workers = await gw.backend.alive_workers()
     return web.json_response(P.models_response(gw.model_name, gw.created, gw.max_model_len(workers) or None))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    if request.match_info["model"] != gw.model_name:
+        raise model_not_found(request.match_info["model"])
+    workers = await gw.backend.alive_workers()
+    return web.json_response(P.model_card(gw.model_name, gw.created, gw.max_model_len(workers) or None))
+
+
+async def version(_request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -70,6 +84,10 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -1,4 +1,5 @@
-"""Optional bearer API keys on the /v1 routes (/health, /metrics and /openapi.json stay open).
+"""Optional bearer API keys on the /v1 routes and /tokenize, /detokenize (/health, /metrics, /version and
+/openapi.json stay open).
 
 Keys come from --api-key (comma-separated) and --api-key-file (one a line). Each given key is
 compared with every configured one by hmac.compare_digest, so the time taken does not say how
@@ -16,6 +17,7 @@ from aiohttp import web
 from gateway.errors import invalid_api_key
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # outside /v1 (vLLM's paths), but they run the model's tokenizer
 # a digest of the key a request came with (absent when no key is needed): a stream's resume token is bound to it
 CLIENT_KEY = web.RequestKey("client_key", bytes)
 
@@ -46,7 +48,7 @@ def auth_middleware(keys: list[bytes]):
     @web.middleware
     async def check_api_key(request: web.Request, handler):
         path = request.path
-        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/"):
+        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():

@@ -1,6 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: validate, tokenize, submit, stream back.
 
-A request with n choices is n sequences `<request_id>-<i>` on the wire. Whatever
+A request with n choices is n sequences `<request_id>-<i>` on the wire; with several prompts (completions) or
+best_of, prompts x best_of (or n) of them, choice i * n + j being the j-th of prompt i. Whatever
 way a handler ends -- all sequences finished, a stop string, the client gone
 (write failure, or aiohttp cancelling the handler), an error -- every sequence
 that the worker side has not finished gets a CancelRequest, so the scheduler
@@ -13,7 +14,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import structlog
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import CLIENT_KEY
+from gateway.best_of import best_of
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
@@ -50,27 +52,34 @@ def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionReque
     req.check_token_ids(gw.tokenizer.vocab_size)
 
 
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids, and the text `echo` puts before each of its choices."""
+
+    ids: list[int]
+    echo_text: str = ""
+
+
+async def _completion_prompt(gw: Gateway, prompt: str | list[int], echo: bool, max_len: int) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(await gw.prompts.encode(prompt, max_len), prompt if echo else "")
+    out_of_vocab = [t for t in prompt if t >= gw.tokenizer.vocab_size]
+    if out_of_vocab:
+        raise bad_request(f"'prompt' has token ids outside the vocabulary (size {gw.tokenizer.vocab_size}): "
+                          f"{out_of_vocab[:5]}", "prompt")
+    return Prompt(list(prompt), gw.tokenizer.decode(prompt) if echo else "")
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
     _check_request(gw, req)
-    if not req.prompt:
-        raise bad_request("'prompt' must not be empty.", "prompt")
-    if isinstance(req.prompt, str):
-        prompt_ids = await gw.prompts.encode(req.prompt, gw.max_model_len(await gw.backend.alive_workers()))
-        prompt_text = req.prompt
-    else:
-        out_of_vocab = [t for t in req.prompt if t >= gw.tokenizer.vocab_size]
-        if out_of_vocab:
-            raise bad_request(f"'prompt' has token ids outside the vocabulary (size {gw.tokenizer.vocab_size}): "
-                              f"{out_of_vocab[:5]}", "prompt")
-        prompt_ids = list(req.prompt)
-        prompt_text = gw.tokenizer.decode(prompt_ids) if req.echo else ""
+    max_len = gw.max_model_len(await gw.backend.alive_workers())
+    prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
     spec, param = requested_grammar(req)
     if spec is not None:
         await gw.check_grammar(spec, param)
-    return await Generation(request, gw, req, "completion", prompt_ids,
-                            prompt_text if req.echo else "", grammar=spec).run()
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -93,14 +102,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                                   max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return await Generation(request, gw, req, "chat", prompt_ids, "", grammar=spec, tool_parser=tools.parser).run()
+    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec,
+                            tool_parser=tools.parser).run()
 
 
 class Generation:
     """One request in flight: its sequences, their outputs, and the response being written."""
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
-                 kind: str, prompt_ids: list[int], echo_text: str, grammar: GrammarSpec | None = None,
+                 kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
                  tool_parser: HermesParser | None = None):
         self.request = request
         self.grammar = grammar  # what the output must follow (checked by the engine already)
@@ -108,8 +118,9 @@ class Generation:
         self.gw = gw
         self.req = req
         self.kind = kind
-        self.prompt_ids = prompt_ids
-        self.echo_text = echo_text
+        self.prompts = prompts
+        self.per_prompt = req.choices_per_prompt  # sequences a prompt: n, or best_of
+        count = len(prompts) * self.per_prompt
         self.request_id = request[REQUEST_ID]
         # a client resuming its stream re-sends the request with the id of the last event it got
         self.resume_offsets: list[int] | None = None
@@ -121,16 +132,18 @@ class Generation:
         if last_event_id is not None:
             if not req.stream:
                 raise bad_request("Last-Event-ID resumes a stream: the request must have 'stream': true.", "stream")
-            self.request_id, self._given_token, self.resume_offsets = parse_last_event_id(last_event_id, req.n)
+            self.request_id, self._given_token, self.resume_offsets = parse_last_event_id(last_event_id, count)
             self.resumable = True
         self.response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.request_id
         self.created = P.now()
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
-        self.seq_ids = [f"{self.request_id}-{i}" for i in range(req.n)]
+        self.seq_ids = [f"{self.request_id}-{i}" for i in range(count)]
+        self.prompt_of = {s: prompts[i // self.per_prompt] for i, s in enumerate(self.seq_ids)}
+        self.num_prompt_tokens = sum(len(p.ids) for p in prompts)
         stops = req.stop_strings()
-        self.outputs = [SequenceOutput(i, s, gw.tokenizer, prompt_ids, stops, req.min_tokens, len(echo_text))
-                        for i, s in enumerate(self.seq_ids)]
+        self.outputs = [SequenceOutput(i, s, gw.tokenizer, self.prompt_of[s].ids, stops, req.min_tokens,
+                                       len(self.prompt_of[s].echo_text)) for i, s in enumerate(self.seq_ids)]
         self.by_seq = {o.seq_id: o for o in self.outputs}
         self._last_token_at: dict[str, float] = {}
         self.stream: RequestStream | None = None
@@ -144,10 +157,9 @@ class Generation:
     def _what(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
 
-    def _max_tokens(self, workers: list[WorkerInfo]) -> int:
-        """The request's max_tokens, or a 400 when no live worker could ever hold prompt + completion."""
+    def _max_tokens(self, workers: list[WorkerInfo], prompt_len: int) -> int:
+        """The request's max_tokens for a prompt, or a 400 when no live worker could ever hold prompt + completion."""
         max_len = self.gw.max_model_len(workers)
-        prompt_len = len(self.prompt_ids)
         what = self._what
         if prompt_len >= max_len:
             raise context_length_exceeded(f"This model's maximum context length is {max_len} tokens. However, your "
@@ -167,14 +179,14 @@ class Generation:
             fits = max((c.max_new_tokens(prompt_len) for c in caches), default=room)
             chosen = min(room if self.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS, room, fits)
             if chosen < 1:
-                raise self._kv_exceeded(caches, None, param)
+                raise self._kv_exceeded(caches, None, param, prompt_len)
             return chosen
         if caches and not any(c.admits(prompt_len, requested) for c in caches):
-            raise self._kv_exceeded(caches, requested, param)
+            raise self._kv_exceeded(caches, requested, param, prompt_len)
         return requested
 
-    def _kv_exceeded(self, caches: list[KVCapacity], requested: int | None, param: str) -> APIError:
-        prompt_len, what = len(self.prompt_ids), self._what
+    def _kv_exceeded(self, caches: list[KVCapacity], requested: int | None, param: str, prompt_len: int) -> APIError:
+        what = self._what
         longest = max(c.max_prompt_len(1) for c in caches)
         if requested is None or prompt_len > longest:
             return context_length_exceeded(
@@ -205,17 +217,27 @@ class Generation:
         workers = await gw.backend.alive_workers()
         if not workers:
             raise unavailable("No worker is alive to serve the request; retry later.")
-        base = P.sampling_params(self.req, self._max_tokens(workers))
+        params = [P.sampling_params(self.req, self._max_tokens(workers, len(p.ids))) for p in self.prompts]
+        if self.per_prompt > self.req.n:  # best_of ranks by each token's logprob (the client's ask stays its own)
+            params = [replace(p, logprobs=p.logprobs or 0) for p in params]
         arrival_wall = time.time()
-        submits = [SubmitRequest(seq_id, gw.gateway_id, self.prompt_ids,
-                                 replace(base, seed=None if base.seed is None else base.seed + i),
-                                 self.req.priority, arrival_wall, self.grammar)
-                   for i, seq_id in enumerate(self.seq_ids)]
+        submits = []
+        for i, seq_id in enumerate(self.seq_ids):
+            prompt, k = divmod(i, self.per_prompt)
+            base = params[prompt]  # a prompt's k-th choice draws as that prompt's alone would
+            submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
+                                         replace(base, seed=None if base.seed is None else base.seed + k),
+                                         self.req.priority, arrival_wall, self.grammar))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
-        gw.metrics.prompt_tokens.inc(len(self.prompt_ids) * len(submits))
-        log.info("submitted", kind=self.kind, n=len(submits), prompt_tokens=len(self.prompt_ids),
-                 max_tokens=base.max_tokens, stream=self.req.stream)
+        gw.metrics.prompt_tokens.inc(self._queued_tokens())
+        log.info("submitted", kind=self.kind, n=len(submits), prompts=len(self.prompts),
+                 prompt_tokens=self.num_prompt_tokens, max_tokens=max(p.max_tokens for p in params),
+                 stream=self.req.stream)
+
+    def _queued_tokens(self) -> int:
+        """Prompt tokens of all the request's sequences (each prompt counts once per choice)."""
+        return sum(len(p.ids) for p in self.prompt_of.values())
 
     def _admit(self) -> None:
         """The operator's bounds: priority range, requests in flight, prompt tokens queued (429 + Retry-After)."""
@@ -227,7 +249,7 @@ class Generation:
         if gw.in_flight >= gw.max_in_flight:
             raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
                                     settings.retry_after)
-        tokens = len(self.prompt_ids) * len(self.seq_ids)
+        tokens = self._queued_tokens()
         if self.resume_offsets is None and gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
             raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
                                     f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
@@ -235,7 +257,7 @@ class Generation:
     def _dequeue_tokens(self, seq_id: str) -> None:
         """A sequence got its first token (or ended): its prompt no longer counts as queued."""
         if self._queued.pop(seq_id, None):
-            self.gw.queued_prompt_tokens -= len(self.prompt_ids)
+            self.gw.queued_prompt_tokens -= len(self.prompt_of[seq_id].ids)
 
     async def _resume(self) -> None:
         """Serve the rest of a stream another serving started: no new generation, tokens from the token log.
@@ -257,7 +279,7 @@ class Generation:
         gw.metrics.in_flight.inc()
         if self.resume_offsets is None:
             self._queued = {s: True for s in self.seq_ids}
-            gw.queued_prompt_tokens += len(self.prompt_ids) * len(self.seq_ids)
+            gw.queued_prompt_tokens += self._queued_tokens()
         try:
             if self.resumable:
                 self.resume_token = resume_token(await gw.backend.resume_secret(), self.request_id,
@@ -368,7 +390,12 @@ class Generation:
                         [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
     def _usage(self) -> dict:
-        return P.usage(len(self.prompt_ids), sum(o.num_tokens for o in self.outputs))
+        # every prompt once (as OpenAI counts n choices), every token generated (best_of's unreturned ones too);
+        # a prompt's cached tokens are what all of its choices found (n > 1 forks from the first one's prefill)
+        k = self.per_prompt
+        cached = sum(min(min(o.cached_tokens for o in self.outputs[i * k:(i + 1) * k]), len(p.ids))
+                     for i, p in enumerate(self.prompts)) if self.outputs else 0
+        return P.usage(self.num_prompt_tokens, sum(o.num_tokens for o in self.outputs), cached)
 
     def _logprobs(self, entries) -> dict | None:
         if self.kind == "chat":
@@ -385,12 +412,14 @@ class Generation:
         if failed:
             raise self._failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
         model = self.gw.model_name
+        returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
+                    else self.outputs)
         if self.kind == "chat":
-            choices = [self._chat_choice(o) for o in self.outputs]
+            choices = [self._chat_choice(o) for o in returned]
             body = P.chat_response(self.response_id, self.created, model, choices, self._usage())
         else:
-            choices = [P.completion_choice(o.index, self.echo_text + o.text, self._logprobs(o.logprobs),
-                                           o.finish_reason) for o in self.outputs]
+            choices = [P.completion_choice(o.index, self.prompt_of[o.seq_id].echo_text + o.text,
+                                           self._logprobs(o.logprobs), o.finish_reason) for o in returned]
             body = P.completion_response(self.response_id, self.created, model, choices, self._usage())
         return web.json_response(body, headers={"X-Request-Id": self.request_id},
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
@@ -413,7 +442,7 @@ class Generation:
         settings = self.gw.settings
         self.stream.max_events = settings.stream_buffer_events
         self.stream.on_overflow = lambda: drop(self.request)
-        include_usage = self.req.include_usage
+        include_usage, continuous_usage = self.req.include_usage, self.req.continuous_usage
         model = self.gw.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
@@ -430,17 +459,20 @@ class Generation:
         async def send(obj: dict, with_id: bool = False) -> None:
             await write(event(obj, with_id))
 
-        def make(choices: list[dict]) -> dict:
-            return chunk(self.response_id, self.created, model, choices, None, include_usage)
+        def make(choices: list[dict], out: SequenceOutput) -> dict:
+            # continuous_usage_stats (vLLM's): each chunk has its choice's usage so far
+            usage = P.usage(len(self.prompt_of[out.seq_id].ids), out.num_tokens) if continuous_usage else None
+            return chunk(self.response_id, self.created, model, choices, usage, include_usage)
 
         try:
             for o in self.outputs:  # the opening chunk of each choice (a resumed client has them)
                 if self.resume_offsets is not None:
                     break
                 if chat:
-                    await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})]), True)
-                elif self.echo_text:
-                    await send(make([P.completion_choice(o.index, self.echo_text, None, None)]), True)
+                    await send(make([P.chat_chunk_choice(o.index, {"role": "assistant", "content": ""})], o), True)
+                elif self.prompt_of[o.seq_id].echo_text:
+                    await send(make([P.completion_choice(o.index, self.prompt_of[o.seq_id].echo_text, None, None)],
+                                    o), True)
             # the stream's last event, its usage chunk, [DONE] and the end of the chunked body go out in one
             # write (one syscall, one wake-up of the client) instead of four
             tail = b""
@@ -460,7 +492,7 @@ class Generation:
                                                  d.finish_reason)
                 else:
                     choice = P.completion_choice(out.index, d.text, lp, d.finish_reason)
-                data = event(make([choice]), True)
+                data = event(make([choice], out), True)
                 if all(o.finished for o in self.outputs):
                     tail = data
                 else:

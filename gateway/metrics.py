@@ -90,6 +90,14 @@ class GatewayMetrics:
             ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
             ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
         )}
+        # prefix caching, cumulative (tokens) as the scheduler reports them, and the blocks cached now
+        self.prefix_cache = {key: Gauge(f"phaseserve_{key}", help_text, registry=r) for key, help_text in (
+            ("prefix_cache_queries", "Prompt tokens (prompt + outputs of a recompute) looked up in the prefix "
+                                     "cache at each sequence start (scheduler)"),
+            ("prefix_cache_hits", "Of those, tokens found cached: not computed again (scheduler)"),
+            ("prefix_cache_evictions", "Cached KV blocks evicted to make room (scheduler)"),
+            ("kv_blocks_cached", "KV blocks holding a cached prefix now, in use or not (scheduler)"),
+        )}
         self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
                                         registry=r)
@@ -128,6 +136,8 @@ class GatewayMetrics:
         self.kv_usage.set(used / total if total else 0.0)
         self.preemptions.set(stats.get("num_preemptions", 0))
         for key, gauge in self.handoffs.items():
+            gauge.set(stats.get(key, 0))
+        for key, gauge in self.prefix_cache.items():
             gauge.set(stats.get(key, 0))
         self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
         self.stats_age.set(stats.get("updated_at", 0))

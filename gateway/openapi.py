@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from phaseserve import __version__
 
 _REF = "#/components/schemas/{model}"
@@ -20,7 +21,8 @@ def _sse(description: str) -> dict:
 
 
 def openapi_document() -> dict:
-    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                              TokenizeRequest, DetokenizeRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
     schemas["Error"] = {
@@ -46,6 +48,13 @@ def openapi_document() -> dict:
                           **errors},
         }}
 
+    def post_json(summary: str, schema: str, answer: str, statuses: tuple[int, ...]) -> dict:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": {"$ref": _REF.format(model=schema)}}}},
+                         "responses": {"200": _json({"type": "object"}, answer),
+                                       **{str(c): errors[str(c)] for c in statuses}}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "phaseserve gateway", "version": __version__,
@@ -57,6 +66,16 @@ def openapi_document() -> dict:
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),
             "/v1/models": {"get": {"summary": "List the served model",
                                    "responses": {"200": _json({"type": "object"}, "model list")}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "The served model's card",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json({"type": "object"}, "model card"), "404": errors["404"]}}},
+            "/tokenize": post_json("Tokenize a prompt, or messages through the chat template (vLLM's shape)",
+                                   "TokenizeRequest", "{count, max_model_len, tokens, token_strs}", (400, 404, 413)),
+            "/detokenize": post_json("Token ids to text (vLLM's shape)", "DetokenizeRequest", "{prompt}",
+                                     (400, 404, 413)),
+            "/version": {"get": {"summary": "The server's version",
+                                 "responses": {"200": _json({"type": "object"}, "{version}")}}},
             "/health": {"get": {"summary": "200 when at least one worker is alive, else 503",
                                 "responses": {"200": _json({"type": "object"}, "healthy"),
                                               "503": _json({"type": "object"}, "no worker alive")}}},

@@ -48,6 +48,7 @@ class SequenceOutput:
         self.error: str | None = None
         self.error_kind: str | None = None
         self.stopped_by_string = False  # the gateway ended it: the worker must be told (CancelRequest)
+        self.cached_tokens = 0  # prompt positions the prefix cache held, told with the first token
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,8 @@ class SequenceOutput:
         if self.finished:
             return Delta()
         delta = Delta()
+        if ev.offset == 0 and ev.cached_tokens:
+            self.cached_tokens = ev.cached_tokens
         pieces: list[str] = []
         for j, token_id in enumerate(ev.token_ids):
             self.num_tokens += 1

@@ -53,15 +53,23 @@ class PromptEncoder:
     async def _run(self, fn, *args: Any, **kwargs: Any):
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    async def encode(self, text: str, max_model_len: int) -> list[int]:
+    async def encode(self, text: str, max_model_len: int, add_special_tokens: bool = True) -> list[int]:
         self.check_chars(len(text), max_model_len, "prompt")
-        return await self._run(self.tokenizer.encode, text)
+        return await self._run(self.tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict,
-                          max_model_len: int) -> list[int]:
+                          max_model_len: int, add_special_tokens: bool = False) -> list[int]:
         # the rendered prompt has at least the messages' characters
         self.check_chars(sum(len(message_text(m.get("content"))) for m in messages), max_model_len, "messages")
+        if add_special_tokens:  # /tokenize may ask for them on top of what the template writes
+            tok = self.tokenizer
+            return await self._run(lambda: tok.encode(tok.apply_chat_template(
+                messages, add_generation_prompt, **template_kwargs), add_special_tokens=True))
         return await self._run(self.tokenizer.encode_chat, messages, add_generation_prompt, **template_kwargs)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids -> text with the special tokens kept (/detokenize)."""
+        return await self._run(self.tokenizer.decode, ids, skip_special_tokens=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

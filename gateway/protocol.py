@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.best_of import check_request as check_best_of
+from gateway.completion_prompts import CompletionPrompt, check_choice_count, check_shape, prompt_list
 from gateway.errors import APIError, bad_request
+from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
 from phaseserve.params import InvalidParams, SamplingParams
 
 MAX_N = 16
@@ -34,6 +37,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has the "
+                                         "usage of its choice so far")
 
 
 class TextPart(_Strict):
@@ -120,7 +125,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     priority: int = 0
     min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     # structured outputs (gateway/structured.py reads them): OpenAI's, then vLLM's extras
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}')
@@ -134,8 +139,7 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "_SamplingFields":
-        if self.logit_bias:
-            raise ValueError("'logit_bias' is not supported")
+        check_keys(self.logit_bias)
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
         return self
@@ -146,6 +150,7 @@ class _SamplingFields(_Strict):
         if outside:
             raise bad_request(f"'stop_token_ids' has token ids outside the vocabulary (size {vocab_size}): "
                               f"{outside[:5]}", "stop_token_ids")
+        check_vocabulary(self.logit_bias, vocab_size)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -156,24 +161,46 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Sequences generated for each prompt: n, or best_of when the n best of more are returned."""
+        return self.n
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions"""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: CompletionPrompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generates best_of sequences a prompt and "
+                                "returns the n with the highest cumulative logprob (not with `stream`)")
+
+    _prompt_shape = field_validator("prompt", mode="wrap")(check_shape)
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
         if self.suffix:
-            raise ValueError("'suffix' is not supported")
-        if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
-            raise ValueError("'prompt' token ids must be >= 0")
+            raise ValueError("'suffix' (insertion after the completion) is not supported by this server; "
+                             "send the request without it")
         if self.echo and self.logprobs is not None:
             raise ValueError("'echo' together with 'logprobs' (prompt logprobs) is not supported")
+        check_best_of(self.n, self.best_of, self.stream)
+        check_choice_count(len(self.prompts), self.choices_per_prompt)
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return prompt_list(self.prompt)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.best_of or self.n
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -191,6 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted, and ignored: the models served here do not reason before they answer
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -272,6 +301,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         ignore_eos=req.ignore_eos,
         logprobs=req.requested_logprobs(),
         min_tokens=req.min_tokens,
+        logit_bias=by_token_id(req.logit_bias),
     )
     try:
         return params.validate()
@@ -282,9 +312,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 # --------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # prompt tokens whose KV the prefix cache held (OpenAI's field)
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def now() -> int:
@@ -336,12 +369,16 @@ def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None = None,
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def models_response(model: str, created: int, max_model_len: int | None) -> dict:
+def model_card(model: str, created: int, max_model_len: int | None) -> dict:
     card = {"id": model, "object": "model", "created": created, "owned_by": "phaseserve", "root": model,
             "parent": None}
     if max_model_len:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def models_response(model: str, created: int, max_model_len: int | None) -> dict:
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 
 
 def error_chunk(err: APIError) -> dict:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 # Temperatures below this sample as greedy (vLLM's bound): dividing logits by a tinier one overflows to inf,
 # and the softmax of that is NaN.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for a logit_bias value: -100 bans a token, +100 forces it.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class InvalidParams(ValueError):
@@ -36,6 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: chosen token only; N: plus top-N
     min_tokens: int = 0
+    # token id -> added to its logit before sampling. Left off the wire while empty (wire.sent_if_set's
+    # metadata: wire imports this module), so requests without it keep their bytes.
+    logit_bias: dict[int, float] = field(default_factory=dict, metadata={"sent_if_set": True})
 
     def validate(self) -> "SamplingParams":
         def bad(name: str, msg: str) -> InvalidParams:
@@ -61,6 +66,10 @@ class SamplingParams:
             raise bad("logprobs", "must be between 0 and 20")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must be between 0 and max_tokens")
+        if any(not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in self.logit_bias.values()):
+            raise bad("logit_bias", f"values must be between {-LOGIT_BIAS_LIMIT:g} and {LOGIT_BIAS_LIMIT:g}")
+        if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+            raise bad("logit_bias", "keys must be token ids (integers >= 0)")
         return self
 
     @property

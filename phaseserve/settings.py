@@ -186,6 +186,11 @@ SETTINGS: list[Setting] = [
             "token budget of one step (decodes + prefill chunks; tokens weighted by context, see --attention-horizon)", ("scheduler", "up")),
     Setting("enable_chunked_prefill", "PHASESERVE_CHUNKED_PREFILL", True, parse_bool,
             "split long prompts into chunks that fit beside the decodes", ("scheduler", "up")),
+    Setting("enable_prefix_caching", "PHASESERVE_PREFIX_CACHING", True, parse_bool,
+            "reuse the KV blocks of prompt prefixes a worker computed before (a resent chat history, a shared "
+            "system prompt, the n choices of one request) and route each request to the worker holding the "
+            "longest prefix of it, within a margin of the least loaded; --no-enable-prefix-caching turns it off",
+            ("scheduler", "up")),
     Setting("attention_horizon", "PHASESERVE_ATTENTION_HORIZON", None, int,
             "prefill cost model: a token attending to c tokens costs 1 + c/K of the step's token budget, so "
             "chunks deep in a long prompt are smaller; K default: each worker's estimate from its model's "
@@ -256,6 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         if s.choices:
             kwargs["choices"] = s.choices
         parser.add_argument(s.flag, dest=s.name, **kwargs)
+        if s.type is parse_bool:  # vLLM's spelling of "off": --no-enable-prefix-caching
+            parser.add_argument("--no-" + s.flag[2:], dest=s.name, action="store_false",
+                                help=f"{s.flag} false")
 
 
 def help_text(s: Setting, default: Any) -> str:

@@ -419,6 +419,8 @@ class SeqStart(Record):
     workers/kv_transfer): its first chunk starts there instead of at 0.
     `send_kv` (a prefill worker's sequence): stream the prefill's KV out as its chunks fill blocks,
     as transfer `send_kv.transfer_id`, for the decode worker the scheduler hands the sequence to.
+    `cached_tokens`: how many of `num_cached` the scheduler's prefix cache found on this worker (a handoff's
+    are not counted); the worker reports it with the sequence's first token, for the response's usage.
     """
 
     seq_id: str
@@ -428,6 +430,7 @@ class SeqStart(Record):
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = sent_if_set(0)
     send_kv: KVSend | None = sent_if_set(None)
+    cached_tokens: int = sent_if_set(0)
     # the request's grammar: the worker builds the matcher and advances it over output_ids (a recompute or a
     # handed-over sequence continues valid)
     grammar: GrammarSpec | None = sent_if_set(None)
@@ -539,6 +542,7 @@ class TokenEvent(Row):
     `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
     `finish_reason` is "stop", "length", "abort" or "error" on the last event of a sequence.
     `error_kind` says what an "error" was (ERROR_REJECTED, or None: a serving failure).
+    `cached_tokens` (on a sequence's first token): prompt positions its prefill found in the prefix cache.
     """
 
     seq_id: str
@@ -548,6 +552,7 @@ class TokenEvent(Row):
     logprobs: list | None = None
     error: str | None = None
     error_kind: str | None = sent_if_set(None)
+    cached_tokens: int = sent_if_set(0)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from phaseserve.wire import (
     WorkerInfo,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
+from scheduler.prefix_cache import RecentPrompts
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.cluster")
@@ -38,6 +39,7 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # behind the client, and regenerates the rest: the same tokens (greedy, or sampled with the request's seed,
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
+PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
 
 
 def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
@@ -102,6 +104,18 @@ class PolicyLimits:
     # else Redis), "shm" or "redis"
     kv_transport: str = "auto"
     itl_target: ItlTarget = field(default_factory=ItlTarget)  # see SchedulerConfig; off: no bound
+    enable_prefix_caching: bool = True  # see SchedulerConfig
+
+
+# Cache-aware routing: a request goes to the worker holding the longest cached prefix of it among the workers
+# whose load (unfinished sequences) is within this slack of the least loaded one's: max(PREFIX_SLACK_SEQS,
+# the least load), i.e. up to twice the least load (a few more at light load). A history prefilled again
+# costs more than a few more sequences in a decode batch; past the slack, load wins, so a hot prefix does not
+# pile every request on one worker (and once a second worker has it too, load decides between them).
+PREFIX_SLACK_SEQS = 4
+# a prompt agreeing with a recent one on at least this many positions, of which the cache matched under half,
+# gets a debug line saying where the two first differ
+SHARED_PREFIX_LOG_TOKENS = 64
 
 
 @dataclass
@@ -133,6 +147,9 @@ class Cluster:
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
         self.retired_preemptions = 0  # preemptions counted by policies of workers that went away
+        # prefix cache counters of policies of workers that went away (their caches went with them)
+        self.retired_prefix_counts = {k: 0 for k in PREFIX_COUNTERS}
+        self.recent_prompts = RecentPrompts()
         self.ops: list[tuple] = []  # Redis writes decided, sent with the service's next turn
         self.outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
         self.adoptions = 0
@@ -163,6 +180,7 @@ class Cluster:
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
             itl_target=self.limits.itl_target, vocab_size=info.vocab_size,
+            enable_prefix_caching=self.limits.enable_prefix_caching,
         )
         self.adoptions += 1
         policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self.adoptions * STEP_IDS_PER_ADOPTION,
@@ -189,6 +207,9 @@ class Cluster:
     def retire_worker(self, wid: str, why: str) -> None:
         slot = self.workers.pop(wid)
         self.retired_preemptions += slot.policy.num_preemptions
+        pstats = slot.policy.stats()
+        for k in PREFIX_COUNTERS:
+            self.retired_prefix_counts[k] += pstats[k]
         moved = slot.policy.take_all()
         if slot.drained and not moved:
             log.info("worker left after draining", worker_id=wid)
@@ -248,9 +269,20 @@ class Cluster:
         # a prefill worker's load is the prefill work queued on it; a mixed worker's, its sequences
         # ties (idle workers, at light load) go to the one given a sequence least recently: a worker that
         # just joined takes the next sequence, instead of the lowest id taking them all
-        return min(fits, key=lambda s: (s.policy.queued_prefill_tokens if s.role == "prefill" else 0,
-                                        s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
-                                        s.last_admission, s.info.worker_id))
+        def by_load(s: WorkerSlot) -> tuple:
+            return (s.policy.queued_prefill_tokens if s.role == "prefill" else 0,
+                    s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
+                    s.last_admission, s.info.worker_id)
+        tokens = list(req.prompt_ids) + list(output_ids or ())
+        cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens) for s in fits}
+        if not any(cached.values()):
+            return min(fits, key=by_load)
+        # the longest cached prefix among the workers loaded within a slack of the least loaded one
+        loads = {s.info.worker_id: s.policy.num_waiting + s.policy.num_running for s in fits}
+        least = min(loads.values())
+        slack = max(PREFIX_SLACK_SEQS, least)
+        near = [s for s in fits if loads[s.info.worker_id] <= least + slack]
+        return min(near, key=lambda s: (-cached[s.info.worker_id], *by_load(s)))
 
     def place_parked(self) -> None:
         parked, self.parked = self.parked, []
@@ -275,12 +307,29 @@ class Cluster:
         self.owner[req.request_id] = slot.info.worker_id
         self.admissions += 1
         slot.last_admission = self.admissions
+        if self.limits.enable_prefix_caching and not output_ids:
+            self.note_prefix_miss(req, slot)
         self.ops.append(("hset", self.keys.request_record(req.request_id), "worker", slot.info.worker_id))
         log.info("request admitted", request_id=req.request_id, worker_id=slot.info.worker_id,
                  prompt_tokens=len(req.prompt_ids), max_tokens=req.params.max_tokens,
                  resumed_from=len(output_ids or ()))
         self.stats_dirty = True
         return True
+
+    def note_prefix_miss(self, req: SubmitRequest, slot: WorkerSlot) -> None:
+        """A debug line when a prompt agrees with a recent one on many positions but the worker it goes to
+        has little of it cached: where the two first differ (a chat template writing an early token
+        differently, a timestamp in a system prompt) is what a user cannot see from the hit rate."""
+        prompt = req.prompt_ids
+        other, first, agreed = self.recent_prompts.most_similar(prompt)
+        self.recent_prompts.add(req.request_id, prompt)
+        if agreed < SHARED_PREFIX_LOG_TOKENS:
+            return
+        hit = slot.policy.num_cached_tokens(prompt)
+        if 2 * hit < agreed:
+            log.debug("prefix cache matched little of a similar prompt", request_id=req.request_id,
+                      similar_request_id=other, first_difference=first, tokens_in_common=agreed,
+                      cached_tokens=hit, prompt_tokens=len(prompt), worker_id=slot.info.worker_id)
 
     def fail_request(self, req: SubmitRequest, message: str, error_kind: str | None = None) -> None:
         self.tell_error(req.request_id, req.gateway_id, message, error_kind)
@@ -543,5 +592,14 @@ class Cluster:
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
+            **self.prefix_cache_stats(),
             "grammar_masks": self.grammar_masks,
         }
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix cache counters (tokens queried and found, blocks evicted) since this scheduler took the
+        lease, and the blocks cached now."""
+        per_policy = [s.policy.stats() for s in self.workers.values()]
+        out = {k: sum(p[k] for p in per_policy) + self.retired_prefix_counts[k] for k in PREFIX_COUNTERS}
+        out["kv_blocks_cached"] = sum(p["num_cached_blocks"] for p in per_policy)
+        return out

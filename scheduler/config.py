@@ -44,6 +44,8 @@ class SchedulerConfig:
     itl_target: ItlTarget = field(default_factory=ItlTarget)
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
+    # share the cached KV blocks of prompts' common prefixes (scheduler/prefix_caching.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -20,6 +20,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
 from scheduler.handoffs import HandoffBookkeeping
+from scheduler.prefix_caching import PrefixCacheBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
 from scheduler.step_cost import StepCosts
 from scheduler.step_results import StepResults
@@ -30,10 +31,11 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 
 
-class WorkerPolicy(StepResults, HandoffBookkeeping):
+class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping):
     """One worker's scheduling policy: its sequences, its KV block accounting, and the plans of its steps.
     It applies step results as scheduler/step_results.py says, and phase workers hand sequences over
-    (scheduler/handoffs.py) while `kv_transport` is set."""
+    (scheduler/handoffs.py) while `kv_transport` is set. Sequences share cached prefixes as
+    scheduler/prefix_caching.py says."""
 
     def __init__(self, config: SchedulerConfig, worker_id: str = "local", first_step_id: int = 0,
                  transfer_prefix: str = "t"):
@@ -43,7 +45,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         # unguessable: a shared-memory transfer's file is named by its id (workers/kv_transfer/shm_transport.py)
         self._transfer_ids = (f"{transfer_prefix}-{secrets.token_hex(12)}" for _ in itertools.count())
         self._ready_handoffs: list[Sequence] = []  # first token confirmed, waiting for the service
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.watermark,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         # the admission rule, shared with the gateway's up-front check (phaseserve/kv_admission.py)
         self.capacity = KVCapacity(config.num_blocks, config.block_size, config.max_model_len, config.watermark)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
@@ -68,6 +71,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         self.step_costs: StepCosts | None = None
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self._num_steps_held_by_itl_target = 0
+        self._num_prefix_queries = 0  # prefill tokens of sequence (re)starts, and those found cached
+        self._num_prefix_hits = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -235,18 +240,19 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
             if not self._startable(seq):
                 continue
             need = seq.num_prompt_tokens + len(seq.output_ids)
+            if not self._can_admit(seq, step):
+                break
+            cached = 0 if seq.on_worker else len(self.cached_prefix(seq)) * self.config.block_size
             if chunking:
-                n = min(need, budget.chunk_tokens(need, 0, budget.left))
+                n = min(need - cached, budget.chunk_tokens(need, cached, budget.left))
                 if n <= 0:
                     if seq is not step.head or not step.head_admitted:
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
             else:
-                if chunk_cost(0, need, budget.horizon) > budget.left and step.prefills:
+                if chunk_cost(cached, need - cached, budget.horizon) > budget.left and step.prefills:
                     break  # whole prompts only; the first prefill of a step may exceed the budget
-                n = need
-            if not self._can_admit(seq, step):
-                break
+                n = need - cached
             self._waiting.remove(seq)
             seq.status = RUNNING
             seq.prefill_len = need
@@ -255,10 +261,11 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
             if not seq.on_worker:
                 if self.kv_transport is not None:  # a new transfer for each (re)start: ids are single-use
                     seq.kv_send = KVSend(next(self._transfer_ids), self.kv_transport)
-                step.starts.append(seq.seq_start())
+                seq.num_computed_tokens = seq.num_cached_tokens = self._start_on_cached_prefix(seq)
+                step.starts.append(seq.seq_start(seq.num_computed_tokens, seq.num_cached_tokens))
                 seq.on_worker = True
             self._plan_prefill(step, seq, n)
-            budget.charge_prefill(need, 0, n)
+            budget.charge_prefill(need, cached, n)
 
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
@@ -266,7 +273,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         bm = self.block_manager
         need = bm.blocks_for(self._promised_len(seq, seq.num_prompt_tokens + len(seq.output_ids)))
         return (not step.preempted and len(self._running) < self.config.max_num_seqs
-                and bm.can_allocate(need, reserved=self._promised_blocks()))
+                and bm.can_allocate(self._blocks_to_admit(seq, need), reserved=self._promised_blocks()))
 
     def _plan_prefill(self, step: StepDraft, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -300,6 +307,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
         seq.status = WAITING
         seq.num_computed_tokens = 0
         seq.prefill_len = 0
+        seq.num_named_blocks = 0
         seq.kv_send, seq.kv_receive, seq.awaiting_handoff = None, None, False  # a recompute starts afresh
         if seq.on_worker:
             self._releases.append(seq.seq_id)
@@ -329,8 +337,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
 
     def _startable(self, seq: Sequence) -> bool:
         # an in-flight sample would be missing from the SeqStart; a pending release would
-        # reach the worker in the same plan as the start
-        return seq.num_inflight_samples == 0 and seq.seq_id not in self._releases
+        # reach the worker in the same plan as the start; one whose next block another sequence is
+        # computing now starts on it once it is confirmed (scheduler/prefix_caching.py)
+        return (seq.num_inflight_samples == 0 and seq.seq_id not in self._releases
+                and not self._waits_for_prefix(seq))
 
     def _final_len(self, seq: Sequence) -> int:
         return self.capacity.final_len(seq.num_prompt_tokens, seq.request.params.max_tokens)
@@ -404,4 +414,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping):
             "num_handed_off": self._num_handed_off,
             "num_handed_in": self._num_handed_in,
             "num_steps_held_by_itl_target": self._num_steps_held_by_itl_target,
+            "prefix_cache_queries": self._num_prefix_queries,
+            "prefix_cache_hits": self._num_prefix_hits,
+            "prefix_cache_evictions": self.block_manager.num_evictions,
+            "num_cached_blocks": self.block_manager.num_cached_blocks,
         }

@@ -38,6 +38,11 @@ class Sequence:
     kv_send: KVSend | None = None
     awaiting_handoff: bool = False
     kv_receive: KVReceive | None = None
+    # prefix caching (scheduler/prefix_caching.py): the names of the full blocks of its known tokens, how many
+    # blocks of its table are named in the cache, and the positions its current start found cached
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_named_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def seq_id(self) -> str:
@@ -75,10 +80,10 @@ class Sequence:
         n = self.num_planned_outputs
         return n >= self.request.params.max_tokens or self.num_prompt_tokens + n >= max_model_len
 
-    def seq_start(self, num_cached: int = 0) -> SeqStart:
+    def seq_start(self, num_cached: int = 0, cached_tokens: int = 0) -> SeqStart:
         r = self.request
         return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids),
-                        num_cached, self.kv_send, r.grammar)
+                        num_cached, self.kv_send, cached_tokens, r.grammar)
 
 
 def by_rank(seq: Sequence) -> tuple:

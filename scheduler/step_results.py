@@ -47,6 +47,7 @@ class StepResults:
                 continue
             seq.output_ids.extend(ev.token_ids)
             accepted.add(seq)
+            self._name_confirmed_blocks(seq)  # the positions before this token are in the cache
             if ev.finish_reason is None and self._at_limit(seq):
                 log.error("worker did not finish a sequence at its length limit; finishing it",
                           seq_id=seq.seq_id, outputs=len(seq.output_ids))

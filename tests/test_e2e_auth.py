@@ -23,6 +23,13 @@ def test_up_with_an_api_key(e2e_model, tmp_path):
             with pytest.raises(openai.AuthenticationError) as e:
                 client.models.list()
             assert e.value.code == "invalid_api_key"
+            # /tokenize and /detokenize run the model's tokenizer: keyed like /v1; /version stays open
+            for path, body in (("/../tokenize", {"prompt": "hi"}), ("/../detokenize", {"tokens": [1]})):
+                with pytest.raises(openai.AuthenticationError):
+                    client.post(path, body=body, cast_to=object)
+            assert client.get("/../version", cast_to=object)["version"]
+        with openai.OpenAI(base_url=stack.api_url, api_key=KEY, max_retries=0, timeout=30) as client:
+            assert client.post("/../tokenize", body={"prompt": "hi"}, cast_to=object)["count"] >= 1
         for proc in stack.stack.procs.values():
             assert KEY.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         gateway = stack.stack.procs["gateway"].pid

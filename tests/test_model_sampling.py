@@ -10,7 +10,7 @@ import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from workers.runner import ModelRunner
-from workers.sampler import SampleRow, Sampler, stop_id_tensor
+from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(10, 50)), [300, 4]]
 
@@ -159,3 +159,32 @@ def test_a_long_stop_list_costs_a_min_tokens_step_little_beyond_a_plain_one(runn
     (s,) = runner_driver.run(runner, [PROMPTS[0]], sampled(max_tokens=6, min_tokens=4, seed=1,
                                                              stop_token_ids=list(range(0, 300))))
     assert len(s.outputs) >= 4 and not set(s.outputs[:4]) & set(range(300))
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled_leaving_logprobs_raw():
+    """+100 makes a token the only choice, -100 takes one out, in greedy, seeded and unseeded rows of one
+    batch beside an unbiased row; logprobs stay those of the raw distribution (as OpenAI's and vLLM's)."""
+    V = 50
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7)) * 3
+    top = logits.argmax(dim=1).tolist()
+    forced, s = 17, Sampler(V, seed=0)
+    assert forced not in top[:3]
+
+    def row(bias, **kw) -> SampleRow:
+        return SampleRow(SamplingParams(logit_bias=bias, logprobs=1, **kw), 0, [], 0, frozenset())
+
+    out = s(logits, [row({forced: 100.0}, temperature=0), row({forced: 100}, seed=3), row({forced: 100.0}),
+                     row({})])
+    assert out.token_ids[:3] == [forced] * 3
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0][0] == pytest.approx(raw[0, forced].item(), abs=1e-5)
+    # banned: greedy moves off its argmax, and 200 sampled draws of the same row never hit it
+    assert s(logits[:1], [row({top[0]: -100.0}, temperature=0)]).token_ids != [top[0]]
+    draws = s(logits[:1].repeat(200, 1), [row({top[0]: -100.0}, seed=i) for i in range(200)]).token_ids
+    assert top[0] not in draws
+    # the bias a row carries (built once by its owner) is what the sampler adds; ids past the vocabulary ignored
+    ids, values = logit_bias_tensors({forced: 100.0, V + 5: 100.0}, V)
+    assert ids.tolist() == [forced] and values.tolist() == [100.0]
+    prebuilt = SampleRow(SamplingParams(temperature=0, logit_bias={forced: 100.0}), 0, [], 0, frozenset(),
+                         bias=(torch.tensor([3]), torch.tensor([100.0])))
+    assert s(logits[:1], [prebuilt]).token_ids == [3]

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import random
 import zlib
+from collections import Counter
 from array import array
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class WorkerSeq:
     params: SamplingParams
     computed: int = 0
     finished: bool = False
+    table: list[int] = field(default_factory=list)
 
 
 class FakeWorker:
@@ -86,8 +88,10 @@ class FakeWorker:
         self.recompute_starts: list = []
 
     def _read(self, table: list[int], pos: int, seq_id: str) -> int:
+        # a cached prefix is another sequence's KV: what must match is the position (the token is checked
+        # against the sequence's own by the caller)
         entry = self.kv[table[pos // self.cfg.block_size]][pos % self.cfg.block_size]
-        assert entry is not None and entry[:2] == (seq_id, pos), f"KV of {seq_id}@{pos} overwritten: {entry}"
+        assert entry is not None and entry[1] == pos, f"KV of {seq_id}@{pos} overwritten: {entry}"
         return entry[2]
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -101,7 +105,8 @@ class FakeWorker:
                 assert s.output_ids == pub, (s.seq_id, len(s.output_ids), len(pub))
             if s.output_ids:
                 self.recompute_starts.append((plan.step_id, s.seq_id, list(s.output_ids)))
-            self.seqs[s.seq_id] = WorkerSeq(len(s.prompt_ids), list(s.prompt_ids) + list(s.output_ids), s.params)
+            self.seqs[s.seq_id] = WorkerSeq(len(s.prompt_ids), list(s.prompt_ids) + list(s.output_ids), s.params,
+                                            computed=s.num_cached)
         events = []
         for c in plan.chunks:
             w = self.seqs.get(c.seq_id)
@@ -112,6 +117,11 @@ class FakeWorker:
             assert c.start_pos == w.computed and c.num_tokens >= 1, (c, w.computed)
             assert end <= len(w.tokens), (c, len(w.tokens))
             assert len(c.block_table) == -(-end // bs), (c, end)
+            w.table = list(c.block_table)
+            written = {c.block_table[p // bs] for p in range(c.start_pos, end)}
+            for other_id, other in self.seqs.items():  # a shared (cached) block is never written
+                if other_id != c.seq_id and not other.finished:
+                    assert not written & set(other.table), (c, other_id, other.table)
             for p in range(c.start_pos, end):
                 self.kv[c.block_table[p // bs]][p % bs] = (c.seq_id, p, w.tokens[p])
             w.computed = end
@@ -145,11 +155,14 @@ class Checker:
         self.sched = sched
         # prefill length of each sequence's current incarnation (those started before this driver too)
         self.prefill_len: dict[str, int] = {q.seq_id: q.prefill_len for q in sched._running}
+        self.num_cached: dict[str, int] = {}  # positions each start found in the prefix cache
 
     def check(self, plan: StepPlan) -> None:
         s, cfg = self.sched, self.sched.config
         for st in plan.starts:
             self.prefill_len[st.seq_id] = len(st.prompt_ids) + len(st.output_ids)
+            self.num_cached[st.seq_id] = st.num_cached
+            assert st.num_cached < self.prefill_len[st.seq_id], "the last prefill position is always computed"
         ids = [c.seq_id for c in plan.chunks]
         assert len(ids) == len(set(ids)), "a sequence twice in one plan"
         assert len(ids) <= cfg.max_num_seqs
@@ -157,12 +170,17 @@ class Checker:
         assert "".join(kinds) == "d" * kinds.count("d") + "p" * kinds.count("p"), "decodes must come first"
         for c, k in zip(plan.chunks, kinds):
             assert k == "p" or c.num_tokens == 1
-        owner: dict[int, str] = {}
+        writer: dict[int, str] = {}
+        bs = cfg.block_size
         for c in plan.chunks:
-            assert len(c.block_table) == -(-(c.start_pos + c.num_tokens) // cfg.block_size)
+            assert len(c.block_table) == -(-(c.start_pos + c.num_tokens) // bs)
             for b in c.block_table:
                 assert 0 <= b < cfg.num_blocks
-                assert owner.setdefault(b, c.seq_id) == c.seq_id, f"block {b} in two tables"
+            for b in c.block_table[c.start_pos // bs:]:  # the blocks it writes are its own
+                assert writer.setdefault(b, c.seq_id) == c.seq_id, f"block {b} written by two sequences"
+        for c in plan.chunks:  # and no other sequence's table holds them (a shared block is read-only)
+            for b in c.block_table[:c.start_pos // bs]:
+                assert writer.get(b, c.seq_id) == c.seq_id, f"block {b} read by {c.seq_id}, written by {writer[b]}"
         prefills = [c for c, k in zip(plan.chunks, kinds) if k == "p"]
         if cfg.enable_chunked_prefill:
             # over budget only through decodes (never dropped) and the one token that the head of the
@@ -173,11 +191,20 @@ class Checker:
             if cfg.attention_horizon == 0:
                 assert plan.num_tokens <= cfg.max_num_batched_tokens
         else:  # whole prompts only; only a step's single prefill may take it over the budget
-            assert all(c.start_pos == 0 and c.num_tokens == self.prefill_len[c.seq_id] for c in prefills)
+            assert all(c.start_pos == self.num_cached.get(c.seq_id, 0)
+                       and c.start_pos + c.num_tokens == self.prefill_len[c.seq_id] for c in prefills)
             assert plan.num_tokens <= cfg.max_num_batched_tokens or len(prefills) == 1
         assert s.num_running <= cfg.max_num_seqs
         assert s.num_used_blocks + s.num_free_blocks == cfg.num_blocks
-        assert s.num_used_blocks == sum(len(q.block_table) for q in s._running)
+        assert_references(s)
+
+
+def assert_references(s: WorkerPolicy) -> None:
+    """Every block's reference count is the number of running tables holding it: no reference is dropped
+    twice or leaked (cached blocks nobody holds count as free)."""
+    held = Counter(b for q in s._running for b in q.block_table)
+    assert s.num_used_blocks == len(held)
+    assert all(s.block_manager.refs(b) == n for b, n in held.items()), held
 
 
 def plan_cost(plan: StepPlan, horizon: int) -> float:

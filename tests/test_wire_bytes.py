@@ -40,7 +40,7 @@ def test_older_senders_fields_take_their_defaults():
     assert (plan.epoch, plan.reset, plan.timeout_s, plan.receives, plan.drained) == (0, False, 0.0, [], False)
     assert plan.chunks == [wire.ScheduledChunk("s", 0, 1, [3])]
     # a newer sender's extra trailing list item and extra key are ignored
-    newer = msgpack.packb({"step_id": 1, "worker_id": "w", "events": [["s", 0, [1], None, None, None, "k", "x"]],
+    newer = msgpack.packb({"step_id": 1, "worker_id": "w", "events": [["s", 0, [1], None, None, None, "k", 0, "x"]],
                            "future": 1, "v": wire.PROTOCOL_VERSION, "k": "tokens"})
     assert wire.TokenBatch.from_wire(newer).events == [wire.TokenEvent("s", 0, [1], error_kind="k")]
 
@@ -80,3 +80,26 @@ def test_relay_pipe_messages_read_back():
     assert wire.model_to_relay(wire.RelayNotice(draining=True).to_pipe()) == wire.RelayNotice(draining=True)
     assert wire.relay_to_model(wire.PlanDelivery(b"2-0", b"p").to_pipe()) == wire.PlanDelivery(b"2-0", b"p")
     assert wire.relay_to_model(wire.RelayNotice(no_scheduler=True).to_pipe()) == wire.RelayNotice(no_scheduler=True)
+
+
+def test_a_logit_bias_travels_in_the_params_and_is_left_off_while_empty():
+    from phaseserve.params import SamplingParams
+
+    params = SamplingParams(logit_bias={17: 100.0, 3: -100.0})
+    for msg in (wire.SubmitRequest("r", "gw", [1], params), wire.SeqStart("s", "gw", [1], params)):
+        back = type(msg).from_wire(msg.to_wire()) if isinstance(msg, wire.Message) else \
+            wire.SeqStart.from_dict(msgpack.unpackb(msgpack.packb(msg.to_dict()), strict_map_key=False))
+        assert back.params.logit_bias == {17: 100.0, 3: -100.0}
+    assert "logit_bias" not in wire.SubmitRequest("r", "gw", [1], SamplingParams()).to_dict()["params"]
+
+
+def test_cached_tokens_travel_in_seq_start_and_token_event_and_are_left_off_while_zero():
+    from phaseserve.params import SamplingParams
+
+    start = wire.SeqStart("s", "gw", [1, 2], SamplingParams(), num_cached=16, cached_tokens=16)
+    assert wire.SeqStart.from_dict(msgpack.unpackb(msgpack.packb(start.to_dict()))).cached_tokens == 16
+    assert "cached_tokens" not in wire.SeqStart("s", "gw", [1], SamplingParams()).to_dict()
+    batch = wire.TokenBatch(1, "w", [wire.TokenEvent("s", 0, [5], cached_tokens=32), wire.TokenEvent("t", 3, [6])])
+    back = wire.TokenBatch.from_wire(batch.to_wire())
+    assert [e.cached_tokens for e in back.events] == [32, 0]
+    assert batch.to_dict()["events"][1] == ["t", 3, [6], None, None, None]  # the tail stays off

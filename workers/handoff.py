@@ -162,6 +162,7 @@ class KVHandoffs:
             log.error("kv handoff of the wrong length", seq_id=r.seq_id, sent=summary.num_tokens, expected=r.num_tokens)
             return KVHandoffResult(r.seq_id, r.transfer_id, False,
                                    error=f"{summary.num_tokens} tokens sent, {r.num_tokens} expected")
+        self.runner.mark_written(r.block_ids)  # its prefix may be shared here later (a recompute)
         return KVHandoffResult(r.seq_id, r.transfer_id, True, summary.num_blocks, summary.num_bytes, summary.seconds)
 
     def _abort(self, seq_id: str, why: str) -> None:

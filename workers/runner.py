@@ -26,7 +26,7 @@ from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
-from workers.sampler import SampleRow, Sampler, stop_id_tensor
+from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 
 log = structlog.get_logger(__name__)
 
@@ -86,8 +86,12 @@ class SequenceState:
     finished: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     stop_tensor: torch.Tensor | None = None  # stop_ids for the sampler's min_tokens mask, built once
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias for the sampler, built once
     # positions whose KV this worker wrote: a chunk must start here, else a plan between was lost
     num_computed: int = 0
+    cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
+    # positions its first chunk reads from cached blocks, checked against the blocks written in this process
+    unchecked_cached: int = 0
     # a constrained sequence's matcher, built on the grammar thread (GrammarMatcher once it is done)
     matcher: Future | None = None
 
@@ -148,6 +152,9 @@ class ModelRunner:
         self._mask_helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") \
             if torch.get_num_threads() > 1 else None
         self.grammar_masks = grammar.MaskHistogram()  # since the last step result
+        # blocks this process wrote (or received): a cached prefix may be read only from those. A scheduler that
+        # has not yet seen this worker restart may still name blocks its previous life computed.
+        self.written_blocks = bytearray(self.num_blocks)
         # CPU attends decodes in their own call (its prefill path loops over sequences); a GPU kernel takes the
         # whole packed batch at once. The torch decode path pads every row to the call's longest context, so it
         # gets decodes in calls of similar lengths (decode_buckets); a kernel reading each sequence's own
@@ -177,6 +184,7 @@ class ModelRunner:
                               chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
         self.reset()
+        self.written_blocks[:] = bytes(self.num_blocks)  # scratch: no prefix of anyone's
         if os.path.isfile(self._tokenizer_json):
             self._grammar_thread.submit(self._engine_tokenizer)
         return self.kernel_implementations()
@@ -203,7 +211,9 @@ class ModelRunner:
         self.seqs[s.seq_id] = SequenceState(
             s.seq_id, s.gateway_id, params, len(s.prompt_ids), tokens, stop_ids=stop_ids,
             stop_tensor=stop_id_tensor(stop_ids, self.vocab_size) if params.min_tokens else None,
-            num_computed=s.num_cached,
+            bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
+            num_computed=s.num_cached, cached_tokens=s.cached_tokens,
+            unchecked_cached=s.num_cached if s.cached_tokens else 0,
             matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
         )
 
@@ -279,13 +289,32 @@ class ModelRunner:
                 seq.finished = True
                 events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem))
                 continue
+            if seq.unchecked_cached and not self._holds_prefix(c.block_table, seq.unchecked_cached):
+                # a prefix cached in this worker's previous life (the scheduler has not seen it restart):
+                # compute nothing over it; no token comes, and the scheduler recomputes the sequence
+                log.warning("told of a cached prefix this worker never computed; skipped", seq_id=c.seq_id,
+                            num_cached=seq.unchecked_cached, step_id=plan.step_id)
+                seq.finished = True
+                continue
+            seq.unchecked_cached = 0
             chunks.append(c)
+            self.mark_written(c.block_table[c.start_pos // self.block_size:
+                                            (c.start_pos + c.num_tokens - 1) // self.block_size + 1])
             seq.num_computed = c.start_pos + c.num_tokens
         if chunks:
             events.extend(self._run(chunks))
         num_tokens = sum(c.num_tokens for c in chunks)
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0,
                           grammar_masks=self.take_grammar_masks())
+
+    def mark_written(self, block_ids) -> None:
+        """Blocks whose KV this process wrote (a chunk) or received (a KV transfer)."""
+        for b in block_ids:
+            self.written_blocks[b] = 1
+
+    def _holds_prefix(self, block_table: list[int], num_cached: int) -> bool:
+        written = self.written_blocks
+        return all(written[b] for b in block_table[:num_cached // self.block_size])
 
     def _check_start(self, s) -> str | None:
         """A sequence whose token ids the embedding cannot look up would fail the whole batch's forward pass."""
@@ -392,7 +421,7 @@ class ModelRunner:
             masks.append((building, self._masks([sampling[i].matcher for i in building])))
         if not sampling:
             return []
-        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor)
+        rows = [SampleRow(s.params, s.num_outputs, s.token_ids, s.prompt_len, s.stop_ids, s.stop_tensor, s.bias)
                 for s in sampling]
         errors: dict[int, str] = {}
         for group, (disallowed, row_errors) in masks:
@@ -424,5 +453,6 @@ class ModelRunner:
                 events.append(TokenEvent(seq.seq_id, offset, [], "error", None,
                                          f"grammar: {seq.matcher.result().error}"))
                 continue
-            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None))
+            events.append(TokenEvent(seq.seq_id, offset, [tok], reason, [lp] if lp is not None else None,
+                                     cached_tokens=seq.cached_tokens if offset == 0 else 0))
         return events

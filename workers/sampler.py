@@ -5,8 +5,8 @@ the noise is a pure function of (seed, output offset), so a seeded request
 draws the same tokens alone, in any batch, and after a recompute restart.
 Rows without a seed share one batched draw.
 
-Logprobs come from the raw model distribution (before penalties and
-temperature), as vLLM reports them by default.
+Logprobs come from the raw model distribution (before penalties, logit_bias
+and temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -41,16 +41,28 @@ class SampleRow:
     stop_ids: frozenset[int]  # eos + stop_token_ids: masked while min_tokens is not reached
     # stop_ids as a tensor (stop_id_tensor), built once per sequence by its owner, not on every step
     stop_tensor: torch.Tensor | None = None
+    # params.logit_bias as (ids, values) tensors (logit_bias_tensors), likewise built once per sequence
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # a constrained sequence: bool [V], True where its grammar forbids the token (phaseserve.grammar)
     disallowed: torch.Tensor | None = None
 
     def stop_id_tensor(self, vocab_size: int) -> torch.Tensor:
         return self.stop_tensor if self.stop_tensor is not None else stop_id_tensor(self.stop_ids, vocab_size)
 
+    def bias_tensors(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bias if self.bias is not None else logit_bias_tensors(self.params.logit_bias, vocab_size)
+
 
 def stop_id_tensor(stop_ids: frozenset[int], vocab_size: int) -> torch.Tensor:
     """The in-vocabulary ids of a stop set as an int64 tensor (what the min_tokens mask indexes with)."""
     return torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab_size), dtype=torch.int64)
+
+
+def logit_bias_tensors(logit_bias: dict[int, float], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A logit_bias's in-vocabulary entries as (int64 ids, fp32 values) tensors (what the sampler adds)."""
+    items = sorted((t, b) for t, b in logit_bias.items() if 0 <= t < vocab_size)
+    return (torch.tensor([t for t, _ in items], dtype=torch.int64),
+            torch.tensor([b for _, b in items], dtype=torch.float32))
 
 
 @dataclass
@@ -70,8 +82,8 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Repetition (prompt + output tokens, vLLM/HF rule), frequency and presence (output tokens)
-        penalties, the grammar's mask and min_tokens masking, for the rows that ask for them: fp32 logits
-        then (a copy), else `logits` itself (any dtype)."""
+        penalties, logit_bias, the grammar's mask and min_tokens masking, for the rows that ask for them: fp32
+        logits then (a copy), else `logits` itself (any dtype)."""
         idx = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
                or r.params.presence_penalty != 0.0]
@@ -91,10 +103,18 @@ class Sampler:
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
             x = x - freq * out_counts - pres * (out_counts > 0).float()
             logits = logits.index_copy(0, sel, x)
+        biased = [(i, r.bias_tensors(self.vocab_size)) for i, r in enumerate(rows) if r.params.logit_bias]
+        if biased:
+            ri = torch.repeat_interleave(torch.tensor([i for i, _ in biased]),
+                                         torch.tensor([len(ids) for _, (ids, _) in biased]))
+            dev = logits.device
+            ti, values = torch.cat([ids for _, (ids, _) in biased]), torch.cat([v for _, (_, v) in biased])
+            # not in place: `logits` may still be the raw tensor the logprobs are taken from
+            logits = logits.float().index_put((ri.to(dev), ti.to(dev)), values.to(dev), accumulate=True)
         constrained = [i for i, r in enumerate(rows) if r.disallowed is not None]
         if constrained:  # after the penalties, before temperature and top-k/p: the grammar has the last word
             dev = logits.device
-            if not idx:  # still the caller's tensor (logprobs read it): mask a float copy
+            if not (idx or biased):  # still the caller's tensor (logprobs read it): mask a float copy
                 logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
             if len(constrained) == len(rows):  # in place, one pass
                 logits.masked_fill_(torch.stack([r.disallowed for r in rows]).to(dev), float("-inf"))

@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 _RUNNER_SETTINGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory_bytes", "max_model_len", "seed",
                     "num_threads", "quantization")
 _SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark",
-                       "attention_horizon", "long_prefill_threshold")
+                       "attention_horizon", "long_prefill_threshold", "enable_prefix_caching")
 
 
 @dataclass
@@ -40,8 +40,9 @@ class Completion:
 class Engine:
     """`Engine(model_dir, **settings)`: runner settings (dtype, device, block_size, num_blocks,
     kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization) and scheduler settings (max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, watermark, long_prefill_threshold, attention_horizon:
-    None or absent = the runner's estimate for the model, 0 = every token costs 1 budget unit)."""
+    max_num_batched_tokens, enable_chunked_prefill, watermark, long_prefill_threshold, enable_prefix_caching,
+    attention_horizon: None or absent = the runner's estimate for the model, 0 = every token costs 1 budget
+    unit)."""
 
     def __init__(self, model_dir: str | Path, **settings):
         unknown = set(settings) - set(_RUNNER_SETTINGS) - set(_SCHEDULER_SETTINGS)

@@ -1,0 +1,144 @@
+"""The prefix cache of one worker's KV blocks: which full blocks hold which tokens. Pure; no I/O.
+
+A full block is named by a hash of its token ids chained with the hash of the block before it, so one
+name stands for the whole prefix up to the block's end (vLLM's and nano-vllm's scheme). The block manager
+(scheduler/block_manager.py) keeps the reference counts; this index keeps, for the blocks whose contents
+were confirmed written, name <-> block id, and an LRU order of the named blocks no sequence holds, which
+are still free to take: one is evicted (its name forgotten) only when a block is needed and no empty one
+is left.
+
+A block is named only once a step result confirms its positions were computed (`WorkerPolicy` commits on
+each accepted token), never when a plan is sent: a plan that is lost would otherwise leave a named block
+that was never written. A named block is full and is never written again: every later position of its
+sequence lies in a later block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def block_hashes(token_ids: list[int], block_size: int, start_block: int = 0,
+                 prev: BlockHash | None = None) -> list[BlockHash]:
+    """The chained names of the full blocks of `token_ids` from block `start_block` on; `prev` is the name of
+    block `start_block - 1` (None for the first block)."""
+    n_full = len(token_ids) // block_size
+    if start_block >= n_full:
+        return []
+    data = array("q", token_ids[start_block * block_size:n_full * block_size]).tobytes()
+    width = 8 * block_size
+    out: list[BlockHash] = []
+    h = prev or b""
+    for i in range(0, len(data), width):
+        h = hashlib.sha256(h + data[i:i + width]).digest()
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """Named blocks of one worker's cache, and the LRU order of those no sequence holds."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[BlockHash, int] = {}
+        self._name_of: dict[int, BlockHash] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: oldest first
+        self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._name_of)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def lookup(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks holding the longest prefix of `hashes`."""
+        blocks = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def holds(self, block: int) -> bool:
+        return block in self._name_of
+
+    def is_idle(self, block: int) -> bool:
+        return block in self._idle
+
+    def name(self, block: int, h: BlockHash) -> bool:
+        """Name a referenced block whose contents were confirmed. False (nothing changes) when the name is
+        already another block's (two sequences computed the same prefix at once) or the block has a name."""
+        if h in self._block_of or block in self._name_of:
+            return False
+        self._block_of[h] = block
+        self._name_of[block] = h
+        return True
+
+    def park(self, block: int) -> None:
+        """A named block no sequence holds any more: the most recently used of the idle ones."""
+        self._idle[block] = None
+
+    def unpark(self, block: int) -> None:
+        """An idle named block a sequence takes again."""
+        del self._idle[block]
+
+    def evict(self) -> int:
+        """Forget the least recently used idle block's name; it is empty again."""
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._name_of.pop(block)]
+        self.num_evictions += 1
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget every name; returns the idle blocks (now empty)."""
+        idle = list(self._idle)
+        self._block_of.clear()
+        self._name_of.clear()
+        self._idle.clear()
+        return idle
+
+
+class RecentPrompts:
+    """The last few prompts admitted, to say why a prompt much like one of them found little of it cached.
+    The commonest cause is a chat template (or a system prompt) that changes an early token, a date say:
+    the two prompts then agree on most positions but part early, and the cache, which matches only up to
+    the first difference, finds little. "Much like" is the positions the two agree on, the common prefix
+    plus the rest compared at a small shift (a changed token may change the length a little)."""
+
+    MAX_SHIFT = 2
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def most_similar(self, prompt: list[int]) -> tuple[str | None, int, int]:
+        """(request id, first difference, positions in agreement) of the recent prompt that agrees with
+        `prompt` on the most positions; (None, 0, 0) when there is none."""
+        a = np.asarray(prompt, dtype=np.int64)
+        best: tuple[str | None, int, int] = (None, 0, 0)
+        for rid, b in self._prompts.items():
+            n = min(len(a), len(b))
+            diff = np.flatnonzero(a[:n] != b[:n])
+            first = int(diff[0]) if len(diff) else n
+            rest = 0
+            if first < n:
+                for shift in range(-self.MAX_SHIFT, self.MAX_SHIFT + 1):
+                    x, y = a[first + 1 + max(shift, 0):], b[first + 1 + max(-shift, 0):]
+                    m = min(len(x), len(y))
+                    rest = max(rest, int(np.count_nonzero(x[:m] == y[:m])))
+            if first + rest > best[2]:
+                best = (rid, first, first + rest)
+        return best
+
+    def add(self, request_id: str, prompt: list[int]) -> None:
+        self._prompts[request_id] = np.asarray(prompt, dtype=np.int64)
+        while len(self._prompts) > self.size:
+            self._prompts.popitem(last=False)
