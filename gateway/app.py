@@ -99,6 +99,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         yield
         await gw.backend.close()
         gw.prompts.close()
+        gw.grammars.close()
 
     app.cleanup_ctx.append(redis_side)
 

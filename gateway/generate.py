@@ -32,9 +32,11 @@ from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse
                              token_matches, wants_resume)
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.state import GATEWAY, Gateway
+from gateway.structured import requested_grammar
+from gateway.tools import HermesParser, StreamingToolParser, plan_tools
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -74,7 +76,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     _check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
-    return await Generation(request, gw, req, "completion", prompts).run()
+    spec, param = requested_grammar(req)
+    if spec is not None:
+        await gw.check_grammar(spec, param)
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -82,21 +87,34 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
     _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = plan_tools(req, messages, gw.tool_parser, gw.tokenizer.chat_templates.get("default", ""))
+    spec, param = requested_grammar(req)
+    if tools.grammar is not None:
+        if spec is not None:
+            raise bad_request(f"'tool_choice' forces a tool call; it cannot be combined with '{param}'", param)
+        spec, param = tools.grammar, "tool_choice" if req.tool_choice is not None else "tools"
+    if spec is not None:
+        await gw.check_grammar(spec, param)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
-        prompt_ids = await gw.prompts.encode_chat(messages, req.add_generation_prompt,
-                                                  req.chat_template_kwargs or {}, max_len)
+        prompt_ids = await gw.prompts.encode_chat(tools.messages, req.add_generation_prompt,
+                                                  {**(req.chat_template_kwargs or {}), **tools.template_kwargs},
+                                                  max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)]).run()
+    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec,
+                            tool_parser=tools.parser).run()
 
 
 class Generation:
     """One request in flight: its sequences, their outputs, and the response being written."""
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
-                 kind: str, prompts: list[Prompt]):
+                 kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
+                 tool_parser: HermesParser | None = None):
         self.request = request
+        self.grammar = grammar  # what the output must follow (checked by the engine already)
+        self.tool_parser = tool_parser  # chat with tools: calls are parsed out of the output
         self.gw = gw
         self.req = req
         self.kind = kind
@@ -209,7 +227,7 @@ class Generation:
             base = params[prompt]  # a prompt's k-th choice draws as that prompt's alone would
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
-                                         self.req.priority, arrival_wall))
+                                         self.req.priority, arrival_wall, self.grammar))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
@@ -397,8 +415,7 @@ class Generation:
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)
         if self.kind == "chat":
-            choices = [P.chat_choice(o.index, o.text, self._logprobs(o.logprobs), o.finish_reason)
-                       for o in returned]
+            choices = [self._chat_choice(o) for o in returned]
             body = P.chat_response(self.response_id, self.created, model, choices, self._usage())
         else:
             choices = [P.completion_choice(o.index, self.prompt_of[o.seq_id].echo_text + o.text,
@@ -406,6 +423,13 @@ class Generation:
             body = P.completion_response(self.response_id, self.created, model, choices, self._usage())
         return web.json_response(body, headers={"X-Request-Id": self.request_id},
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    def _chat_choice(self, o: SequenceOutput) -> dict:
+        if self.tool_parser is None:
+            return P.chat_choice(o.index, o.text, self._logprobs(o.logprobs), o.finish_reason)
+        content, calls = self.tool_parser.parse(o.text)
+        return P.chat_choice(o.index, content, self._logprobs(o.logprobs), _finish(o.finish_reason, bool(calls)),
+                             calls)
 
     # ------------------------------------------------------------------ SSE
 
@@ -422,6 +446,8 @@ class Generation:
         model = self.gw.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
+        calls: dict[int, StreamingToolParser] = {o.index: self.tool_parser.stream() for o in self.outputs} \
+            if chat and self.tool_parser is not None else {}
 
         def event(obj: dict, with_id: bool = False) -> bytes:
             head = f"id: {self._event_id()}\n".encode() if with_id and self.resume_token else b""
@@ -457,7 +483,11 @@ class Generation:
                 if not (d.text or d.logprobs or d.finish_reason):
                     continue
                 lp = self._logprobs(d.logprobs)
-                if chat:
+                if chat and calls:
+                    choice = self._tool_chunk_choice(calls[out.index], out.index, d, lp)
+                    if choice is None:  # all of it held back (it may open a call)
+                        continue
+                elif chat:
                     choice = P.chat_chunk_choice(out.index, {"content": d.text} if d.text else {}, lp,
                                                  d.finish_reason)
                 else:
@@ -486,8 +516,29 @@ class Generation:
         return resp
 
     @staticmethod
+    def _tool_chunk_choice(parser: StreamingToolParser, index: int, d: Delta, lp: dict | None) -> dict | None:
+        """A chat chunk's choice with calls parsed out of the text: content as it comes, a call once whole
+        (None: nothing to send yet)."""
+        td = parser.feed(d.text)
+        if d.finish_reason:
+            td.content += parser.finish().content
+        delta: dict = {}
+        if td.content:
+            delta["content"] = td.content
+        if td.tool_calls:
+            delta["tool_calls"] = td.tool_calls
+        if not delta and lp is None and not d.finish_reason:
+            return None
+        return P.chat_chunk_choice(index, delta, lp, _finish(d.finish_reason, parser.num_calls > 0))
+
+    @staticmethod
     async def _try_send_error(send, err: APIError) -> None:
         try:
             await send(P.error_chunk(err))
         except (ConnectionError, SlowClient):
             pass
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason of a chat choice that called tools: "tool_calls" where it stopped by itself."""
+    return "tool_calls" if called and reason == "stop" else reason

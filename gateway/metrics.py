@@ -11,8 +11,10 @@ stats key on each scrape.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from phaseserve.grammar import MASK_BUCKETS_S
 from phaseserve.wire import WorkerInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -20,7 +22,28 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                 5.0)
 
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _MaskHistogram:
+    """Token mask time of constrained sequences on the workers, cumulative as the scheduler sums it
+    (StepResult.grammar_masks): a histogram whose counts come from the scheduler's stats."""
+
+    def __init__(self):
+        self.counts: list[float] = []  # per MASK_BUCKETS_S bucket, one more for slower, then the sum of seconds
+
+    def collect(self):
+        family = HistogramMetricFamily("phaseserve_grammar_mask_seconds",
+                                       "Computing one constrained token's mask on a worker (scheduler)")
+        counts = self.counts if len(self.counts) == len(MASK_BUCKETS_S) + 2 else [0.0] * (len(MASK_BUCKETS_S) + 2)
+        buckets, total = [], 0.0
+        for bound, n in zip((*map(str, MASK_BUCKETS_S), "+Inf"), counts[:-1]):
+            total += n
+            buckets.append((bound, total))
+        family.add_metric([], buckets, counts[-1])
+        yield family
 
 
 class GatewayMetrics:
@@ -97,6 +120,11 @@ class GatewayMetrics:
                                  registry=r)
         self.worker_kernels = Gauge("phaseserve_worker_kernel_info", "Which implementation runs each op family "
                                     "on a live worker", ["worker_id", "family", "implementation"], registry=r)
+        self.grammar_compile = Histogram("phaseserve_grammar_compile_seconds", "Compiling a request's grammar "
+                                         "(JSON schema, regex, choice, forced tool call) before it is enqueued",
+                                         buckets=_COMPILE_BUCKETS, registry=r)
+        self.grammar_masks = _MaskHistogram()
+        r.register(self.grammar_masks)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
 
@@ -133,6 +161,7 @@ class GatewayMetrics:
         for j, (d, a) in enumerate(zip(stats.get("drafted_at", []), stats.get("accepted_at", []))):
             self.spec_rate_at.labels(str(j + 1)).set(a / d if d else 0.0)
         self.stats_age.set(stats.get("updated_at", 0))
+        self.grammar_masks.counts = stats.get("grammar_masks") or []
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

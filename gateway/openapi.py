@@ -58,7 +58,9 @@ def openapi_document() -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "phaseserve gateway", "version": __version__,
-                 "description": "OpenAI-compatible completions and chat completions."},
+                 "description": "OpenAI-compatible completions and chat completions, with structured outputs "
+                                "(`response_format`, vLLM's `structured_outputs` / `guided_*`) and tool calls "
+                                "(`tools`, `tool_choice`) enforced while sampling."},
         "paths": {
             "/v1/completions": generation("Create a text completion", "CompletionRequest"),
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),

@@ -46,16 +46,57 @@ class TextPart(_Strict):
     text: str
 
 
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back with the tools' results
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an 'assistant' message has 'tool_calls'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs 'tool_call_id' (the id of the call it answers)")
         return self
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -85,6 +126,16 @@ class _SamplingFields(_Strict):
     priority: int = 0
     min_tokens: int = Field(0, ge=0)
     logit_bias: LogitBias | None = None
+    # structured outputs (gateway/structured.py reads them): OpenAI's, then vLLM's extras
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}')
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description='vLLM: one of {"json": schema, "regex": str, "choice": [str], "grammar": lark, '
+                          '"json_object": true}')
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
 
     @model_validator(mode="after")
     def _unsupported(self) -> "_SamplingFields":
@@ -164,8 +215,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # accepted, and ignored: the models served here do not reason before they answer
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
@@ -173,10 +225,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs': true")
-        if self.tools:
-            raise ValueError("'tools' are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("'response_format' other than text is not supported")
         clash = [k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_KWARGS]
         if clash:
             raise ValueError(f"'chat_template_kwargs' may not set {', '.join(map(repr, clash))}: the server "
@@ -299,9 +347,12 @@ def chat_response(id: str, created: int, model: str, choices: list[dict], usage_
             "system_fingerprint": None, "choices": choices, "usage": usage_}
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": content},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk(id: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,

@@ -112,6 +112,10 @@ SETTINGS: list[Setting] = [
     Setting("max_queued_prompt_tokens", "PHASESERVE_MAX_QUEUED_PROMPT_TOKENS", 262144, int,
             "prompt tokens (times n) of a gateway's requests still waiting for their first token, at most; "
             "beyond, 429 (a request alone is always let through)", ("gateway", "up")),
+    Setting("tool_call_parser", "PHASESERVE_TOOL_CALL_PARSER", "hermes", str,
+            "the format of the model's tool calls, parsed out of chat outputs into `tool_calls` (vLLM's flag); "
+            "`hermes`: `<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`", ("gateway", "up"),
+            choices=("hermes",)),
     Setting("retry_after", "PHASESERVE_RETRY_AFTER", 1, int,
             "seconds the Retry-After header of a 429 asks clients to wait", ("gateway", "up")),
     Setting("priority_min", "PHASESERVE_PRIORITY_MIN", 0, int,

@@ -367,6 +367,21 @@ def _codec(cls: type) -> _Codec:
 
 # --------------------------------------------------------------- gateway -> scheduler
 
+# GrammarSpec.kind: a JSON schema (its JSON text), a regular expression, or a Lark grammar (llguidance's
+# dialect: JSON schemas inline with %json). The gateway turns every request form (json_object, choice,
+# tool_choice) into one of these.
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+
+
+@dataclass
+class GrammarSpec(Record):
+    """A constraint on a sequence's output: the gateway checked that it compiles before enqueuing; the
+    worker keeps a matcher for it and masks the logits (phaseserve/grammar.py)."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    source: str
+
+
 
 @dataclass
 class SubmitRequest(Message):
@@ -379,6 +394,7 @@ class SubmitRequest(Message):
     params: SamplingParams
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = 0.0
+    grammar: GrammarSpec | None = sent_if_set(None)  # structured output / forced tool call
 
 
 @dataclass
@@ -415,6 +431,9 @@ class SeqStart(Record):
     num_cached: int = sent_if_set(0)
     send_kv: KVSend | None = sent_if_set(None)
     cached_tokens: int = sent_if_set(0)
+    # the request's grammar: the worker builds the matcher and advances it over output_ids (a recompute or a
+    # handed-over sequence continues valid)
+    grammar: GrammarSpec | None = sent_if_set(None)
 
     @property
     def num_tokens(self) -> int:
@@ -594,6 +613,9 @@ class StepResult(Message):
     # speculative decodes: seq id -> drafts the worker proposed and verified (its event's token_ids are
     # those it kept, then the token drawn after them)
     drafted: dict[str, int] = sent_if_set(default_factory=dict)
+    # token masks the step computed for constrained sequences: counts per bucket of phaseserve.grammar's
+    # MASK_BUCKETS_S (the last: slower than all), then the sum of their seconds
+    grammar_masks: list[float] = sent_if_set(default_factory=list)
 
 
 @dataclass

@@ -157,6 +157,7 @@ class Cluster:
         self.admissions = 0
         self.num_steps_given_up = 0
         self.handoffs = HandoffCounters()
+        self.grammar_masks: list[float] = []  # StepResult.grammar_masks summed: the gateway's mask histogram
         self.stats_dirty = True
 
     # ------------------------------------------------------------------ workers
@@ -474,6 +475,11 @@ class Cluster:
             self.stats_dirty = True
         return plans
 
+    def add_grammar_masks(self, counts: list[float]) -> None:
+        if len(self.grammar_masks) != len(counts):  # the first, or a worker with other buckets: start over
+            self.grammar_masks = [0.0] * len(counts)
+        self.grammar_masks = [a + b for a, b in zip(self.grammar_masks, counts)]
+
     def apply_result(self, result: StepResult, epoch: int, now: float) -> None:
         """A worker's step result: close its step (and any older one it overtook), feed the policy, hand off
         finished prefills, and record confirmed outputs and finished requests."""
@@ -502,6 +508,8 @@ class Cluster:
         finished = set(policy.update(result))
         if result.handoffs:
             self.count_handoff_results(result)
+        if result.grammar_masks:
+            self.add_grammar_masks(result.grammar_masks)
         self.hand_off_ready(slot)
         for rid in before:
             if rid in finished:
@@ -588,6 +596,7 @@ class Cluster:
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
             **self.prefix_cache_stats(),
             **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
+            "grammar_masks": self.grammar_masks,
         }
 
     def prefix_cache_stats(self) -> dict:

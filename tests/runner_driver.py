@@ -28,7 +28,8 @@ class DrivenSeq:
 
 
 def run(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-        chunk_size: int = 64, output_ids: list[list[int]] | None = None, max_steps: int = 10_000) -> list[DrivenSeq]:
+        chunk_size: int = 64, output_ids: list[list[int]] | None = None, max_steps: int = 10_000,
+        grammars: list | None = None) -> list[DrivenSeq]:
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     bs = runner.block_size
@@ -43,7 +44,7 @@ def run(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | 
         next_block += need
         assert next_block <= runner.num_blocks, "test needs a bigger KV cache"
         seqs.append(s)
-        starts.append(SeqStart(s.seq_id, "gw", s.prompt, sp, prior))
+        starts.append(SeqStart(s.seq_id, "gw", s.prompt, sp, prior, grammar=grammars[i] if grammars else None))
     releases: list[str] = []
     for step in range(max_steps):
         live = [s for s in seqs if s.finish_reason is None]

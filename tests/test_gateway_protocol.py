@@ -117,7 +117,12 @@ def test_min_tokens_above_max_tokens_is_rejected_by_sampling_params():
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages",
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "requires"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
+     "Missing required field 'tools[0].function'"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "tools[0].function.name"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages", "needs 'tool_call_id'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
 ])
 def test_chat_validation_errors(body, param, words):
     err = error_of(P.ChatCompletionRequest, body)

@@ -8,7 +8,9 @@ batch. Block ids come from the plan; the runner never allocates any.
 from __future__ import annotations
 
 import itertools
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import structlog
 import torch
 
 import kernels
+from phaseserve import grammar
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
@@ -91,6 +94,8 @@ class SequenceState:
     cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
     # positions its first chunk reads from cached blocks, checked against the blocks written in this process
     unchecked_cached: int = 0
+    # a constrained sequence's matcher, built on the grammar thread (GrammarMatcher once it is done)
+    matcher: Future | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -153,6 +158,14 @@ class ModelRunner:
 
             self.proposer = DraftModelDrafts(self, spec.model, spec.quantization)
         self.seqs: dict[str, SequenceState] = {}
+        # grammar matchers are built on this thread (a large grammar, or a recomputed sequence's rebuild over
+        # many outputs, takes a while), beside the steps of the other sequences
+        self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # computes half of a step's masks beside the model thread when torch runs on more than one core
+        self._mask_helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") \
+            if torch.get_num_threads() > 1 else None
+        self.grammar_masks = grammar.MaskHistogram()  # since the last step result
         # blocks this process wrote (or received): a cached prefix may be read only from those. A scheduler that
         # has not yet seen this worker restart may still name blocks its previous life computed.
         self.written_blocks = bytearray(self.num_blocks)
@@ -175,7 +188,8 @@ class ModelRunner:
         """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
         kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
         not inside the first step a scheduler plans. Call it before the worker announces itself: nothing else
-        holds blocks yet (it writes the first one or two). Returns kernel_implementations()."""
+        holds blocks yet (it writes the first one or two). Also starts building the grammar engine's index of
+        the vocabulary, so the first constrained request does not wait for it. Returns kernel_implementations()."""
         seq = "warm-up"
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         prompt = [0, min(1, self.vocab_size - 1)]
@@ -187,6 +201,8 @@ class ModelRunner:
         self.written_blocks[:] = bytes(self.num_blocks)  # scratch: no prefix of anyone's
         if self.proposer is not None:
             self.proposer.warm_up()
+        if os.path.isfile(self._tokenizer_json):
+            self._grammar_thread.submit(self._engine_tokenizer)
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
@@ -214,7 +230,60 @@ class ModelRunner:
             bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
             num_computed=s.num_cached, cached_tokens=s.cached_tokens,
             unchecked_cached=s.num_cached if s.cached_tokens else 0,
+            matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
         )
+
+    def _engine_tokenizer(self):
+        return grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+
+    def _matcher(self, spec, output_ids: list[int]) -> grammar.GrammarMatcher:
+        """On the grammar thread: the sequence's matcher, advanced over the outputs it already has."""
+        return grammar.GrammarMatcher(spec, self._engine_tokenizer(), output_ids)
+
+    def _masks(self, futures: list[Future]) -> tuple[torch.Tensor, list[str | None]]:
+        """The forbidden tokens of each constrained row ([B, vocab] bool), and per row the error of a matcher
+        that could not be built or advanced (None: fine). Waits for matchers still being built."""
+        matchers, errors = [], []
+        for f in futures:
+            try:
+                m = f.result()
+                errors.append(m.error)
+            except Exception as e:  # the gateway checked the grammar: this is a worker-side failure
+                m, _ = None, errors.append(f"grammar: {e}")
+            matchers.append(m)
+        ok = [m for m, e in zip(matchers, errors) if e is None]
+        masks = grammar.allocate_masks(len(matchers), self.vocab_size)
+        if len(ok) == len(matchers):
+            seconds = grammar.fill_masks(ok, masks, self._mask_helper)
+        elif ok:  # a failed row keeps everything allowed; it is not sampled from
+            rows = torch.tensor([i for i, e in enumerate(errors) if e is None])
+            part = masks[rows].contiguous()
+            seconds = grammar.fill_masks(ok, part, self._mask_helper)
+            masks[rows] = part
+        if ok:
+            self.grammar_masks.add(seconds / len(ok), len(ok))
+        return grammar.disallowed_tokens(masks, self.vocab_size), errors
+
+    def _entry_masks(self, entries: list[int], sampling: list, first_row: list[int]) \
+            -> list[tuple[list[int], torch.Tensor, dict[int, str | None]]]:
+        """(sample rows, their forbidden tokens, errors by entry) of the constrained `entries` of a step's
+        sampling: a plain decode's one row, or a verification's row per position (its drafts are left only to
+        a built matcher that allows them, _cut_to_grammar)."""
+        plain = [k for k in entries if not sampling[k][1]]
+        out = []
+        if plain:
+            disallowed, errs = self._masks([sampling[k][0].matcher for k in plain])
+            out.append(([first_row[k] for k in plain], disallowed, dict(zip(plain, errs))))
+        for k in entries:
+            seq, d = sampling[k]
+            if d:
+                t = time.perf_counter()
+                masks = grammar.allocate_masks(1 + len(d), self.vocab_size)
+                seq.matcher.result().fill_proposal_masks(d, masks)
+                self.grammar_masks.add((time.perf_counter() - t) / (1 + len(d)), 1 + len(d))
+                out.append((list(range(first_row[k], first_row[k] + 1 + len(d))),
+                            grammar.disallowed_tokens(masks, self.vocab_size), {}))
+        return out
 
     # ------------------------------------------------------------------ step
 
@@ -223,6 +292,10 @@ class ModelRunner:
         self.seqs.clear()
         if self.proposer is not None:
             self.proposer.reset()
+
+    def take_grammar_masks(self) -> list[float]:
+        """StepResult.grammar_masks of the masks computed since the last call ([] when none)."""
+        return self.grammar_masks.take()
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -287,7 +360,8 @@ class ModelRunner:
         # against the steps without one
         ran = step_shape(chunks, drafts) if self.proposer is not None else []
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
-                          drafted={seq_id: len(d) for seq_id, d in drafts.items()})
+                          drafted={seq_id: len(d) for seq_id, d in drafts.items()},
+                          grammar_masks=self.take_grammar_masks())
 
     def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, int]:
         """A speculative decode as run: a decode from the sequence's own position, and the most drafts it may
@@ -306,11 +380,26 @@ class ModelRunner:
         if not wants:
             return {}
         drafts = self.proposer.propose(wants)
+        for seq_id, d in list(drafts.items()):
+            self._cut_to_grammar(self.seqs[seq_id], d)
+            if not d:
+                del drafts[seq_id]
+                self.proposer.kept(seq_id, len(self.seqs[seq_id].token_ids), 0)
         for i, c in enumerate(chunks):
             d = drafts.get(c.seq_id)
             if d:
                 chunks[i] = ScheduledChunk(c.seq_id, c.start_pos, 1 + len(d), c.block_table)
         return drafts
+
+    @staticmethod
+    def _cut_to_grammar(seq: SequenceState, drafts: list[int]) -> None:
+        """A constrained sequence verifies only the drafts its grammar allows (none while its matcher is still
+        being built), so every position verified has a mask and every token kept is valid."""
+        if seq.matcher is None:
+            return
+        m = seq.matcher.result() if seq.matcher.done() else None
+        n = m.accepted_prefix(drafts) if m is not None and m.error is None else 0
+        del drafts[n:]
 
     def mark_written(self, block_ids) -> None:
         """Blocks whose KV this process wrote (a chunk) or received (a KV transfer)."""
@@ -419,9 +508,22 @@ class ModelRunner:
     def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:
         inp, ordered = self._inputs(chunks, drafts)
         seqs = self.seqs
+        # (sequence, its drafts) of every chunk that samples: one row for its next token, one more per draft
         sampling = [(seqs[c.seq_id], drafts.get(c.seq_id, ())) for c in ordered
                     if c.seq_id in drafts or c.start_pos + c.num_tokens == len(seqs[c.seq_id].token_ids)]
+        first_row = list(itertools.accumulate((1 + len(d) for _, d in sampling), initial=0))
+        constrained = [k for k, (s, _) in enumerate(sampling) if s.matcher is not None]
+        # The masks depend only on the tokens so far. They are computed here, before the forward pass, by
+        # llguidance's threads without the GIL. Computing them on the grammar thread during the forward pass
+        # cost more CPU a step (the two threads hand the GIL to each other), and a worker's core has no idle
+        # time for an overlap to fill (docs/decisions.md, "Structured outputs").
+        # A matcher still being built (a sequence started by this plan) gets its mask after the forward
+        # pass, which its build overlaps.
+        ready = [k for k in constrained if sampling[k][0].matcher.done()]
+        building = [k for k in constrained if not sampling[k][0].matcher.done()]
+        masks = self._entry_masks(ready, sampling, first_row)
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
+        masks += self._entry_masks(building, sampling, first_row)
         if not sampling:
             return []
         rows = []
@@ -432,28 +534,46 @@ class ModelRunner:
             # drafts before it counted as outputs (penalties, min_tokens)
             rows += [SampleRow(s.params, s.num_outputs + j, s.token_ids + list(d[:j]), s.prompt_len, s.stop_ids,
                                s.stop_tensor, s.bias) for j in range(1, len(d) + 1)]
+        errors: dict[int, str] = {}
+        for row_ids, disallowed, entry_errors in masks:
+            for j, r in enumerate(row_ids):
+                rows[r].disallowed = disallowed[j]
+            errors.update((k, e) for k, e in entry_errors.items() if e is not None)
         out = self.sampler(logits, rows)
         events = []
-        r = 0
-        for seq, d in sampling:
+        for k, (seq, d) in enumerate(sampling):
+            r = first_row[k]
             draws = out.token_ids[r:r + len(d) + 1]
             lps = out.logprobs[r:r + len(d) + 1]
-            r += len(d) + 1
-            kept = draws[:accepted_run(list(d), draws) + 1]
             offset = seq.num_outputs
+            if k in errors:
+                log.error("grammar failed", seq_id=seq.seq_id, error=errors[k])
+                seq.finished = True
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, errors[k]))
+                continue
+            kept = draws[:accepted_run(list(d), draws) + 1]
+            matcher = seq.matcher.result() if seq.matcher is not None else None
             reason = None
             n = 0
-            for tok in kept:  # a stop token or the length limit inside an accepted run ends it there
+            for tok in kept:  # a stop token, the length limit or a complete document inside an accepted run ends it
                 seq.token_ids.append(tok)
                 n += 1
                 reason = finish_reason(seq.params, tok, seq.num_outputs, len(seq.token_ids), self.eos_token_ids,
                                        self.max_model_len)
+                if matcher is not None and reason is None:
+                    if not matcher.advance(tok):
+                        reason = "error"
+                    elif matcher.is_stopped:  # the document is complete: nothing but EOS could follow
+                        reason = "stop"
                 if reason is not None:
                     seq.finished = True
                     break
             if d:
                 self.proposer.kept(seq.seq_id, len(seq.token_ids) - n, n - 1)
                 seq.num_computed = len(seq.token_ids) - 1
+            if reason == "error":
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, f"grammar: {matcher.error}"))
+                continue
             events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason, lps[:n] if lps[0] is not None else None,
                                      cached_tokens=seq.cached_tokens if offset == 0 else 0))
         return events

@@ -43,6 +43,8 @@ class SampleRow:
     stop_tensor: torch.Tensor | None = None
     # params.logit_bias as (ids, values) tensors (logit_bias_tensors), likewise built once per sequence
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a constrained sequence: bool [V], True where its grammar forbids the token (phaseserve.grammar)
+    disallowed: torch.Tensor | None = None
 
     def stop_id_tensor(self, vocab_size: int) -> torch.Tensor:
         return self.stop_tensor if self.stop_tensor is not None else stop_id_tensor(self.stop_ids, vocab_size)
@@ -80,8 +82,8 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Repetition (prompt + output tokens, vLLM/HF rule), frequency and presence (output tokens)
-        penalties, logit_bias, and min_tokens masking, for the rows that ask for them: fp32 logits then, else `logits`
-        itself (any dtype)."""
+        penalties, logit_bias, the grammar's mask and min_tokens masking, for the rows that ask for them: fp32
+        logits then (a copy), else `logits` itself (any dtype)."""
         idx = [i for i, r in enumerate(rows)
                if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
                or r.params.presence_penalty != 0.0]
@@ -109,6 +111,17 @@ class Sampler:
             ti, values = torch.cat([ids for _, (ids, _) in biased]), torch.cat([v for _, (_, v) in biased])
             # not in place: `logits` may still be the raw tensor the logprobs are taken from
             logits = logits.float().index_put((ri.to(dev), ti.to(dev)), values.to(dev), accumulate=True)
+        constrained = [i for i, r in enumerate(rows) if r.disallowed is not None]
+        if constrained:  # after the penalties, before temperature and top-k/p: the grammar has the last word
+            dev = logits.device
+            if not (idx or biased):  # still the caller's tensor (logprobs read it): mask a float copy
+                logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            if len(constrained) == len(rows):  # in place, one pass
+                logits.masked_fill_(torch.stack([r.disallowed for r in rows]).to(dev), float("-inf"))
+            else:
+                sel = torch.tensor(constrained, device=dev)
+                forbid = torch.stack([rows[i].disallowed for i in constrained]).to(dev)
+                logits[sel] = logits[sel].masked_fill_(forbid, float("-inf"))
         masked = [(i, r.stop_id_tensor(self.vocab_size)) for i, r in enumerate(rows)
                   if r.offset < r.params.min_tokens and r.stop_ids]
         masked = [(i, ids) for i, ids in masked if len(ids)]

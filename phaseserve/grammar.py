@@ -1,0 +1,200 @@
+"""Structured outputs: a GrammarSpec compiled by llguidance, checked by the gateway, enforced by the worker.
+
+The engine is llguidance (docs/decisions.md has the figures against xgrammar on our tokenizers:
+sub-millisecond compiles, microseconds a mask). Nothing here parses a grammar by hand: a spec becomes an
+llguidance grammar, a matcher follows the sampled tokens, and its bitmask says which tokens may come next.
+
+- the gateway: `check(spec, tokenizer)` builds a matcher once; a schema, regex or grammar the engine refuses
+  raises GrammarError with the engine's message (-> HTTP 400), so it never reaches a worker.
+- the worker: one `GrammarMatcher` per constrained sequence, built from its spec and advanced over the
+  output tokens it already has (a recompute or a handed-over sequence continues where it was), then
+  `fill_masks` for a step's rows (in llguidance's threads, without the GIL) and `advance` per sampled token.
+- speculative decoding: `accepted_prefix(proposed)` says how many proposed tokens the grammar allows (no
+  state change); after verification, `advance_many(accepted)`, or `rollback(n)` to undo tokens advanced.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import time
+from concurrent.futures import Executor
+from functools import lru_cache
+
+import llguidance
+import llguidance.torch
+import torch
+
+from phaseserve.wire import GRAMMAR_KINDS, GrammarSpec
+
+# JSON is generated compact (no free whitespace between tokens): at a high temperature a small model would
+# otherwise wander into whitespace until max_tokens, leaving the document unfinished. A schema's own
+# "x-guidance" options override this.
+JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+
+# mask time histogram (seconds), for /metrics: a mask costs microseconds, a pathological one milliseconds
+MASK_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+
+
+class GrammarError(ValueError):
+    """A spec the engine cannot take; the message is the engine's (-> HTTP 400)."""
+
+
+def engine_grammar(spec: GrammarSpec) -> str:
+    """The spec as an llguidance grammar. Raises GrammarError for what is malformed before compiling."""
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be an object (or true/false)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    raise GrammarError(f"unknown grammar kind {spec.kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
+
+
+def json_schema(schema: dict | bool) -> GrammarSpec:
+    return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False))
+
+
+def lark_string(text: str) -> str:
+    """A Lark string literal matching exactly `text` (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def choice(options: list[str]) -> GrammarSpec:
+    """Exactly one of the strings."""
+    return GrammarSpec("lark", "start: " + " | ".join(lark_string(o) for o in options))
+
+
+@lru_cache(maxsize=8)
+def engine_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """The engine's view of a model's tokenizer (built once per model: it indexes the whole vocabulary).
+    `vocab_size` is the model's (embedding rows, may exceed the tokenizer's): masks have that width."""
+    with open(tokenizer_json, encoding="utf-8") as f:
+        return llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> float:
+    """Compile `spec` as a worker will; raises GrammarError naming the problem. Returns the seconds it took."""
+    t = time.perf_counter()
+    matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0)
+    if matcher.is_error():
+        raise GrammarError(_first_line(matcher.get_error()))
+    return time.perf_counter() - t
+
+
+def _first_line(error: str) -> str:
+    # the engine may append its parser state and the grammar it compiled: what comes before names the problem
+    head = re.split(r"\n\s*<(?:state|grammar)>", error.strip(), maxsplit=1)[0]
+    lines = [ln.strip() for ln in head.splitlines() if ln.strip() and not re.match(r"^\d+ \|", ln.strip())]
+    return " ".join(lines)[:500] or "the grammar does not compile"
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, output_ids: list[int] = ()):
+        self.matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0)
+        if output_ids:  # a token the grammar refuses leaves `error` set: the runner fails that sequence
+            self.matcher.consume_tokens(list(output_ids))
+
+    @property
+    def error(self) -> str | None:
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar allows nothing more (its document is complete): the sequence is done."""
+        return self.matcher.is_stopped()
+
+    def advance(self, token: int) -> bool:
+        """Consume a sampled token; False (and `error` set) if the grammar did not allow it."""
+        return self.matcher.consume_token(token)
+
+    # ---- the speculative decoding hook
+
+    def accepted_prefix(self, proposed: list[int]) -> int:
+        """How many of `proposed` (in order) the grammar allows from here, without moving."""
+        return self.matcher.validate_tokens(list(proposed))
+
+    def advance_many(self, tokens: list[int]) -> bool:
+        return self.matcher.consume_tokens(list(tokens))
+
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` advanced (rejected speculative tokens)."""
+        return self.matcher.rollback(num_tokens)
+
+    def fill_proposal_masks(self, proposed: list[int], masks: torch.Tensor, first_row: int = 0) -> int:
+        """The masks of the positions a speculative step verifies: row first_row + j := what may follow
+        proposed[:j], for j = 0 .. n, n being how many of `proposed` the grammar allows (the proposal is cut
+        there: nothing it refuses is verified). The matcher ends where it began. Returns n."""
+        n = self.accepted_prefix(proposed)
+        for j in range(n + 1):
+            if j:
+                self.matcher.consume_token(proposed[j - 1])
+            llguidance.torch.fill_next_token_bitmask(self.matcher, masks, first_row + j)
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+
+def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask rows, 32 tokens a word, all allowed."""
+    return torch.full(((num_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def _fill(matchers: list[GrammarMatcher], masks: torch.Tensor, rows: range) -> None:
+    for i in rows:
+        llguidance.torch.fill_next_token_bitmask(matchers[i].matcher, masks, i)
+
+
+def fill_masks(matchers: list[GrammarMatcher], masks: torch.Tensor, helper: Executor | None = None) -> float:
+    """Row i of `masks` := what matchers[i] allows next. llguidance releases the GIL while it works, so with
+    a `helper` thread (a worker whose torch uses more than one core) the first half of the rows is computed
+    there while this thread computes the rest. Not llguidance's own thread pool: beside torch's threads
+    on the same cores it made steps slower (docs/decisions.md). Returns the seconds it took."""
+    t = time.perf_counter()
+    half = len(matchers) // 2 if helper is not None else 0
+    other = helper.submit(_fill, matchers, masks, range(half)) if half else None
+    _fill(matchers, masks, range(half, len(matchers)))
+    if other is not None:
+        other.result()
+    return time.perf_counter() - t
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def disallowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask rows [B, W] -> bool [B, vocab_size]: True where a token is forbidden."""
+    bits = (masks.unsqueeze(-1) >> _BITS).bitwise_and_(1)
+    return bits.view(masks.shape[0], -1)[:, :vocab_size].logical_not()
+
+
+class MaskHistogram:
+    """Mask times as StepResult.grammar_masks carries them: counts per MASK_BUCKETS_S bucket (le), one more
+    for slower, then the sum of the seconds."""
+
+    def __init__(self):
+        self.counts: list[float] = []
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        """`n` masks of `seconds` each."""
+        if not self.counts:
+            self.counts = [0.0] * (len(MASK_BUCKETS_S) + 2)
+        self.counts[bisect.bisect_left(MASK_BUCKETS_S, seconds)] += n
+        self.counts[-1] += seconds * n
+
+    def take(self) -> list[float]:
+        """The counts since the last take ([] when none)."""
+        counts, self.counts = self.counts, []
+        return counts
