@@ -15,7 +15,7 @@ from pathlib import Path
 import structlog
 
 from phaseserve.params import SamplingParams
-from phaseserve.wire import SubmitRequest
+from phaseserve.wire import GrammarSpec, SubmitRequest
 from scheduler.policy import SchedulerConfig, WorkerPolicy
 from workers.runner import ModelRunner
 
@@ -76,7 +76,9 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def generate(self, prompts: list[list[int]] | list[str],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 grammars: list[GrammarSpec | None] | None = None) -> list[Completion]:
+        """`grammars`: each prompt's structured-output constraint (phaseserve.grammar builds them), or None."""
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -95,8 +97,9 @@ class Engine:
         now = time.time()
         added = []
         try:
-            for rid, p, sp in zip(request_ids, ids, params):
-                self.scheduler.add_request(SubmitRequest(rid, "local", p, sp.validate(), arrival_time=now))
+            for rid, p, sp, g in zip(request_ids, ids, params, grammars or [None] * len(ids)):
+                self.scheduler.add_request(SubmitRequest(rid, "local", p, sp.validate(), arrival_time=now,
+                                                         grammar=g))
                 added.append(rid)
         except Exception:
             for rid in added:  # all or nothing: no half-submitted batch left in the queue
