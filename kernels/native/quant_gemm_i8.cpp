@@ -22,7 +22,8 @@
 // Integer sums are exact whatever order the lanes add in, and that fp32 sequence is the same in every tile,
 // so a row's output bits do not depend on how many rows the call has, which tile a row lands in, or the
 // thread count (threads split the output groups, never K). One code path serves every row count: for each
-// chunk of groups, rows in tiles; a group's block is unpacked once per row tile and used by every row of it.
+// chunk of groups, rows in tiles of 4 (fewer rows: tiles of more groups, to keep four sums in flight); a
+// group's block is unpacked once per tile and used by every row of it.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -45,7 +46,6 @@ using torch::headeronly::ScalarType;
 constexpr int BLOCK = 32;
 constexpr int LANES = 8;             // outputs per group: lane o of a result vector is output o of the group
 constexpr int64_t CHUNK_GROUPS = 4;  // groups a thread takes at once: their weights stay in cache over row tiles
-constexpr int64_t ROW_TILE = 64;     // rows run against a group's block while its unpacked values are in registers
 constexpr int64_t PREFETCH_BLOCKS = 4;
 
 template <int BITS>
@@ -107,75 +107,111 @@ AVX2_FMA inline __m256i totals(const __m256i v[LANES]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// Groups [g0, g1) x rows [t0, t1): acc [t][8] is the rows' running sums of the group, in memory (one
-// load/store a block), so a row tile of any height runs the same sequence.
+// The block's 8 outputs' weights, unpacked for vpmaddubsw: int4 as unsigned bytes 0..15 (its unsigned operand as
+// they are); int8 as |w| in wu, with w in ws to move its sign onto the activation.
 template <int BITS>
-AVX2_FMA void group_rows(const Packed& W, int64_t g, const QuantRows& X, int64_t T, int64_t t0, int64_t t1,
-                         float* acc) {
-  constexpr int64_t BB = block_bytes<BITS>();
-  const __m256i ones = _mm256_set1_epi16(1);
+AVX2_FMA inline void unpack_block(const uint8_t* blk, __m256i wu[LANES], __m256i ws[LANES]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t t = t0; t < t1; t++) _mm256_storeu_ps(acc + (t - t0) * LANES, _mm256_setzero_ps());
-  const uint8_t* blk = W.data + g * W.nblocks * BB;
-  for (int64_t b = 0; b < W.nblocks; b++, blk += BB) {
-    for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(blk + PREFETCH_BLOCKS * BB + line), _MM_HINT_T0);
-    // the block's weights, unpacked once for every row of the tile: int4 as unsigned bytes 0..15 (vpmaddubsw's
-    // unsigned operand as they are); int8 as |w|, with w kept to move its sign onto the activation
-    __m256i wu[LANES], ws[LANES];
-    for (int o = 0; o < LANES; o++) {
-      if constexpr (BITS == 4) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + o * 16));
-        wu[o] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-      } else {
-        ws[o] = _mm256_loadu_si256((const __m256i*)(blk + o * 32));
-        wu[o] = _mm256_sign_epi8(ws[o], ws[o]);
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>())));
-    const __m256 m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>() + 16)))
-                               : _mm256_setzero_ps();
-    const int8_t* xq = X.q.data() + (b * T) * BLOCK;
-    const float* xd = X.d.data() + b * T;
-    const float* xs = X.s.data() + b * T;
-    for (int64_t t = t0; t < t1; t++) {
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + t * BLOCK));
-      __m256i v[LANES];
 #pragma GCC unroll 8
-      for (int o = 0; o < LANES; o++) {
-        // |products| <= 2 x 127 x 127 in each int16 pair sum: no saturation
-        const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(wu[o], xv)
-                                    : _mm256_maddubs_epi16(wu[o], _mm256_sign_epi8(xv, ws[o]));
-        v[o] = _mm256_madd_epi16(p, ones);
-      }
-      const __m256 sum = _mm256_cvtepi32_ps(totals(v));
-      float* a = acc + (t - t0) * LANES;
-      __m256 r = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), _mm256_loadu_ps(a));
-      if constexpr (BITS == 4) r = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t), r);
-      _mm256_storeu_ps(a, r);
+  for (int o = 0; o < LANES; o++) {
+    if constexpr (BITS == 4) {
+      const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + o * 16));
+      wu[o] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
+    } else {
+      ws[o] = _mm256_loadu_si256((const __m256i*)(blk + o * 32));
+      wu[o] = _mm256_sign_epi8(ws[o], ws[o]);
     }
   }
 }
 
-AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, const float* acc) {
-  const int64_t valid = std::min<int64_t>(W.n - g * LANES, LANES);
+// Lane o: the integer dot product of output o's block with the activation block xv. Exact.
+template <int BITS>
+AVX2_FMA inline __m256i block_dots(const __m256i wu[LANES], const __m256i ws[LANES], __m256i xv) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i v[LANES];
+#pragma GCC unroll 8
+  for (int o = 0; o < LANES; o++) {
+    // each int16 of vpmaddubsw sums two products of at most 128 x 127: no saturation
+    const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(wu[o], xv)
+                                : _mm256_maddubs_epi16(wu[o], _mm256_sign_epi8(xv, ws[o]));
+    v[o] = _mm256_madd_epi16(p, ones);
+  }
+  return totals(v);
+}
+
+// Outputs of group g from acc: a masked store for the padded last group.
+AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 acc) {
+  const int64_t valid = W.n - g * LANES;
+  if (valid >= LANES) {
+    _mm256_storeu_ps(out + g * LANES, acc);
+    return;
+  }
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  _mm256_maskstore_ps(out + g * LANES, mask, _mm256_loadu_ps(acc));
+  _mm256_maskstore_ps(out + g * LANES, mask, acc);
+}
+
+// NG groups (from g0) x TR rows (from t0) over the whole K, the running sums in registers. Every tile shape
+// runs the same sequence for each (row, output), so which shapes a call uses changes no bit.
+template <int BITS, int NG, int TR>
+AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, int64_t t0, float* out, int64_t ldo) {
+  constexpr int64_t BB = block_bytes<BITS>();
+  __m256 acc[TR][NG];
+#pragma GCC unroll 8
+  for (int t = 0; t < TR; t++)
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; g++) acc[t][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < W.nblocks; b++) {
+    const int8_t* xq = X.q.data() + (b * T + t0) * BLOCK;
+    const float* xd = X.d.data() + b * T + t0;
+    const float* xs = X.s.data() + b * T + t0;
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; g++) {
+      const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
+      // PREFETCH_BLOCKS ahead in the group's stream (past its end: the next group's start, the next in memory)
+      for (int64_t line = 0; line < BB; line += 64)
+        _mm_prefetch((const char*)(blk + PREFETCH_BLOCKS * BB + line), _MM_HINT_T0);
+      __m256i wu[LANES], ws[LANES];
+      unpack_block<BITS>(blk, wu, ws);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>())));
+      const __m256 m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>() + 16)))
+                                 : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int t = 0; t < TR; t++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + t * BLOCK));
+        const __m256 sum = _mm256_cvtepi32_ps(block_dots<BITS>(wu, ws, xv));
+        acc[t][g] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), acc[t][g]);
+        if constexpr (BITS == 4) acc[t][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t), acc[t][g]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TR; t++)
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; g++) store_group(W, g0 + g, out + (t0 + t) * ldo, acc[t][g]);
+}
+
+// Rows [t0, t0 + TR) against groups [c, c_end): NG at a time, then one at a time.
+template <int BITS, int NG, int TR>
+AVX2_FMA void rows(const Packed& W, int64_t c, int64_t c_end, const QuantRows& X, int64_t T, int64_t t0, float* out,
+                   int64_t ldo) {
+  int64_t g = c;
+  for (; g + NG <= c_end; g += NG) tile<BITS, NG, TR>(W, g, X, T, t0, out, ldo);
+  for (; g < c_end; g++) tile<BITS, 1, TR>(W, g, X, T, t0, out, ldo);
 }
 
 template <int BITS>
 AVX2_FMA void gemm(const Packed& W, const QuantRows& X, int64_t T, float* out, int64_t ldo) {
   torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(std::min(T, ROW_TILE) * LANES);
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      for (int64_t t0 = 0; t0 < T; t0 += ROW_TILE) {
-        const int64_t t1 = std::min(t0 + ROW_TILE, T);
-        for (int64_t g = c; g < c_end; g++) {
-          group_rows<BITS>(W, g, X, T, t0, t1, acc.data());
-          for (int64_t t = t0; t < t1; t++) store_group(W, g, out + t * ldo, acc.data() + (t - t0) * LANES);
-        }
-      }
+      // at least four running sums in flight (the fma chain's latency), and a block's unpacked weights used
+      // by up to 4 rows; the chunk's weights stay in cache while every row tile passes over them
+      int64_t t0 = 0;
+      for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
+      if (T - t0 == 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
+      else if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
+      else if (T - t0 == 1) rows<BITS, 4, 1>(W, c, c_end, X, T, t0, out, ldo);
     }
   });
 }
