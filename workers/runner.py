@@ -96,7 +96,7 @@ class ModelRunner:
         self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
-        num_threads: int | None = None, quantization: str = "auto",
+        num_threads: int | None = None, quantization: str = "auto", activation_quant: str = "auto",
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -122,7 +122,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
         self.max_model_len = max_model_len or limit
         self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device, quantization=quantization,
-                                      dtype=self.dtype)
+                                      dtype=self.dtype, activation_quant=activation_quant)
         del weights
         if self.device.type == "cpu":
             release_free_heap()  # float weights converted at load (quantized) are gone: return their memory
@@ -168,7 +168,7 @@ class ModelRunner:
     def kernel_implementations(self) -> dict[str, str]:
         """Which implementation runs each op family this model uses (attention, layer_ops, and linear and
         quant_linear where it has linears of that kind): triton on CUDA; on CPU what kernels chose so far
-        (see warm_up)."""
+        (see warm_up), and with quantized linears "activation_quant": "int8" or "none" (--activation-quant)."""
         m = self.model
         linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         quantized = sum(isinstance(lin, QuantizedLinear) for lin in linears)
@@ -176,7 +176,10 @@ class ModelRunner:
         families = [f for f in kernels.native.FAMILIES if used[f]]
         if self.device.type == "cuda":
             return {f: "triton" for f in families}
-        return kernels.native.implementations(families, self.dtype)
+        found = kernels.native.implementations(families, self.dtype)
+        if quantized:  # what the quantized linears do with the activations (--activation-quant)
+            found["activation_quant"] = self.model.activation_quant
+        return found
 
     # ------------------------------------------------------------------ state
 
