@@ -20,7 +20,7 @@ from native_ops import load_or_skip, torch_threads
 from test_native_quant_f32 import gguf_weight, rows, weight
 
 ROOT = Path(__file__).resolve().parent.parent
-# row counts: each tile shape (4-row tiles, and 1, 2 or 3 rows left over) at small and large counts
+# row counts: each tile shape (3-row tiles, and 1 or 2 rows left over) at small and large counts
 SWEEP = (1, 2, 3, 4, 5, 6, 7, 16, 63, 64, 65, 97, 128, 255, 300)
 
 
@@ -77,6 +77,25 @@ def test_close_to_the_float_product(ops, kind):
     exact = x.double() @ qw.dequantize(torch.float64).T
     err = (got - exact).abs().max() / exact.abs().max()
     assert 1e-6 < err < 0.02
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_extreme_values_do_not_saturate(ops, kind):
+    """The largest integer products the formats allow (int4 q = 15, int8 q = -128 and 127, activations at
+    +-127 with the same or opposite sign): vpmaddubsw's int16 pairs and the int4 block's int16 sums hold
+    them exactly."""
+    out_f, in_f = 16, 64
+    ones = torch.ones(out_f, in_f // 32, dtype=torch.float16)
+    if kind == "int4":
+        qw = QuantizedWeight("int4", torch.full((out_f, in_f // 2), 0xFF, dtype=torch.uint8), ones, ones * 0)
+    else:
+        q = torch.full((out_f, in_f), 127, dtype=torch.int8)
+        q[::2] = -128
+        qw = QuantizedWeight("int8", q, ones, None)
+    x = torch.ones(4, in_f)
+    x[1] = -1
+    x[2, ::2] = -1
+    assert_matches_reference(native(ops, x, qw), x, qw)
 
 
 def test_reads_strided_rows_and_dispatch(ops):

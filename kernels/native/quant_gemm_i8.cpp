@@ -22,8 +22,8 @@
 // Integer sums are exact whatever order the lanes add in, and that fp32 sequence is the same in every tile,
 // so a row's output bits do not depend on how many rows the call has, which tile a row lands in, or the
 // thread count (threads split the output groups, never K). One code path serves every row count: for each
-// chunk of groups, rows in tiles of 4 (fewer rows: tiles of more groups, to keep four sums in flight); a
-// group's block is unpacked once per tile and used by every row of it.
+// chunk of groups, tiles of 2 groups x 3 rows (1 row: 4 groups); a quad of a group's block is unpacked once
+// per tile and used by every row of it.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -100,45 +100,6 @@ AVX2_FMA void quantize_rows(const float* x, int64_t ldx, int64_t T, int64_t nblo
   });
 }
 
-// 8 vectors of 8 int32 (one per output) -> one vector of their 8 totals (lane o = output o). Exact.
-AVX2_FMA inline __m256i totals(const __m256i v[LANES]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-// The block's 8 outputs' weights, unpacked for vpmaddubsw: int4 as unsigned bytes 0..15 (its unsigned operand as
-// they are); int8 as |w| in wu, with w in ws to move its sign onto the activation.
-template <int BITS>
-AVX2_FMA inline void unpack_block(const uint8_t* blk, __m256i wu[LANES], __m256i ws[LANES]) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-#pragma GCC unroll 8
-  for (int o = 0; o < LANES; o++) {
-    if constexpr (BITS == 4) {
-      const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + o * 16));
-      wu[o] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-    } else {
-      ws[o] = _mm256_loadu_si256((const __m256i*)(blk + o * 32));
-      wu[o] = _mm256_sign_epi8(ws[o], ws[o]);
-    }
-  }
-}
-
-// Lane o: the integer dot product of output o's block with the activation block xv. Exact.
-template <int BITS>
-AVX2_FMA inline __m256i block_dots(const __m256i wu[LANES], const __m256i ws[LANES], __m256i xv) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i v[LANES];
-#pragma GCC unroll 8
-  for (int o = 0; o < LANES; o++) {
-    // each int16 of vpmaddubsw sums two products of at most 128 x 127: no saturation
-    const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(wu[o], xv)
-                                : _mm256_maddubs_epi16(wu[o], _mm256_sign_epi8(xv, ws[o]));
-    v[o] = _mm256_madd_epi16(p, ones);
-  }
-  return totals(v);
-}
-
 // Outputs of group g from acc: a masked store for the padded last group.
 AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 acc) {
   const int64_t valid = W.n - g * LANES;
@@ -151,11 +112,29 @@ AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 
   _mm256_maskstore_ps(out + g * LANES, mask, acc);
 }
 
-// NG groups (from g0) x TR rows (from t0) over the whole K, the running sums in registers. Every tile shape
-// runs the same sequence for each (row, output), so which shapes a call uses changes no bit.
+// Quad j (k = 4j .. 4j + 3) of a group's block as 32 bytes, byte 4o + i = output o's value at k = 4j + i:
+// int4 as unsigned 0..15 (vpmaddubsw's unsigned operand as they are), int8 as stored (signed).
+template <int BITS>
+AVX2_FMA inline __m256i quad(const uint8_t* blk, int j) {
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + j * 16));
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+                            _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+  }
+}
+
+// NG groups (from g0) x TR rows (from t0) over the whole K, the running sums in registers. Against a quad's
+// weights, a row's 4 values at those k are broadcast to every output, so vpmaddubsw's int16 lanes 2o and
+// 2o + 1 hold output o's products and vpmaddwd (with ones) gives output o's sum in int32 lane o: no
+// horizontal sums. int4: |each int16| <= 2 x 15 x 127, so a block's 8 quads add up in int16 without overflow;
+// int8 (values up to 128 x 127 a product): each quad widened to int32 at once. Every tile shape runs the same
+// sequence for each (row, output), so which shapes a call uses changes no bit.
 template <int BITS, int NG, int TR>
 AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, int64_t t0, float* out, int64_t ldo) {
   constexpr int64_t BB = block_bytes<BITS>();
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[TR][NG];
 #pragma GCC unroll 8
   for (int t = 0; t < TR; t++)
@@ -165,22 +144,50 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
     const int8_t* xq = X.q.data() + (b * T + t0) * BLOCK;
     const float* xd = X.d.data() + b * T + t0;
     const float* xs = X.s.data() + b * T + t0;
+    const uint8_t* blk[NG];
 #pragma GCC unroll 8
     for (int g = 0; g < NG; g++) {
-      const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
+      blk[g] = W.data + ((g0 + g) * W.nblocks + b) * BB;
       // PREFETCH_BLOCKS ahead in the group's stream (past its end: the next group's start, the next in memory)
       for (int64_t line = 0; line < BB; line += 64)
-        _mm_prefetch((const char*)(blk + PREFETCH_BLOCKS * BB + line), _MM_HINT_T0);
-      __m256i wu[LANES], ws[LANES];
-      unpack_block<BITS>(blk, wu, ws);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>())));
-      const __m256 m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + quant_bytes<BITS>() + 16)))
+        _mm_prefetch((const char*)(blk[g] + PREFETCH_BLOCKS * BB + line), _MM_HINT_T0);
+    }
+    __m256i sum[TR][NG];
+#pragma GCC unroll 8
+    for (int t = 0; t < TR; t++)
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; g++) sum[t][g] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < BLOCK / 4; j++) {
+      __m256i w[NG], wabs[NG];
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; g++) {
+        w[g] = quad<BITS>(blk[g], j);
+        if constexpr (BITS == 8) wabs[g] = _mm256_sign_epi8(w[g], w[g]);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < TR; t++) {
+        const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + t * BLOCK + 4 * j));
+#pragma GCC unroll 8
+        for (int g = 0; g < NG; g++) {
+          if constexpr (BITS == 4) {
+            sum[t][g] = _mm256_add_epi16(sum[t][g], _mm256_maddubs_epi16(w[g], xv));
+          } else {
+            const __m256i p = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(xv, w[g]));
+            sum[t][g] = _mm256_add_epi32(sum[t][g], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; g++) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk[g] + quant_bytes<BITS>())));
+      const __m256 m = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk[g] + quant_bytes<BITS>() + 16)))
                                  : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int t = 0; t < TR; t++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + t * BLOCK));
-        const __m256 sum = _mm256_cvtepi32_ps(block_dots<BITS>(wu, ws, xv));
-        acc[t][g] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), acc[t][g]);
+        const __m256i S = BITS == 4 ? _mm256_madd_epi16(sum[t][g], ones) : sum[t][g];
+        acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), acc[t][g]);
         if constexpr (BITS == 4) acc[t][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t), acc[t][g]);
       }
     }
@@ -205,12 +212,12 @@ AVX2_FMA void gemm(const Packed& W, const QuantRows& X, int64_t T, float* out, i
   torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      // at least four running sums in flight (the fma chain's latency), and a block's unpacked weights used
-      // by up to 4 rows; the chunk's weights stay in cache while every row tile passes over them
+      // 2 groups x 3 rows: six running sums in flight (the fma chain's latency), a quad's weights unpacked once
+      // for 3 rows and a row's broadcast values used by 2 groups, within the 16 ymm registers; the chunk's
+      // weights stay in cache while every row tile passes over them. 1 or 2 rows left: 4 or 2 groups.
       int64_t t0 = 0;
-      for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
-      if (T - t0 == 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
-      else if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
+      for (; t0 + 3 <= T; t0 += 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
+      if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
       else if (T - t0 == 1) rows<BITS, 4, 1>(W, c, c_end, X, T, t0, out, ldo);
     }
   });
