@@ -45,8 +45,11 @@ using torch::headeronly::ScalarType;
 
 constexpr int BLOCK = 32;
 constexpr int LANES = 8;             // outputs per group: lane o of a result vector is output o of the group
-constexpr int64_t CHUNK_GROUPS = 4;  // groups a thread takes at once: their weights stay in cache over row tiles
+constexpr int64_t CHUNK_GROUPS = 8;  // groups a thread takes at once: their weights stay in cache over row tiles
 constexpr int64_t PREFETCH_BLOCKS = 4;
+#ifndef T1_GROUPS
+#define T1_GROUPS 4
+#endif
 
 template <int BITS>
 constexpr int64_t quant_bytes() { return LANES * BLOCK * BITS / 8; }
@@ -112,24 +115,12 @@ AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 
   _mm256_maskstore_ps(out + g * LANES, mask, acc);
 }
 
-// Quad j (k = 4j .. 4j + 3) of a group's block as 32 bytes, byte 4o + i = output o's value at k = 4j + i:
-// int4 as unsigned 0..15 (vpmaddubsw's unsigned operand as they are), int8 as stored (signed).
-template <int BITS>
-AVX2_FMA inline __m256i quad(const uint8_t* blk, int j) {
-  if constexpr (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + j * 16));
-    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
-                            _mm256_set1_epi8(0x0F));
-  } else {
-    return _mm256_loadu_si256((const __m256i*)(blk + j * 32));
-  }
-}
-
-// NG groups (from g0) x TR rows (from t0) over the whole K, the running sums in registers. Against a quad's
-// weights, a row's 4 values at those k are broadcast to every output, so vpmaddubsw's int16 lanes 2o and
-// 2o + 1 hold output o's products and vpmaddwd (with ones) gives output o's sum in int32 lane o: no
-// horizontal sums. int4: |each int16| <= 2 x 15 x 127, so a block's 8 quads add up in int16 without overflow;
-// int8 (values up to 128 x 127 a product): each quad widened to int32 at once. Every tile shape runs the same
+// NG groups (from g0) x TR rows (from t0) over the whole K, the running sums in registers. A quad (k = 4j ..
+// 4j + 3) of a group's block is 32 bytes, byte 4o + i = output o at k = 4j + i, and a row's 4 values at those k
+// are broadcast against it, so vpmaddubsw's int16 lanes 2o and 2o + 1 hold output o's products and vpmaddwd
+// (with ones) gives output o's sum in int32 lane o: no horizontal sums. int4 (unsigned 0..15, vpmaddubsw's
+// unsigned operand as they are): |each int16| <= 2 x 15 x 127, so a block's quads add up in int16 without
+// overflow; int8 (up to 128 x 127 a product; |w| times x with w's sign): each quad widened to int32 at once. Every tile shape runs the same
 // sequence for each (row, output), so which shapes a call uses changes no bit.
 template <int BITS, int NG, int TR>
 AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, int64_t t0, float* out, int64_t ldo) {
@@ -148,31 +139,57 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
 #pragma GCC unroll 8
     for (int g = 0; g < NG; g++) {
       blk[g] = W.data + ((g0 + g) * W.nblocks + b) * BB;
-      // PREFETCH_BLOCKS ahead in the group's stream (past its end: the next group's start, the next in memory)
-      for (int64_t line = 0; line < BB; line += 64)
-        _mm_prefetch((const char*)(blk[g] + PREFETCH_BLOCKS * BB + line), _MM_HINT_T0);
+      // PREFETCH_BLOCKS ahead in the group's stream; near its end, the start of the next tile's group in the
+      // same place (each tile's first blocks would otherwise wait on DRAM)
+      const uint8_t* next = blk[g] + (b + PREFETCH_BLOCKS < W.nblocks ? PREFETCH_BLOCKS
+                                                                       : PREFETCH_BLOCKS + (NG - 1) * W.nblocks) * BB;
+      for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
     }
-    __m256i sum[TR][NG];
+    // int4: sum[t][g] for outputs 0-3 (lanes of k 4j.., j even in the low half, odd in the high), hi for 4-7
+    __m256i sum[TR][NG], hi[TR][NG];
 #pragma GCC unroll 8
     for (int t = 0; t < TR; t++)
 #pragma GCC unroll 8
-      for (int g = 0; g < NG; g++) sum[t][g] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < BLOCK / 4; j++) {
-      __m256i w[NG], wabs[NG];
-#pragma GCC unroll 8
-      for (int g = 0; g < NG; g++) {
-        w[g] = quad<BITS>(blk[g], j);
-        if constexpr (BITS == 8) wabs[g] = _mm256_sign_epi8(w[g], w[g]);
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < TR; t++) {
-        const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + t * BLOCK + 4 * j));
+      for (int g = 0; g < NG; g++) sum[t][g] = hi[t][g] = _mm256_setzero_si256();
+    if constexpr (BITS == 4) {
+      // quads 2p and 2p + 1 in one 32-byte load: low nibbles are outputs 0-3 of both, high nibbles 4-7; the
+      // row's values at k = 8p .. 8p + 3 meet the low 16 bytes, 8p + 4 .. 8p + 7 the high ones
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+#pragma GCC unroll 4
+      for (int p = 0; p < BLOCK / 8; p++) {
+        __m256i w0[NG], w1[NG];
 #pragma GCC unroll 8
         for (int g = 0; g < NG; g++) {
-          if constexpr (BITS == 4) {
-            sum[t][g] = _mm256_add_epi16(sum[t][g], _mm256_maddubs_epi16(w[g], xv));
-          } else {
+          const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk[g] + p * 32));
+          w0[g] = _mm256_and_si256(raw, low);
+          w1[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < TR; t++) {
+          const __m256i xv = _mm256_permutevar8x32_epi32(
+              _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)(xq + t * BLOCK + 8 * p))), spread);
+#pragma GCC unroll 8
+          for (int g = 0; g < NG; g++) {
+            sum[t][g] = _mm256_add_epi16(sum[t][g], _mm256_maddubs_epi16(w0[g], xv));
+            hi[t][g] = _mm256_add_epi16(hi[t][g], _mm256_maddubs_epi16(w1[g], xv));
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < BLOCK / 4; j++) {
+        __m256i w[NG], wabs[NG];
+#pragma GCC unroll 8
+        for (int g = 0; g < NG; g++) {
+          w[g] = _mm256_loadu_si256((const __m256i*)(blk[g] + j * 32));
+          wabs[g] = _mm256_sign_epi8(w[g], w[g]);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < TR; t++) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + t * BLOCK + 4 * j));
+#pragma GCC unroll 8
+          for (int g = 0; g < NG; g++) {
             const __m256i p = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(xv, w[g]));
             sum[t][g] = _mm256_add_epi32(sum[t][g], _mm256_madd_epi16(p, ones));
           }
@@ -186,7 +203,11 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
                                  : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int t = 0; t < TR; t++) {
-        const __m256i S = BITS == 4 ? _mm256_madd_epi16(sum[t][g], ones) : sum[t][g];
+        __m256i S = sum[t][g];
+        if constexpr (BITS == 4) {  // [outputs 0-3 | 0-3] and [4-7 | 4-7] in int32, the halves added
+          const __m256i a = _mm256_madd_epi16(sum[t][g], ones), c = _mm256_madd_epi16(hi[t][g], ones);
+          S = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+        }
         acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), acc[t][g]);
         if constexpr (BITS == 4) acc[t][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t), acc[t][g]);
       }
@@ -212,13 +233,21 @@ AVX2_FMA void gemm(const Packed& W, const QuantRows& X, int64_t T, float* out, i
   torch::stable::parallel_for(0, W.groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      // 2 groups x 3 rows: six running sums in flight (the fma chain's latency), a quad's weights unpacked once
-      // for 3 rows and a row's broadcast values used by 2 groups, within the 16 ymm registers; the chunk's
-      // weights stay in cache while every row tile passes over them. 1 or 2 rows left: 4 or 2 groups.
+      // tiles of rows x groups: enough running sums in flight (the fma chain's latency), a quad's weights
+      // unpacked once for every row of the tile and a row's broadcast values used by every group of it,
+      // within the 16 ymm registers (int4 keeps two int16 sums a row and group: fewer groups); the chunk's
+      // weights stay in cache while every row tile passes over them
       int64_t t0 = 0;
-      for (; t0 + 3 <= T; t0 += 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
-      if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
-      else if (T - t0 == 1) rows<BITS, 4, 1>(W, c, c_end, X, T, t0, out, ldo);
+      if constexpr (BITS == 4) {
+        for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
+        if (T - t0 == 3) rows<BITS, 1, 3>(W, c, c_end, X, T, t0, out, ldo);
+        else if (T - t0 == 2) rows<BITS, 1, 2>(W, c, c_end, X, T, t0, out, ldo);
+        else if (T - t0 == 1) rows<BITS, T1_GROUPS, 1>(W, c, c_end, X, T, t0, out, ldo);
+      } else {
+        for (; t0 + 3 <= T; t0 += 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
+        if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
+        else if (T - t0 == 1) rows<BITS, 8, 1>(W, c, c_end, X, T, t0, out, ldo);
+      }
     }
   });
 }
