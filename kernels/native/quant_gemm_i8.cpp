@@ -47,9 +47,7 @@ constexpr int BLOCK = 32;
 constexpr int LANES = 8;             // outputs per group: lane o of a result vector is output o of the group
 constexpr int64_t CHUNK_GROUPS = 8;  // groups a thread takes at once: their weights stay in cache over row tiles
 constexpr int64_t PREFETCH_BLOCKS = 4;
-#ifndef T1_GROUPS
-#define T1_GROUPS 4
-#endif
+constexpr int T1_GROUPS = 4;  // int4, one row: groups a tile
 
 template <int BITS>
 constexpr int64_t quant_bytes() { return LANES * BLOCK * BITS / 8; }
