@@ -181,7 +181,7 @@ for mode in ("int8", "none", "auto"):
     logits[mode] = run_schedule(r, [seq], [[17, 1, 1, 1]])[0]
     out[mode] = {"i8": all(isinstance(lin.weight, PackedQuantI8Weight) for lin in linears),
                  "f32": all(isinstance(lin.weight, PackedQuantF32Weight) for lin in linears),
-                 "kernels": r.kernel_implementations()}
+                 "kernels": r.warm_up()}  # what the worker's heartbeat carries (WorkerInfo.kernels, /health)
 bf16 = ModelRunner(folder, dtype="bfloat16", num_blocks=64, activation_quant="int8")
 out["bf16"] = bf16.model.activation_quant
 ref = logits["none"]
