@@ -28,7 +28,7 @@ row at lookup; a float table stays float. The lm_head follows the linears' rule 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -88,7 +88,8 @@ class Quantization:
     mode: str
     dtype: torch.dtype  # the model's (activations') dtype
     device: torch.device
-    activations: str = "none"  # --activation-quant as asked; `activation_quant` is what it means here
+    activations: str = "none"  # --activation-quant as asked
+    activation_quant: str = field(init=False)  # what it means here: "int8" or "none"
 
     def __post_init__(self):
         if self.mode not in MODES:
