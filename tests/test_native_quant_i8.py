@@ -211,9 +211,8 @@ def test_activation_quant_setting_chooses_the_op_on_an_avx2_process(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["int8"]["i8"] and r["int8"]["kernels"]["activation_quant"] == "int8"
-    assert r["int8"]["kernels"]["quant_linear"] == "native avx2"
-    assert r["none"]["f32"] and r["none"]["kernels"]["activation_quant"] == "none"
-    assert r["auto"]["f32"] and r["auto"]["kernels"]["activation_quant"] == "none" and r["diff_auto"] == 0
+    assert r["int8"]["i8"] and r["int8"]["kernels"]["quant_linear"] == "native avx2, int8 activations"
+    assert r["none"]["f32"] and r["none"]["kernels"]["quant_linear"] == "native avx2"
+    assert r["auto"]["f32"] and r["auto"]["kernels"]["quant_linear"] == "native avx2" and r["diff_auto"] == 0
     assert r["bf16"] == "none"
     assert 0 < r["diff_int8"] <= 0.05 * r["scale"]

@@ -168,7 +168,7 @@ class ModelRunner:
     def kernel_implementations(self) -> dict[str, str]:
         """Which implementation runs each op family this model uses (attention, layer_ops, and linear and
         quant_linear where it has linears of that kind): triton on CUDA; on CPU what kernels chose so far
-        (see warm_up), and with quantized linears "activation_quant": "int8" or "none" (--activation-quant)."""
+        (see warm_up); quant_linear's ends in ", int8 activations" where --activation-quant int8 is in effect."""
         m = self.model
         linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         quantized = sum(isinstance(lin, QuantizedLinear) for lin in linears)
@@ -177,8 +177,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             return {f: "triton" for f in families}
         found = kernels.native.implementations(families, self.dtype)
-        if quantized:  # what the quantized linears do with the activations (--activation-quant)
-            found["activation_quant"] = self.model.activation_quant
+        if quantized and self.model.activation_quant == "int8":  # --activation-quant int8 in effect
+            found["quant_linear"] += ", int8 activations"
         return found
 
     # ------------------------------------------------------------------ state
