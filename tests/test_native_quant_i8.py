@@ -20,7 +20,7 @@ from native_ops import load_or_skip, torch_threads
 from test_native_quant_f32 import gguf_weight, rows, weight
 
 ROOT = Path(__file__).resolve().parent.parent
-# row counts: each tile shape (3-row tiles, and 1 or 2 rows left over) at small and large counts
+# row counts: each tile shape (4-row tiles, and 1, 2 or 3 rows left over) at small and large counts
 SWEEP = (1, 2, 3, 4, 5, 6, 7, 16, 63, 64, 65, 97, 128, 255, 300)
 
 

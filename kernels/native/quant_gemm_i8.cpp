@@ -22,8 +22,8 @@
 // Integer sums are exact whatever order the lanes add in, and that fp32 sequence is the same in every tile,
 // so a row's output bits do not depend on how many rows the call has, which tile a row lands in, or the
 // thread count (threads split the output groups, never K). One code path serves every row count: for each
-// chunk of groups, tiles of 2 groups x 3 rows (1 row: 4 groups); a quad of a group's block is unpacked once
-// per tile and used by every row of it.
+// chunk of groups, tiles of 4 rows x 1 group (1 row: 4 or 8 groups); a quad of a group's block is unpacked
+// once per tile and used by every row of it.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -47,7 +47,6 @@ constexpr int BLOCK = 32;
 constexpr int LANES = 8;             // outputs per group: lane o of a result vector is output o of the group
 constexpr int64_t CHUNK_GROUPS = 8;  // groups a thread takes at once: their weights stay in cache over row tiles
 constexpr int64_t PREFETCH_BLOCKS = 4;
-constexpr int T1_GROUPS = 4;  // int4, one row: groups a tile
 
 template <int BITS>
 constexpr int64_t quant_bytes() { return LANES * BLOCK * BITS / 8; }
@@ -232,20 +231,13 @@ AVX2_FMA void gemm(const Packed& W, const QuantRows& X, int64_t T, float* out, i
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
       // tiles of rows x groups: enough running sums in flight (the fma chain's latency), a quad's weights
-      // unpacked once for every row of the tile and a row's broadcast values used by every group of it,
-      // within the 16 ymm registers (int4 keeps two int16 sums a row and group: fewer groups); the chunk's
-      // weights stay in cache while every row tile passes over them
+      // unpacked once for every row of the tile, within the 16 ymm registers (int4 keeps two int16 sums a row
+      // and group); the chunk's weights stay in cache while every row tile passes over them
       int64_t t0 = 0;
-      if constexpr (BITS == 4) {
-        for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
-        if (T - t0 == 3) rows<BITS, 1, 3>(W, c, c_end, X, T, t0, out, ldo);
-        else if (T - t0 == 2) rows<BITS, 1, 2>(W, c, c_end, X, T, t0, out, ldo);
-        else if (T - t0 == 1) rows<BITS, T1_GROUPS, 1>(W, c, c_end, X, T, t0, out, ldo);
-      } else {
-        for (; t0 + 3 <= T; t0 += 3) rows<BITS, 2, 3>(W, c, c_end, X, T, t0, out, ldo);
-        if (T - t0 == 2) rows<BITS, 2, 2>(W, c, c_end, X, T, t0, out, ldo);
-        else if (T - t0 == 1) rows<BITS, 8, 1>(W, c, c_end, X, T, t0, out, ldo);
-      }
+      for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
+      if (T - t0 == 3) rows<BITS, 1, 3>(W, c, c_end, X, T, t0, out, ldo);
+      else if (T - t0 == 2) rows<BITS, BITS == 4 ? 1 : 2, 2>(W, c, c_end, X, T, t0, out, ldo);
+      else if (T - t0 == 1) rows<BITS, BITS == 4 ? 4 : 8, 1>(W, c, c_end, X, T, t0, out, ldo);
     }
   });
 }
