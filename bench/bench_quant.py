@@ -1,11 +1,13 @@
 """Weight-only quantization: decode/prefill speed, memory and held-out perplexity of none (bf16), int8, int4.
 
     python -m bench.bench_quant [--model smollm2 | DIR | FILE.gguf] [--modes none,int8,int4] [--rounds 2] [--threads 1]
-                                [--dtype bfloat16 | float32]
+                                [--dtype bfloat16 | float32] [--decode-b1-only]
 
 A mode is a --quantization value, optionally with an --activation-quant one after a colon: `--model smollm2
---dtype float32 --modes none,auto,auto:int8` compares the GGUF's weights unquantized (none), as stored with
-float32 activations (auto) and as stored with int8 activations (auto:int8).
+--dtype float32 --modes auto,auto:int8` compares the GGUF's weights as stored with float32 activations (auto)
+and with int8 activations (auto:int8). (`none` dequantizes a GGUF's blocks: the same values, so the int4
+weights' own effect needs a model whose unquantized weights are at hand, e.g. `--model bundled --modes
+none,int4,int4:int8`.)
 
 --model: anything `phaseserve up --model` takes (smollm2, a folder, a GGUF); default: a random bf16 model with
 SmolLM2-135M's shapes (built once into the temp dir; its perplexity says nothing about quality, only how
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_model import RunnerBench, machine_line, measure_bandwidth, measure_matmul
+from bench.bench_model import best as best_of
 from bench.bench_model import weight_bytes as step_weight_bytes
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
@@ -138,9 +141,11 @@ class QuantBench(RunnerBench):
         return math.exp(nll / (len(ids) - 1)), top
 
 
-def speeds(bench: QuantBench, repeats: int) -> dict:
-    out = {f"decode_{b}": b / bench.decode_step_time(b, repeats) for b in DECODE_BATCHES}
-    out["prefill"] = PREFILL / bench.prefill_time(PREFILL, max(3, repeats // 4))
+def speeds(bench: QuantBench, repeats: int, decode_only: bool = False, timer=None) -> dict:
+    out = {f"decode_{b}": b / bench.decode_step_time(b, repeats, timer=timer)
+           for b in (DECODE_BATCHES[:1] if decode_only else DECODE_BATCHES)}
+    if not decode_only:
+        out["prefill"] = PREFILL / bench.prefill_time(PREFILL, max(3, repeats // 4))
     return out
 
 
@@ -183,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=20, help="decode steps timed per batch size (median)")
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the activations' dtype")
+    p.add_argument("--decode-b1-only", action="store_true",
+                   help="speed: batch-1 decode steps only, the fastest of --repeats (on a busy machine the step's "
+                        "own time), against its floor")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         bw = max(bw, measure_bandwidth())  # the machine's bandwidth: a busy neighbour only lowers a reading
         for mode, bench in benches.items():
-            r = speeds(bench, args.repeats)
+            r = speeds(bench, args.repeats, args.decode_b1_only, best_of if args.decode_b1_only else None)
             b = best[mode]
             for k, v in r.items():
                 b[k] = max(b.get(k, 0.0), v)
