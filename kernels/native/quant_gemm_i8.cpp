@@ -10,10 +10,11 @@
 //   dx = a / 127,  q = round_half_even(x * (a ? 127 / a : 0))  (in [-127, 127]),  sx = dx * sum(q)
 // (kernels/reference.py quantize_activations computes the same bits).
 //
-// Layout (kernels/native_quant_i8.py packs it at load): outputs in groups of 8; for each group and block, the
-// 8 outputs' quantized values one after the other (int8: 32 bytes each; int4: 16 bytes each in GGUF's order,
-// byte i = element i in its low nibble and i + 16 in its high one), then the 8 fp16 scales, then (int4) the 8
-// fp16 offsets. A group is one contiguous stream; the last group is padded with zero weights.
+// Layout (kernels/native_quant_i8.py packs it at load): outputs in groups of 8; for each group and block, its
+// 8 quads (k = 4j .. 4j + 3), each the 8 outputs' 4 values, byte 4o + i = output o at k = 4j + i (int8: 32
+// bytes a quad; int4: 16, byte p holding quad byte p in its low nibble and byte 16 + p in its high one), then
+// the 8 fp16 scales, then (int4) the 8 fp16 offsets. A group is one contiguous stream; the last group is
+// padded with zero weights.
 //
 // Numerics: for each row t, output o and block b, the block's integer dot product
 //   S = sum_k qw[k] qx[k]   (exact in int32)
