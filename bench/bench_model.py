@@ -1,6 +1,7 @@
 """Model step speed: decode step time and prefill throughput, beside the machine's floor and transformers.
 
-    python -m bench.bench_model [--model DIR] [--skip-random] [--steps 5] [--threads N]
+    python -m bench.bench_model [--model DIR] [--skip-random] [--steps 5] [--threads N] [--batches 1,8,16,32]
+                                [--activation-quant auto | none | int8]
 
 For each model: decode step time at batch 1/8/16/32 (context CONTEXT tokens per sequence) and
 prefill throughput at chunk 128/512, for the phaseserve runner (paged KV, one packed forward
@@ -73,9 +74,25 @@ def build_random_model(root: Path) -> Path:
 # ---------------------------------------------------------------------- phaseserve runner
 
 
+def machine_line() -> str:
+    """The CPU this process computes on: its level (kernels/cpu_isa.py, with any cap) and the vector flags
+    that decide it."""
+    from kernels import cpu_isa
+
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        flags = set()
+    shown = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+             if f in flags]
+    capped = f" (capped by {cpu_isa.ENV_CAP}={cpu_isa.cap()})" if cpu_isa.cap() else ""
+    return f"cpu level {cpu_isa.level()}{capped}; flags {' '.join(shown) or 'unknown'}; torch {torch.__version__}"
+
+
 class RunnerBench:
-    def __init__(self, path: Path, dtype: str, kv_cache_memory_bytes: int = 1 << 30):
-        self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    def __init__(self, path: Path, dtype: str, kv_cache_memory_bytes: int = 1 << 30, activation_quant: str = "auto"):
+        self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                  activation_quant=activation_quant)
         self.step = 0
         self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
@@ -183,12 +200,13 @@ def prefill_flops(runner: ModelRunner, tokens: int) -> float:
 
 
 def bench_model(name: str, path: Path, dtype: str, bw: float, repeats: int,
-                with_transformers: bool = True) -> list[list[str]]:
-    rb = RunnerBench(path, dtype)
+                with_transformers: bool = True, activation_quant: str = "auto") -> list[list[str]]:
+    rb = RunnerBench(path, dtype, activation_quant=activation_quant)
     torch_dtype = rb.runner.dtype
     flops = measure_matmul(torch_dtype)  # the rate of the dtype the model computes in
     print(f"{name}: {str(torch_dtype).removeprefix('torch.')}, matmul {flops / 1e9:.0f} GFLOP/s, "
-          f"weights read per decode step {weight_bytes(rb.runner) / 1e6:.1f} MB")
+          f"weights read per decode step {weight_bytes(rb.runner) / 1e6:.1f} MB, "
+          f"activation quantization {rb.runner.model.activation_quant}")
     hf = HFBench(path, torch_dtype) if with_transformers else None
     rows = []
     wb = weight_bytes(rb.runner)
@@ -208,7 +226,7 @@ def bench_model(name: str, path: Path, dtype: str, bw: float, repeats: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    global CONTEXT
+    global CONTEXT, DECODE_BATCHES
     bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=bundled if (bundled / "config.json").is_file() else None)
@@ -220,21 +238,26 @@ def main(argv: list[str] | None = None) -> None:
                          "processes, 1 avoids OpenMP barrier stalls that can cost 5x")
     ap.add_argument("--context", type=int, default=CONTEXT, help="context tokens per sequence at decode")
     ap.add_argument("--skip-transformers", action="store_true", help="phaseserve and the floor only (faster)")
+    ap.add_argument("--activation-quant", default="auto", choices=("auto", "none", "int8"),
+                    help="as the worker's --activation-quant")
+    ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     CONTEXT = args.context
+    DECODE_BATCHES = tuple(int(b) for b in args.batches.split(","))
 
     torch.manual_seed(0)
     bw = measure_bandwidth()
-    print(f"machine: {torch.get_num_threads()} threads, memory read {bw / 1e9:.1f} GB/s")
+    print(f"machine: {torch.get_num_threads()} threads, memory read {bw / 1e9:.1f} GB/s; {machine_line()}")
     rows = []
     if args.model is not None:
-        rows += bench_model(args.model.name, args.model, args.dtype, bw, args.steps, not args.skip_transformers)
+        rows += bench_model(args.model.name, args.model, args.dtype, bw, args.steps, not args.skip_transformers,
+                            args.activation_quant)
     if not args.skip_random:
         with tempfile.TemporaryDirectory() as tmp:
             rows += bench_model("random-200m", build_random_model(Path(tmp)), args.dtype, bw, args.steps,
-                                not args.skip_transformers)
+                                not args.skip_transformers, args.activation_quant)
     header = ["model", "figure", "phaseserve", "floor", "phaseserve / floor", "transformers",
               "transformers / phaseserve (time)"]
     print("| " + " | ".join(header) + " |")

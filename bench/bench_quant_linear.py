@@ -14,7 +14,9 @@ what such a CPU runs): phaseserve's `QuantizedLinear` in float32 (the native AVX
 and int4 against the fp32 `Linear` (oneDNN-packed fp32 weights: what an unquantized fp32 model runs) and the
 torch reference quant_linear (dequantize to fp32, then F.linear), as ratios other / ours (above 1: ours is
 faster); beside them the GB/s of quantized weight bytes ours reads and its GFLOP/s, with this machine's
-one-thread memory bandwidth and fp32 matmul rate.
+one-thread memory bandwidth and fp32 matmul rate; and the same linear with its activations quantized to int8
+(`--activation-quant int8`: kernels/native/quant_gemm_i8.cpp, integer dot products), its GB/s, GFLOP/s
+(int8-equivalent: 2 x rows x weights / time) and its speed-up over the float32 op.
 """
 
 from __future__ import annotations
@@ -80,10 +82,13 @@ def interleaved_best(impls: dict, x, rounds: int = 5) -> dict[str, float]:
 
 def float32_table(rows: list[int], cold_mb: float) -> None:
     bandwidth, flops = measure_bandwidth(), measure_matmul(torch.float32)
+    from bench.bench_model import machine_line
+
     print(f"this machine, one thread: memory bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"fp32 matmul (2048^3) {flops / 1e9:.0f} GFLOP/s")
-    print("| shape | rows | kind | ours us | GB/s | GFLOP/s | fp32 dense / ours | reference / ours |")
-    print("| --- | --: | --- | --: | --: | --: | --: | --: |")
+          f"fp32 matmul (2048^3) {flops / 1e9:.0f} GFLOP/s; {machine_line()}")
+    print("| shape | rows | kind | ours us | GB/s | GFLOP/s | fp32 dense / ours | reference / ours "
+          "| int8 act us | GB/s | GFLOP/s | int8 act speed-up |")
+    print("| --- | --: | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
     for n, k in SHAPES:
         copies = max(1, int(cold_mb * 1e6 / (n * k * 2)))
         ws = [torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * 0.02 for i in range(copies)]
@@ -91,14 +96,16 @@ def float32_table(rows: list[int], cold_mb: float) -> None:
         for kind in ("int8", "int4"):
             qws = [quantize(w, kind) for w in ws]
             ours = [QuantizedLinear(q, dtype=torch.float32) for q in qws]
+            int8 = [QuantizedLinear(q, dtype=torch.float32, activations="int8") for q in qws]
             ref = [lambda x, q=q: reference.quant_linear(x, q) for q in qws]
             nbytes = ours[0].nbytes()
             for t in rows:
                 x = torch.randn(t, k)
-                us = interleaved_best({"ours": ours, "dense": dense, "ref": ref}, x)
+                us = interleaved_best({"ours": ours, "int8": int8, "dense": dense, "ref": ref}, x)
                 print(f"| {n}x{k} (x{copies}) | {t} | {kind} | {us['ours']:.1f} | {nbytes / us['ours'] / 1e3:.1f} | "
                       f"{2 * t * n * k / us['ours'] / 1e3:.1f} | {us['dense'] / us['ours']:.2f}x | "
-                      f"{us['ref'] / us['ours']:.2f}x |", flush=True)
+                      f"{us['ref'] / us['ours']:.2f}x | {us['int8']:.1f} | {nbytes / us['int8'] / 1e3:.1f} | "
+                      f"{2 * t * n * k / us['int8'] / 1e3:.1f} | {us['ours'] / us['int8']:.2f}x |", flush=True)
         del ws, dense
 
 

@@ -7,7 +7,8 @@ Callers import the ops from here and never choose an implementation themselves. 
 (decode_attention.cpp, extend_attention.cpp, layer_ops.cpp), in float32 where it has AVX2 + FMA
 (attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp) and matmuls
 with quantized weights (bf16 activations on AVX512-BF16: quant_gemm.cpp; float32 on AVX2 + FMA:
-quant_gemm_f32.cpp). kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
+quant_gemm_f32.cpp, or with the activations quantized to int8 in the op, where a model asks for it:
+quant_gemm_i8.cpp). kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
 PHASESERVE_NATIVE=0 to run torch everywhere.
 """
 
@@ -19,12 +20,13 @@ import torch
 from kernels import native, reference
 from kernels.native_bf16 import PackedBf16Weight
 from kernels.native_quant_f32 import PackedQuantF32Weight
+from kernels.native_quant_i8 import PackedQuantI8Weight
 from kernels.quant import QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
-        "argmax", "sample", "pack_quantized", "quant_linear", "pack_bf16_linear", "bf16_linear",
+        "argmax", "sample", "pack_quantized", "quant_linear", "int8_activations_available", "pack_bf16_linear", "bf16_linear",
         "pack_bf16_weight_f32", "bf16_weight_linear_f32")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
@@ -307,13 +309,36 @@ def native_quant_available(dtype: torch.dtype) -> bool:
     return native_quant_kernel(dtype) is not None
 
 
-def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype):
-    """The form of `weight` that quant_linear reads fastest for activations of `dtype`: on a CPU with the
-    native op for that dtype, its layout (bf16: kernels/native_quant.py; float32: kernels/native_quant_f32.py;
-    same bytes, reshuffled; the QuantizedWeight is not kept); else the QuantizedWeight itself."""
-    from kernels import native_quant, native_quant_f32
+_quant_i8_choice: dict[None, object | None] = {}  # the loaded int8-activation op, or None; decided on first use
 
-    if weight.qdata.device.type != "cpu" or not native_quant_available(dtype):
+
+def _native_quant_gemm_i8():
+    """The native quantized matmul that quantizes float32 activations to int8 (AVX2 + FMA), or None."""
+    if None in _quant_i8_choice:
+        return _quant_i8_choice[None]
+    return _choose(_quant_i8_choice, None, "quant_gemm_i8", None, "CPU quantized linear, int8 activations")
+
+
+def int8_activations_available(dtype: torch.dtype) -> bool:
+    """True when quant_linear can quantize activations of `dtype` to int8 on this CPU (float32 on AVX2 + FMA)."""
+    return dtype == torch.float32 and _native_quant_gemm_i8() is not None
+
+
+def pack_quantized(weight: QuantizedWeight, dtype: torch.dtype, activations: str = "none"):
+    """The form of `weight` that quant_linear reads fastest for activations of `dtype`: on a CPU with the
+    native op for that dtype, its layout (bf16: kernels/native_quant.py; float32: kernels/native_quant_f32.py,
+    or kernels/native_quant_i8.py with activations="int8", where int8_activations_available: the op then
+    quantizes each row's 32-element blocks to int8 and multiplies in integers; same bytes, reshuffled; the
+    QuantizedWeight is not kept); else the QuantizedWeight itself."""
+    from kernels import native_quant, native_quant_f32, native_quant_i8
+
+    if activations not in ("none", "int8"):
+        raise ValueError(f"activations must be none or int8, got {activations!r}")
+    if weight.qdata.device.type != "cpu":
+        return weight
+    if activations == "int8" and int8_activations_available(dtype):
+        return native_quant_i8.pack(weight)
+    if not native_quant_available(dtype):
         return weight
     if dtype == torch.float32:
         return native_quant_f32.pack(weight)
@@ -325,8 +350,11 @@ def _quant_linear_op(weight) -> object:
     if op is None:
         # a packed weight exists only where its op loaded; held as its overload, as _LayerOps does: this runs
         # four times a layer every step, where native.load's switch and lock checks would show
-        dtype = torch.float32 if isinstance(weight, PackedQuantF32Weight) else torch.bfloat16
-        op = _quant_linear_ops[type(weight)] = _native_quant_gemm(dtype).quant_linear.default
+        if isinstance(weight, PackedQuantI8Weight):
+            ops = _native_quant_gemm_i8()
+        else:
+            ops = _native_quant_gemm(torch.float32 if isinstance(weight, PackedQuantF32Weight) else torch.bfloat16)
+        op = _quant_linear_ops[type(weight)] = ops.quant_linear.default
     return op
 
 
@@ -337,7 +365,7 @@ def quant_linear(x: torch.Tensor, weight) -> torch.Tensor:
         if x.is_cuda:
             return _triton().quant_linear(x, weight)
         return reference.quant_linear(x, weight)
-    f32 = isinstance(weight, PackedQuantF32Weight)
+    f32 = isinstance(weight, (PackedQuantF32Weight, PackedQuantI8Weight))
     if x.dtype != (torch.float32 if f32 else torch.bfloat16):
         raise TypeError(f"quant_linear: a weight packed for {'float32' if f32 else 'bfloat16'} activations "
                         f"got {x.dtype}")

@@ -122,6 +122,40 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return F.linear(x, weight.dequantize(x.dtype))
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 activations [T, K] quantized per 32-element block, Q8_0-style with an fp32 scale: a = max |x|,
+    d = a / 127, q = round-half-even(x * (127 / a)) (0 where a = 0), s = d * sum(q). Returns q int8 [T, K],
+    d and s float32 [T, K / 32]: the bits the native op (kernels/native/quant_gemm_i8.cpp) computes."""
+    T, K = x.shape
+    xb = x.float().reshape(T, K // 32, 32)
+    amax = xb.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(amax == 0, torch.zeros_like(amax), 127 / amax)
+    q = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    s = d * q.sum(-1, dtype=torch.int32).float()
+    return q.reshape(T, K), d, s
+
+
+def quant_linear_int8_activations(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [T, in] float32 @ W.T with x quantized as quantize_activations does: each block's product of the
+    integer values summed exactly, then out = sum over blocks of d_w d_x S (+ m_w s_x for int4), in float64,
+    rounded once to float32. The oracle of the native op, which folds the blocks in fp32 in block order."""
+    T, K = x.shape
+    out_f, nb = weight.scales.shape
+    qx, dx, sx = quantize_activations(x)
+    if weight.kind == "int4":
+        nib = weight.qdata.view(out_f, nb, 16)
+        qw = torch.cat((nib & 0x0F, nib >> 4), dim=-1)
+    else:
+        qw = weight.qdata.view(out_f, nb, 32)
+    # integer products of 32 pairs: exact in float64
+    S = torch.einsum("tbk,obk->tob", qx.view(T, nb, 32).double(), qw.double())
+    out = (S * (weight.scales.double().unsqueeze(0) * dx.double().unsqueeze(1))).sum(-1)
+    if weight.kind == "int4":
+        out = out + sx.double() @ weight.mins.double().T
+    return out.float()
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

@@ -165,6 +165,12 @@ SETTINGS: list[Setting] = [
             "linear weights in memory: none (model dtype), int8 or int4 (block-32, quantized at load unless "
             "the GGUF file already is), auto (a GGUF file's Q8_0/Q4_0/Q4_1 weights as stored where a fast "
             "quantized kernel runs, else none)", ("worker", "up"), ("none", "int8", "int4", "auto")),
+    Setting("activation_quant", "PHASESERVE_ACTIVATION_QUANT", "auto", str,
+            "float32 activations of quantized linears on a CPU with AVX2 + FMA: int8 (each row's 32-element "
+            "blocks quantized to int8, integer dot products as llama.cpp does: faster, moves the numbers), none "
+            "(multiplied as they are), auto (none: that int8 moves perplexity less than the int4 weights do is "
+            "unproven on the default model, see docs/decisions.md); ignored for bf16 and on CUDA",
+            ("worker", "up"), ("none", "int8", "auto")),
     Setting("block_size", "PHASESERVE_BLOCK_SIZE", 16, int, "tokens per KV-cache block", ("worker", "up")),
     Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,
             "KV-cache budget per worker (e.g. 512MiB, 4GiB); sets the number of blocks", ("worker", "up")),

@@ -93,12 +93,13 @@ class QuantizedLinear:
     (kernels.quant_linear) reads the quantized bytes. Same call interface as Linear."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, activations: str = "none"):
         self.out_features, self.in_features = weight.shape
         self.kind = weight.kind
         self.dtype = dtype
         self.bias = bias
-        self.weight = kernels.pack_quantized(weight, dtype)
+        # activations="int8": the matmul quantizes each row's 32-element blocks to int8 (where it can)
+        self.weight = kernels.pack_quantized(weight, dtype, activations)
 
     def numel(self) -> int:
         return self.out_features * self.in_features

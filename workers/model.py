@@ -132,12 +132,13 @@ class DecoderLayer:
 class LlamaFamilyModel:
     """Embedding -> N pre-norm decoder layers -> final norm -> lm_head (on the sampled rows only).
 
-    `quantization` (workers/quantization.py) decides which linears keep quantized weights; `dtype` is the
-    activations' dtype (the checkpoint's tensors are already in it)."""
+    `quantization` (workers/quantization.py) decides which linears keep quantized weights, `activation_quant`
+    whether they quantize float32 activations to int8; `dtype` is the activations' dtype (the checkpoint's
+    tensors are already in it)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  device: str | torch.device = "cpu", *, quantization: str = "none",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, activation_quant: str = "none"):
         w = dict(weights)
         self.cfg = cfg
         self.device = torch.device(device)
@@ -145,8 +146,9 @@ class LlamaFamilyModel:
         if embed_weight is None:
             raise ModelLoadError("checkpoint is missing weight model.embed_tokens.weight")
         self.dtype = dtype or embed_weight.dtype
-        quant = Quantization(quantization, self.dtype, self.device)
+        quant = Quantization(quantization, self.dtype, self.device, activation_quant)
         self.quantization = quantization
+        self.activation_quant = quant.activation_quant  # "int8" | "none": what --activation-quant means here
         self.embed = quant.embedding(embed_weight)
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", quant) for i in range(cfg.num_layers)]
         self.norm = w.pop("model.norm.weight", None)

@@ -14,13 +14,21 @@ the model multiplies with: a plain tensor (Linear, bf16/fp32) or a block-quantiz
         AVX2 + FMA); every other weight, and everything where no such kernel runs, as in `none`. A
         safetensors checkpoint is thus served exactly as trained; quantizing it is an explicit choice.
 
+--activation-quant none | int8 | auto: what the quantized linears do with float32 activations on CPU.
+  none  multiply them as they are (fp32 sums of the unpacked weights: kernels/native/quant_gemm_f32.cpp)
+  int8  quantize each row's 32-element blocks to int8 (one fp32 scale a block) and multiply in integers, as
+        llama.cpp does on AVX2 (kernels/native/quant_gemm_i8.cpp): faster, and it moves the numbers
+  auto  AUTO_INT8_ACTIVATIONS at the avx2 level (docs/decisions.md says why), none elsewhere
+Only where float32 activations meet quantized weights on a CPU with AVX2 + FMA; elsewhere (bf16, CUDA) int8
+is logged and ignored.
+
 Embedding lookups read a few rows a step: a table kept quantized (GGUF, int8/int4) is dequantized row by
 row at lookup; a float table stays float. The lm_head follows the linears' rule (tied: from the table).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -33,6 +41,10 @@ from workers.linear import Linear, QuantizedLinear
 log = structlog.get_logger(__name__)
 
 MODES = ("none", "int8", "int4", "auto")
+ACTIVATION_MODES = ("none", "int8", "auto")
+# `auto` quantizes activations to int8 only if that moves perplexity less than the int4 weights already do
+# (docs/decisions.md has the measurement)
+AUTO_INT8_ACTIVATIONS = False
 
 
 def is_gguf_quantized(w: Any) -> bool:
@@ -52,15 +64,37 @@ def _fast_quantized_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     return _quantized_kernel(device, dtype) is not None
 
 
+def resolve_activations(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What --activation-quant `requested` means here: "int8" or "none"."""
+    if requested not in ACTIVATION_MODES:
+        raise QuantizationError(f"unknown activation quantization {requested!r}; choose one of "
+                                f"{', '.join(ACTIVATION_MODES)}")
+    if requested == "none" or device.type != "cpu":
+        return "none"
+    if requested == "auto":
+        from kernels import cpu_isa
+
+        wanted = AUTO_INT8_ACTIVATIONS and cpu_isa.level() == "avx2" and dtype == torch.float32
+        return "int8" if wanted and kernels.int8_activations_available(dtype) else "none"
+    if not kernels.int8_activations_available(dtype):
+        log.warning("int8 activations need float32 activations on a CPU with AVX2 + FMA: multiplying them as "
+                    "they are", activation_quant=requested, dtype=str(dtype))
+        return "none"
+    return "int8"
+
+
 @dataclass(frozen=True)
 class Quantization:
     mode: str
     dtype: torch.dtype  # the model's (activations') dtype
     device: torch.device
+    activations: str = "none"  # --activation-quant as asked
+    activation_quant: str = field(init=False)  # what it means here: "int8" or "none"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise QuantizationError(f"unknown quantization {self.mode!r}; choose one of {', '.join(MODES)}")
+        object.__setattr__(self, "activation_quant", resolve_activations(self.activations, self.device, self.dtype))
         if self.mode in ("int8", "int4") and not _fast_quantized_kernel(self.device, self.dtype):
             log.warning("no fast quantized matmul here (needs bf16 on a CPU with AVX512-BF16, float32 on one "
                         "with AVX2 + FMA, or CUDA): every quantized linear dequantizes its weight on each call",
@@ -99,7 +133,7 @@ class Quantization:
             if self.mode not in ("int8", "int4") or any(d.shape[-1] % BLOCK for d in dense):
                 return Linear(torch.cat(dense), bias)
             ws = [quantize(d, self.mode) for d in dense]
-        return QuantizedLinear(concat_rows(ws), bias, dtype=self.dtype)
+        return QuantizedLinear(concat_rows(ws), bias, dtype=self.dtype, activations=self.activation_quant)
 
     def log_summary(self, linears: list, table: Any) -> None:
         """One line: how many linears took each form, and which matmul runs the quantized ones."""
@@ -109,7 +143,7 @@ class Quantization:
             kinds[kind] = kinds.get(kind, 0) + 1
         quantized = [lin for lin in linears if isinstance(lin, QuantizedLinear)]
         native = sum(not isinstance(lin.weight, QuantizedWeight) for lin in quantized)
-        log.info("linear weights", quantization=self.mode, kinds=kinds,
+        log.info("linear weights", quantization=self.mode, activation_quant=self.activation_quant, kinds=kinds,
                  embedding=getattr(table, "kind", str(getattr(table, "dtype", "")).removeprefix("torch.")),
                  matmul=("none quantized" if not quantized else _quantized_kernel(self.device, self.dtype)
                          if native == len(quantized) or self.device.type == "cuda" else "torch reference (slow)"),

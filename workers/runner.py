@@ -107,8 +107,12 @@ class ModelRunner:
         self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
+<<<<<<< HEAD
         num_threads: int | None = None, quantization: str = "auto",
         speculative: SpeculativeConfig | dict | str | None = None,
+=======
+        num_threads: int | None = None, quantization: str = "auto", activation_quant: str = "auto",
+>>>>>>> wip/int8
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -134,7 +138,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
         self.max_model_len = max_model_len or limit
         self.model = LlamaFamilyModel(cfg, weights, self.max_model_len, self.device, quantization=quantization,
-                                      dtype=self.dtype)
+                                      dtype=self.dtype, activation_quant=activation_quant)
         del weights
         if self.device.type == "cpu":
             release_free_heap()  # float weights converted at load (quantized) are gone: return their memory
@@ -208,7 +212,7 @@ class ModelRunner:
     def kernel_implementations(self) -> dict[str, str]:
         """Which implementation runs each op family this model uses (attention, layer_ops, and linear and
         quant_linear where it has linears of that kind): triton on CUDA; on CPU what kernels chose so far
-        (see warm_up)."""
+        (see warm_up); quant_linear's ends in ", int8 activations" where --activation-quant int8 is in effect."""
         m = self.model
         linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         quantized = sum(isinstance(lin, QuantizedLinear) for lin in linears)
@@ -216,7 +220,10 @@ class ModelRunner:
         families = [f for f in kernels.native.FAMILIES if used[f]]
         if self.device.type == "cuda":
             return {f: "triton" for f in families}
-        return kernels.native.implementations(families, self.dtype)
+        found = kernels.native.implementations(families, self.dtype)
+        if quantized and self.model.activation_quant == "int8":  # --activation-quant int8 in effect
+            found["quant_linear"] += ", int8 activations"
+        return found
 
     # ------------------------------------------------------------------ state
 

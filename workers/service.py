@@ -300,12 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     log.info("loading model", model=model_dir, device=device, dtype=args.dtype, quantization=args.quantization,
-             threads=threads)
+             activation_quant=args.activation_quant, threads=threads)
     t0 = time.perf_counter()
     try:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
                              kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None,
-                             quantization=args.quantization, speculative=args.speculative_config)
+                             quantization=args.quantization, activation_quant=args.activation_quant,
+                             speculative=args.speculative_config)
     except KeyboardInterrupt:
         log.info("stopped during model load")
         return 0

@@ -46,6 +46,7 @@ OP_FILES = {
     "layer_ops_f32": ("avx2", "layer_ops"),
     "quant_gemm": ("avx512-bf16", "quant_linear"),
     "quant_gemm_f32": ("avx2", "quant_linear"),
+    "quant_gemm_i8": ("avx2", "quant_linear"),  # float32 activations quantized to int8 in the op
 }
 REQUIRES = {name: level for name, (level, _family) in OP_FILES.items()}
 FAMILY = {name: family for name, (_level, family) in OP_FILES.items()}

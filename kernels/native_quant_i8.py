@@ -1,0 +1,60 @@
+"""The layout kernels/native/quant_gemm_i8.cpp reads (float32 activations quantized to int8 in the op, integer
+dot products on AVX2), packed once at load from a QuantizedWeight.
+
+Outputs in groups of 8; for each group and 32-weight block, its 8 quads (k = 4j .. 4j + 3) in turn, each the
+8 outputs' 4 values at those k, byte 4o + i = output o at k = 4j + i (a row's 4 values broadcast to every
+output meet them in one vpmaddubsw); then the block's 8 fp16 scales d, then (int4) the 8 fp16 offsets m:
+  int8: 8 quads x 32 bytes + 16 = 272 bytes a group block
+  int4: 8 quads x 16 bytes (byte p: quad byte p in its low nibble, byte 16 + p in its high one) + 32 = 160
+The last group is padded with zero weights (q = d = m = 0). A pure reshuffle of the QuantizedWeight's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import BLOCK, QuantizedWeight
+
+LANES = 8
+
+
+@dataclass(frozen=True)
+class PackedQuantI8Weight:
+    bits: int  # 4 | 8
+    data: torch.Tensor  # uint8 [ceil(N/8), K/32, block bytes]
+    shape: tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def can_pack(qw: QuantizedWeight) -> bool:
+    return qw.qdata.device.type == "cpu"
+
+
+def pack(qw: QuantizedWeight) -> PackedQuantI8Weight:
+    out_f, in_f = qw.shape
+    groups, blocks = -(-out_f // LANES), in_f // BLOCK
+    rows = groups * LANES
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, rows - out_f)) if rows > out_f else t
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # fp16 [N, blocks] -> bytes [groups, blocks, 16]
+        return padded(t).view(groups, LANES, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    if qw.kind == "int4":
+        nib = padded(qw.qdata).view(rows, blocks, BLOCK // 2)
+        values = torch.cat((nib & 0x0F, nib >> 4), dim=-1)  # [rows, blocks, 32]: element k of each block
+    else:
+        values = padded(qw.qdata.view(torch.uint8)).view(rows, blocks, BLOCK)
+    # [group, block, quad j, output o, i]: output 8g + o at k = 4j + i
+    quads = values.view(groups, LANES, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 8, 32)
+    q = quads[..., :16] | (quads[..., 16:] << 4) if qw.kind == "int4" else quads
+    parts = [q.reshape(groups, blocks, -1), per_group(qw.scales)]
+    if qw.kind == "int4":
+        parts.append(per_group(qw.mins))
+    return PackedQuantI8Weight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)

@@ -1,0 +1,218 @@
+"""kernels/native/quant_gemm_i8.cpp: the quantized matmul that quantizes float32 activations to int8 per
+32-element block and multiplies in integers (AVX2 + FMA), against the torch reference (kernels/reference.py:
+the same activation bits, exact integer block products); each row's result bit-identical whatever the other
+rows of the call and the thread count; and --activation-quant choosing it in a float32 model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import native_quant_i8, reference
+from kernels.native_quant_i8 import PackedQuantI8Weight
+from kernels.quant import QuantizedWeight, quantize
+from native_ops import load_or_skip, torch_threads
+from test_native_quant_f32 import gguf_weight, rows, weight
+
+ROOT = Path(__file__).resolve().parent.parent
+# row counts: each tile shape (4-row tiles, and 1, 2 or 3 rows left over) at small and large counts
+SWEEP = (1, 2, 3, 4, 5, 6, 7, 16, 63, 64, 65, 97, 128, 255, 300)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_or_skip("quant_gemm_i8")
+
+
+def native(ops, x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    p = native_quant_i8.pack(qw)
+    return ops.quant_linear(x, p.data, p.bits, p.shape[0])
+
+
+def assert_matches_reference(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight) -> None:
+    ref = reference.quant_linear_int8_activations(x, qw)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    # the reference sums the exact block products in float64; the op folds them in fp32, block by block
+    assert (got - ref).abs().max() <= 2 ** -19 * ref.abs().max()
+
+
+def test_activation_quantization_is_the_reference_bit_for_bit(ops):
+    """Scales, int8 values and block sums equal the torch reference's: random rows, a zero block (scale 0,
+    values 0), a block of one repeated value, and values that land on .5 after scaling (ties to even)."""
+    x = rows(9, 256, seed=5) * 3
+    x[1, 32:64] = 0
+    x[2, :32] = -0.75
+    x[3, 64:96] = torch.arange(32) - 15.5  # a = 16: x * 127/16 hits many half-way points
+    q, d, s = torch.empty(9, 256, dtype=torch.int8), torch.empty(9, 8), torch.empty(9, 8)
+    ops.quantize_activations(x, q, d, s)
+    rq, rd, rs = reference.quantize_activations(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and d[1, 1] == 0
+    assert q.abs().max() == 127
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160), (200, 32)])
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 33])
+def test_matches_reference(ops, ggml_type, shape, t):
+    """GGUF blocks as stored, output counts not a multiple of the 8-output group, 1 to 5 blocks, every tile
+    shape."""
+    qw = gguf_weight(ggml_type, *shape, seed=t)
+    x = rows(t, shape[1])
+    assert_matches_reference(native(ops, x, qw), x, qw)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_close_to_the_float_product(ops, kind):
+    """Quantizing the activations moves the result by about what 8-bit rounding of x does: well under 2% of the
+    largest output here, while the op is not the float32 product either (it does quantize)."""
+    qw = quantize(weight(96, 256), kind)
+    x = rows(9, 256)
+    got = native(ops, x, qw).double()
+    exact = x.double() @ qw.dequantize(torch.float64).T
+    err = (got - exact).abs().max() / exact.abs().max()
+    assert 1e-6 < err < 0.02
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_extreme_values_do_not_saturate(ops, kind):
+    """The largest integer products the formats allow (int4 q = 15, int8 q = -128 and 127, activations at
+    +-127 with the same or opposite sign): vpmaddubsw's int16 pairs and the int4 block's int16 sums hold
+    them exactly."""
+    out_f, in_f = 16, 64
+    ones = torch.ones(out_f, in_f // 32, dtype=torch.float16)
+    if kind == "int4":
+        qw = QuantizedWeight("int4", torch.full((out_f, in_f // 2), 0xFF, dtype=torch.uint8), ones, ones * 0)
+    else:
+        q = torch.full((out_f, in_f), 127, dtype=torch.int8)
+        q[::2] = -128
+        qw = QuantizedWeight("int8", q, ones, None)
+    x = torch.ones(4, in_f)
+    x[1] = -1
+    x[2, ::2] = -1
+    assert_matches_reference(native(ops, x, qw), x, qw)
+
+
+def test_reads_strided_rows_and_dispatch(ops):
+    qw = quantize(weight(40, 64), "int4")
+    big = rows(7, 128)
+    x = big[:, 32:96]  # rows 128 apart, not contiguous
+    got = native(ops, x, qw)
+    assert torch.equal(got, native(ops, x.contiguous(), qw))
+    packed = kernels.pack_quantized(qw, torch.float32, "int8")
+    assert isinstance(packed, PackedQuantI8Weight)
+    assert torch.equal(kernels.quant_linear(x.t().contiguous().t(), packed), got)  # columns strided: copied
+
+
+def test_padded_group_writes_only_real_outputs(ops):
+    qw = quantize(weight(13, 64), "int4")
+    x = torch.cat([rows(3, 64), torch.zeros(1, 64)])
+    got = native(ops, x, qw)
+    assert got.shape == (4, 13) and torch.equal(got[3], torch.zeros(13))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_rows_bit_identical_whatever_the_batch_and_threads(ops, ggml_type):
+    """Each row's result equals, bit for bit, the same row computed alone on one thread: at every row count of
+    the sweep (each tile shape and remainder), starting at a different row so a row lands in another tile
+    position, on 1 or 2 threads."""
+    qw = gguf_weight(ggml_type, 200, 192)  # 25 groups: uneven per thread and per chunk
+    x = rows(max(SWEEP), 192, seed=3)
+    with torch_threads(1):
+        alone = torch.cat([native(ops, x[i:i + 1], qw) for i in range(x.shape[0])])
+    assert_matches_reference(alone, x, qw)
+    for n_threads in (1, 2):
+        with torch_threads(n_threads):
+            for t in SWEEP:
+                start = (7 * t) % (x.shape[0] - t + 1)
+                got = native(ops, x[start:start + t], qw)
+                assert torch.equal(got, alone[start:start + t]), f"{t} rows on {n_threads} threads"
+
+
+def test_rejects_bad_inputs(ops):
+    p = native_quant_i8.pack(quantize(weight(16, 64), "int8"))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.quant_linear(rows(2, 64).bfloat16(), p.data, p.bits, 16)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.quant_linear(rows(2, 96), p.data, p.bits, 16)
+    with pytest.raises(RuntimeError, match="outputs"):
+        ops.quant_linear(rows(2, 64), p.data, p.bits, 24)
+    with pytest.raises(TypeError, match="float32 activations"):
+        kernels.quant_linear(rows(2, 64).bfloat16(), p)
+
+
+def test_packing_is_a_reshuffle():
+    for kind in ("int8", "int4"):
+        qw = quantize(weight(64, 128), kind)
+        assert native_quant_i8.pack(qw).nbytes() == qw.nbytes()
+
+
+def test_pack_quantized_keeps_the_float32_op_unless_asked():
+    qw = quantize(weight(16, 64), "int4")
+    assert not isinstance(kernels.pack_quantized(qw, torch.float32), PackedQuantI8Weight)
+    assert not isinstance(kernels.pack_quantized(qw, torch.bfloat16, "int8"), PackedQuantI8Weight)
+    with pytest.raises(ValueError, match="none or int8"):
+        kernels.pack_quantized(qw, torch.float32, "int4")
+
+
+# ---------------------------------------------------------------------- --activation-quant in a float32 model
+
+DISPATCH = """
+import json, sys
+import torch
+from kernels.native_quant_f32 import PackedQuantF32Weight
+from kernels.native_quant_i8 import PackedQuantI8Weight
+from workers.runner import ModelRunner
+sys.path.insert(0, "tests")
+from test_model_logits import run_schedule
+
+folder, seq = sys.argv[1], json.loads(sys.argv[2])
+out = {}
+logits = {}
+for mode in ("int8", "none", "auto"):
+    r = ModelRunner(folder, dtype="float32", num_blocks=64, activation_quant=mode)
+    m = r.model
+    linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    logits[mode] = run_schedule(r, [seq], [[17, 1, 1, 1]])[0]
+    out[mode] = {"i8": all(isinstance(lin.weight, PackedQuantI8Weight) for lin in linears),
+                 "f32": all(isinstance(lin.weight, PackedQuantF32Weight) for lin in linears),
+                 "kernels": r.warm_up()}  # what the worker's heartbeat carries (WorkerInfo.kernels, /health)
+bf16 = ModelRunner(folder, dtype="bfloat16", num_blocks=64, activation_quant="int8")
+out["bf16"] = bf16.model.activation_quant
+ref = logits["none"]
+out["diff_int8"] = (logits["int8"] - ref).abs().max().item()
+out["diff_auto"] = (logits["auto"] - ref).abs().max().item()
+out["scale"] = ref.abs().max().item()
+print(json.dumps(out))
+"""
+
+
+def test_activation_quant_setting_chooses_the_op_on_an_avx2_process(tmp_path):
+    """A GGUF (Q4_1 linears, Q8_0 tied embedding) served in float32 by a process capped to AVX2: int8 packs
+    every quantized linear for the int8-activation op and reports it in the kernels (what /health shows);
+    none keeps the float32 op; auto is none (docs/decisions.md); bf16 activations ignore int8. int8's logits
+    are close to none's but not equal."""
+    load_or_skip("quant_gemm_i8")
+    from gguf_factory import write_gguf
+    from model_factory import make_model
+    from phaseserve.models.gguf_files import write_model_folder
+
+    path = write_gguf(tmp_path / "q.gguf", make_model(tmp_path, "tied"),
+                      types=lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1")
+    folder = write_model_folder(path, tmp_path / "q-folder")
+    seq = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    env = {**os.environ, "PHASESERVE_CPU_ISA": "avx2", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", DISPATCH, str(folder), json.dumps(seq)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["int8"]["i8"] and r["int8"]["kernels"]["quant_linear"] == "native avx2, int8 activations"
+    assert r["none"]["f32"] and r["none"]["kernels"]["quant_linear"] == "native avx2"
+    assert r["auto"]["f32"] and r["auto"]["kernels"]["quant_linear"] == "native avx2" and r["diff_auto"] == 0
+    assert r["bf16"] == "none"
+    assert 0 < r["diff_int8"] <= 0.05 * r["scale"]
