@@ -107,12 +107,8 @@ class ModelRunner:
         self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
-<<<<<<< HEAD
-        num_threads: int | None = None, quantization: str = "auto",
-        speculative: SpeculativeConfig | dict | str | None = None,
-=======
         num_threads: int | None = None, quantization: str = "auto", activation_quant: str = "auto",
->>>>>>> wip/int8
+        speculative: SpeculativeConfig | dict | str | None = None,
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores

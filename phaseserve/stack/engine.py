@@ -22,7 +22,7 @@ from workers.runner import ModelRunner
 log = structlog.get_logger(__name__)
 
 _RUNNER_SETTINGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory_bytes", "max_model_len", "seed",
-                    "num_threads", "quantization", "speculative")
+                    "num_threads", "quantization", "activation_quant", "speculative")
 _SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark",
                        "attention_horizon", "long_prefill_threshold", "enable_prefix_caching")
 
@@ -39,7 +39,7 @@ class Completion:
 
 class Engine:
     """`Engine(model_dir, **settings)`: runner settings (dtype, device, block_size, num_blocks,
-    kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization, speculative: a SpeculativeConfig, its
+    kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization, activation_quant, speculative: a SpeculativeConfig, its
     dict or JSON) and scheduler settings (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
     watermark, long_prefill_threshold, enable_prefix_caching, attention_horizon: None or absent = the runner's
     estimate for the model, 0 = every token costs 1 budget unit)."""
