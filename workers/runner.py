@@ -446,7 +446,7 @@ class ModelRunner:
                               torch.tensor(ends, dtype=torch.int32, device=d),
                               torch.tensor(qsl, dtype=torch.int32, device=d), max(counts))
 
-    def _inputs(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]
+    def _inputs(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]] | None = None
                 ) -> tuple[StepInputs, list[ScheduledChunk]]:
         """Pack the chunks (decodes first) into the step's tensors, built once for all layers (int32 where the
         kernels read int32, so no layer converts anything). Plain Python lists and one torch.tensor per
@@ -467,7 +467,7 @@ class ModelRunner:
             tokens = seqs[c.seq_id].token_ids
             start = c.start_pos
             end = start + c.num_tokens
-            d = drafts.get(c.seq_id)
+            d = drafts.get(c.seq_id) if drafts else None
             if d:  # a verification: the last token, then the drafts; every row is sampled
                 ids.append(tokens[start])
                 ids += d
