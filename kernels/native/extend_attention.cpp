@@ -5,20 +5,24 @@
 // Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
 // Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
 //
-// GEMM-style, flash-attention order, in two passes. First every key block (KEY_BLOCK keys at absolute
-// positions 0, 128, 256, ...) of every KV head a sequence's queries read is packed once, for all its query
-// tiles: K into pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads).
-// Then a work item, (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads
-// of its KV head: per block and query head it computes the scores S = Q K^T with a register-blocked
-// micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys), an online softmax per query row in fp32
-// (base 2: log2(e) folded into the scale), and O += P V with the same micro-kernel (probabilities rounded
-// to bf16, as the torch path rounds them; O in fp32).
+// GEMM-style, in two steps. First every key block (KEY_BLOCK keys at absolute positions 0, 128, 256, ...)
+// of every KV head a sequence's queries read is packed once, for all its query tiles: K into
+// pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads). Then a work item,
+// (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads of its KV head,
+// partition by partition (PARTITION_TOKENS keys at absolute positions): per query head the scores S = Q K^T
+// of the partition with a register-blocked micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys),
+// each row's softmax over the partition (probabilities rounded to bf16, as the torch path rounds them),
+// acc = P V with the same micro-kernel, and each row's partition folded into its output.
 //
-// A query row's result depends only on its own position and the sequence's K/V: the key blocks sit at
-// absolute positions, and a block past a row's position leaves that row untouched (no rescale, zero
-// probabilities). So a sequence's output is bit-identical alone or batched, at any thread count, and in
-// whatever tiles or chunks its queries come. Threads pull items from a shared counter; which thread runs an
-// item never changes its arithmetic.
+// One numerics with the decode op: a query row's result depends only on its own query, its position and
+// the sequence's K/V, in attention_math.h's arithmetic, the decode op's too. The micro-kernel only runs
+// several rows' chains side by side; keys past a row's position give it probabilities 0 (adding 0 leaves
+// its sums as they are), and a partition past a row's position is never folded into it. So a position gets
+// the same bits here in whatever tiles or chunks its queries come, alone or batched, at any thread count,
+// and from the decode op. Threads pull items from a shared counter; which thread runs an item never
+// changes its arithmetic.
+
+#pragma GCC optimize("fp-contract=off")  // only the FMAs written out: the same bits as the decode op
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -47,56 +51,27 @@ constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all t
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
 
-// 16 rows of 16 dwords -> 16 columns, in place (three rounds: 32-bit, 64-bit, 128-bit interleaves).
-AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; k++) {
-    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
-    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // column k
-    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // column 4 + k
-    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);   // column 8 + k
-    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);  // column 12 + k
-  }
-  for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-// C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1]: A row-major bf16 (lda
-// elements a row), B packed as pairs (ldb elements per pair row). With `keep`, C starts from C * keep[m]
-// (the online softmax's rescale); else from 0. KEEP is a template parameter so that each form's
-// accumulators stay in registers from start to end.
-template <int MR, int NR, bool KEEP>
+// C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1], one dot_pair chain
+// per lane over k in order: A row-major bf16 (lda elements a row), B packed as pairs (ldb elements per pair
+// row). With ACC, C goes on from its stored value (a chain continued from the last key block); else from 0.
+// ACC is a template parameter so that each form's accumulators stay in registers from start to end.
+template <int MR, int NR, bool ACC>
 AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int kpairs,
-                                   float* C, int64_t ldc, const float* keep) {
+                                   float* C, int64_t ldc) {
   __m512 acc[MR][NR];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; m++)
 #pragma GCC unroll 8
-    for (int n = 0; n < NR; n++)
-      acc[m][n] = KEEP ? _mm512_mul_ps(_mm512_load_ps(C + m * ldc + n * 16), _mm512_set1_ps(keep[m]))
-                       : _mm512_setzero_ps();
+    for (int n = 0; n < NR; n++) acc[m][n] = ACC ? _mm512_load_ps(C + m * ldc + n * 16) : _mm512_setzero_ps();
   for (int k = 0; k < kpairs; k++) {
     __m512bh b[NR];
 #pragma GCC unroll 8
     for (int n = 0; n < NR; n++) b[n] = (__m512bh)_mm512_load_si512(B + k * ldb + n * 32);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; m++) {
-      int32_t pair;
-      std::memcpy(&pair, A + m * lda + 2 * k, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      const int32_t pair = bf16_pair(A + m * lda + 2 * k);
 #pragma GCC unroll 8
-      for (int n = 0; n < NR; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
+      for (int n = 0; n < NR; n++) acc[m][n] = dot_pair(acc[m][n], pair, (__m512i)b[n]);
     }
   }
 #pragma GCC unroll 16
@@ -106,28 +81,26 @@ AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_
 }
 
 // micro_gemm over M rows: blocks of MR_MAX rows, then the remainder.
-template <int NR, int MR_MAX, bool KEEP>
+template <int NR, int MR_MAX, bool ACC>
 AVX512_BF16 inline void gemm_rows(int M, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                                  int kpairs, float* C, int64_t ldc, const float* keep) {
+                                  int kpairs, float* C, int64_t ldc) {
   int m = 0;
-  for (; m + MR_MAX <= M; m += MR_MAX)
-    micro_gemm<MR_MAX, NR, KEEP>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc, KEEP ? keep + m : nullptr);
+  for (; m + MR_MAX <= M; m += MR_MAX) micro_gemm<MR_MAX, NR, ACC>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc);
   const int rest = M - m;
   A += m * lda;
   C += m * ldc;
-  if (KEEP) keep += m;
   switch (rest) {  // MR_MAX <= 12
-    case 1: micro_gemm<1, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 2: micro_gemm<2, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 3: micro_gemm<3, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 4: micro_gemm<4, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 5: micro_gemm<5, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 6: micro_gemm<6, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 7: micro_gemm<7, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 8: micro_gemm<8, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 9: micro_gemm<9, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 10: micro_gemm<10, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 11: micro_gemm<11, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 1: micro_gemm<1, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 2: micro_gemm<2, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 3: micro_gemm<3, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 4: micro_gemm<4, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 5: micro_gemm<5, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 6: micro_gemm<6, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 7: micro_gemm<7, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 8: micro_gemm<8, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 9: micro_gemm<9, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 10: micro_gemm<10, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 11: micro_gemm<11, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
     default: break;
   }
 }
@@ -157,14 +130,16 @@ struct PackedBlock {
   alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
 };
 
-// A work item's buffers, one set per thread.
+// A work item's buffers, one set per thread: one query head's partition (scores, probabilities, p.V, max and
+// sum per row), and every query head's running output.
 template <int D>
 struct Scratch {
-  alignas(64) float scores[QUERY_TILE][KEY_BLOCK];
-  alignas(64) uint16_t probs[QUERY_TILE][KEY_BLOCK];
-  alignas(64) float acc[MAX_GROUP][QUERY_TILE][D];
-  float m[MAX_GROUP][QUERY_TILE], l[MAX_GROUP][QUERY_TILE];
-  float keep[QUERY_TILE];
+  alignas(64) float scores[QUERY_TILE][PARTITION_TOKENS];
+  alignas(64) uint16_t probs[QUERY_TILE][PARTITION_TOKENS];
+  alignas(64) float acc[QUERY_TILE][D];
+  float m[QUERY_TILE], l[QUERY_TILE];
+  alignas(64) float o[MAX_GROUP][QUERY_TILE][D];
+  float mo[MAX_GROUP][QUERY_TILE], lo[MAX_GROUP][QUERY_TILE];
 };
 
 // Pack keys [k0, k0 + n) of KV head kh of the sequence with this block table; zeros past n.
@@ -201,68 +176,6 @@ AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, 
     }
 }
 
-// Online softmax of the block's scores for `rows` queries, the first at position pos0, keys from k0 (n of
-// them). Writes the bf16 probabilities of the block's first n keys, rounded up to a pair (0 past each row's
-// last visible key), and each row's rescale factor for its output.
-AVX512_BF16 void softmax_block(const float* scores, uint16_t* probs, int rows, int64_t pos0, int64_t k0, int n,
-                               float scale_log2, float* m, float* l, float* keep) {
-  const __m512 sc = _mm512_set1_ps(scale_log2);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  const int vecs = (n + 31) / 32 * 2;  // 16-key vectors of scores, even (probabilities are stored 32 at a time)
-  for (int r = 0; r < rows; r++) {
-    const int64_t visible = std::min<int64_t>(n, pos0 + r + 1 - k0);  // keys of this block the row sees
-    uint16_t* pr = probs + r * KEY_BLOCK;
-    if (visible <= 0) {  // the block lies past this row: leave its state as it is
-      keep[r] = 1.0f;
-      std::memset(pr, 0, sizeof(uint16_t) * 16 * vecs);
-      continue;
-    }
-    const float* sr = scores + r * KEY_BLOCK;
-    if (visible == KEY_BLOCK) {  // the whole block visible (most rows over a prefix): no masks, unrolled
-      __m512 s[KEY_BLOCK / 16];
-      __m512 mx = neg_inf;
-      for (int i = 0; i < KEY_BLOCK / 16; i++) {
-        s[i] = _mm512_mul_ps(_mm512_load_ps(sr + i * 16), sc);
-        mx = _mm512_max_ps(mx, s[i]);
-      }
-      const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int i = 0; i < KEY_BLOCK / 16; i += 2) {
-        const __m512 p0 = exp2_ps(_mm512_sub_ps(s[i], mv)), p1 = exp2_ps(_mm512_sub_ps(s[i + 1], mv));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      }
-      keep[r] = std::exp2(m[r] - m_new);
-      l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
-      m[r] = m_new;
-      continue;
-    }
-    __m512 s[KEY_BLOCK / 16];
-    __mmask16 valid[KEY_BLOCK / 16];
-    __m512 mx = neg_inf;
-    for (int i = 0; i < vecs; i++) {
-      const int64_t left = visible - i * 16;
-      valid[i] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                            : left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1);
-      s[i] = _mm512_mask_mul_ps(neg_inf, valid[i], _mm512_load_ps(sr + i * 16), sc);
-      mx = _mm512_max_ps(mx, s[i]);
-    }
-    const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int i = 0; i < vecs; i += 2) {
-      const __m512 p0 = _mm512_maskz_mov_ps(valid[i], exp2_ps(_mm512_sub_ps(s[i], mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(valid[i + 1], exp2_ps(_mm512_sub_ps(s[i + 1], mv)));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    keep[r] = std::exp2(m[r] - m_new);  // 0 on a row's first block (m = -inf)
-    l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
-    m[r] = m_new;
-  }
-}
-
 // Tile `it` over its sequence's packed blocks (blocks[j] = key block j of the item's KV head).
 template <int D>
 AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock<D>* const* blocks, Scratch<D>& S) {
@@ -273,29 +186,50 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock
   const int64_t last = pos0 + rows - 1;
   const uint16_t* q0 = P.q + (start + it.q0) * P.q_stride;
   for (int64_t g = 0; g < G; g++) {
-    std::memset(S.acc[g], 0, sizeof(float) * rows * D);
-    for (int r = 0; r < rows; r++) S.m[g][r] = -INFINITY, S.l[g][r] = 0.0f;
+    std::memset(S.o[g], 0, sizeof(float) * rows * D);
+    for (int r = 0; r < rows; r++) S.mo[g][r] = -INFINITY, S.lo[g][r] = 0.0f;
   }
-  constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in O += P V
-  for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
-    const PackedBlock<D>& pb = *blocks[k0 / KEY_BLOCK];
-    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, last + 1 - k0));  // keys the tile sees
-    const int kpairs = (n + 1) / 2;
+  constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in acc = P V
+  for (int64_t t0 = 0; t0 <= last; t0 += PARTITION_TOKENS) {
+    const int64_t extent = std::min<int64_t>(PARTITION_TOKENS, last + 1 - t0);  // keys the tile's last row sees
+    const int first = static_cast<int>(std::max<int64_t>(0, t0 - pos0));  // rows [first, rows) see the partition
+    const int nr = rows - first;
+    const int64_t padded = (extent + 15) / 16 * 16;  // probabilities p.V reads (0 past each row's keys)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block; only the block's n keys
-        gemm_rows<4, 6, false>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
-                        &S.scores[0][0] + c0, KEY_BLOCK, nullptr);
-      softmax_block(&S.scores[0][0], &S.probs[0][0], rows, pos0, k0, n, P.scale_log2, S.m[g], S.l[g], S.keep);
-      for (int d0 = 0; d0 < D; d0 += PV_NR * 16)
-        gemm_rows<PV_NR, 24 / PV_NR, true>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
-                                     &S.acc[g][0][0] + d0, D, S.keep);
+      for (int64_t k0 = 0; k0 < extent; k0 += KEY_BLOCK) {
+        const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
+        const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, extent - k0));
+        for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block
+          gemm_rows<4, 6, false>(nr, q0 + first * P.q_stride + h * D, P.q_stride, &pb.k[0][0] + 2 * c0,
+                                 KEY_BLOCK * 2, D / 2, &S.scores[0][0] + k0 + c0, PARTITION_TOKENS);
+      }
+      for (int i = 0; i < nr; i++) {
+        const int64_t visible = std::min<int64_t>(PARTITION_TOKENS, pos0 + first + i + 1 - t0);
+        S.m[i] = softmax_row(S.scores[i], visible, P.scale_log2, S.probs[i], S.l + i);
+        const int64_t written = (visible + 15) / 16 * 16;
+        std::memset(S.probs[i] + written, 0, sizeof(uint16_t) * (padded - written));
+      }
+      for (int64_t k0 = 0; k0 < extent; k0 += KEY_BLOCK) {
+        const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
+        const int kpairs = static_cast<int>((std::min<int64_t>(KEY_BLOCK, extent - k0) + 1) / 2);
+        for (int d0 = 0; d0 < D; d0 += PV_NR * 16) {
+          if (k0 == 0)
+            gemm_rows<PV_NR, 24 / PV_NR, false>(nr, &S.probs[0][0], PARTITION_TOKENS, &pb.v[0][0] + 2 * d0, D * 2,
+                                                kpairs, &S.acc[0][0] + d0, D);
+          else
+            gemm_rows<PV_NR, 24 / PV_NR, true>(nr, &S.probs[0][0] + k0, PARTITION_TOKENS, &pb.v[0][0] + 2 * d0,
+                                               D * 2, kpairs, &S.acc[0][0] + d0, D);
+        }
+      }
+      for (int i = 0; i < nr; i++)
+        fold_partition(S.acc[i], S.m[i], S.l[i], S.o[g][first + i], &S.mo[g][first + i], &S.lo[g][first + i], D);
     }
   }
   for (int r = 0; r < rows; r++)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      store_normalized(P.out + ((start + it.q0 + r) * P.hq + h) * D, S.acc[g][r], 1.0f / S.l[g][r], D);
+      store_normalized(P.out + ((start + it.q0 + r) * P.hq + h) * D, S.o[g][r], 1.0f / S.lo[g][r], D);
     }
 }
 
