@@ -13,6 +13,7 @@ import kernels
 from kernels import cpu_isa, native
 from kernels.quant import quantize
 from native_ops import torch_threads
+from workers.linear import Linear
 
 MAX_ROWS = 300
 DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in (torch.bfloat16, torch.float32)]
@@ -94,3 +95,17 @@ def test_rotary_and_kv_write(dtype):
         return torch.cat([q.reshape(t, -1), k.reshape(t, -1), k_cache.view(t, -1)], 1)
 
     _assert_row_invariant(rotate, qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_onednn_packed_linear(monkeypatch, dtype):
+    """A dense linear where no native GEMM takes it (float32 weights; bf16 without the native op): oneDNN's
+    packed matmul, whose one-row kernel (a matrix-vector product) sums in another order than its GEMM."""
+    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(320, 128, generator=g) * 0.05).to(dtype)
+    b = torch.randn(320, generator=g).to(dtype)
+    lin = Linear(w, b)
+    assert lin.packed == (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    x = torch.randn(MAX_ROWS, 128, generator=g).to(dtype)
+    _assert_row_invariant(lin, x)
