@@ -1,8 +1,8 @@
 // The arithmetic the native bf16 attention ops share (decode_attention.cpp, extend_attention.cpp), one copy,
 // so that a query row (one query head at one position) gets the same bits from either op:
 // - keys are cut into partitions of PARTITION_TOKENS at absolute positions (0, 512, ...);
-// - a score is one vdpbf16ps chain over the feature pairs in order (keys in lanes, K transposed into
-//   feature pairs: transpose16x16), times scale * log2(e);
+// - a score (score_tile): 16 lanes over the features, each a vdpbf16ps chain over its feature pairs, then
+//   one fixed reduction tree over 16 keys at once (transpose_reduce); times scale * log2(e);
 // - a partition's softmax (softmax_row): the max of the row's visible scores, p = 2^(s - max) rounded to
 //   bf16, their sum as 16 lanes over the keys' 16-key tiles in order, then one fixed reduction;
 // - acc = p.V as one vdpbf16ps chain per feature over the key pairs in order, from 0 at the partition start;
@@ -50,34 +50,39 @@ AVX512_BF16 inline void store_normalized(uint16_t* out, const float* acc, float 
   }
 }
 
-// 16 rows of 16 dwords -> 16 columns, in place (three rounds: 32-bit, 64-bit, 128-bit interleaves). On 16
-// keys' rows of 32 bf16 features: r[j] = feature pair j of the 16 keys (key t in lane t).
-AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+// 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes (one fixed tree).
+AVX512_BF16 inline __m512 transpose_reduce(__m512 v[16]) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; i++)  // lanes per 128-bit part: (v2i, v2i+1, v2i, v2i+1)
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {  // (v4i .. v4i+3) in each 128-bit part
+    __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
+    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  for (int i = 0; i < 4; i++) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; k++) {
-    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
-    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // column k
-    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // column 4 + k
-    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);   // column 8 + k
-    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);  // column 12 + k
-  }
-  for (int i = 0; i < 16; i++) r[i] = t[i];
+  for (int i = 0; i < 2; i++)  // 128-bit parts: (s2i: 0+1, 2+3), (s2i+1: 0+1, 2+3)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
 
-// One step of a score or p.V chain: acc + a . b over each lane's bf16 pair, `a` the broadcast pair (a
-// query's features, or a row's probabilities). Both ops call this, so the operands' order is one.
+// The raw scores (q . k) of one query row against 16 keys (keys[t] + offset: key t's D features): lane t.
+// Per key, 16 lanes over the features (lane i: pairs i, i + 16, ... in order), then transpose_reduce.
+template <int D>
+AVX512_BF16 inline __m512 score_tile(const uint16_t* const* keys, int64_t offset, const uint16_t* q) {
+  __m512bh qv[D / 32];
+  for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  __m512 dots[16];
+  for (int t = 0; t < 16; t++) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; c++)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(keys[t] + offset + c * 32), qv[c]);
+    dots[t] = a;
+  }
+  return transpose_reduce(dots);
+}
+
+// One step of a p.V chain: acc + a . b over each lane's bf16 pair, `a` the broadcast pair (a row's
+// probabilities). Both ops call this, so the operands' order is one.
 AVX512_BF16 inline __m512 dot_pair(__m512 acc, int32_t a_pair, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(a_pair), (__m512bh)b);
 }

@@ -5,14 +5,13 @@
 //
 // A sequence is cut into partitions of PARTITION_TOKENS consecutive positions, so how it is split depends
 // only on its own length, never on the batch or the thread count. A partition is attended in two passes
-// over its 16-token tiles: the first reads K, transposes each tile into feature pairs once for all the KV
-// head's query heads and stores every query head's scores (one vdpbf16ps chain a score); then each head's
-// softmax is taken once over the whole partition (one max, one exp per score, one sum), and the second pass
-// reads V and accumulates p.V (probabilities rounded to bf16, fp32 accumulators). No running max and no
-// rescale per tile: the passes are free of the serial max -> exp -> rescale chain, so the core overlaps
-// heads and tiles. A sequence of several partitions is folded in partition order by whichever thread
-// finishes its last one. The arithmetic of a row is attention_math.h's, the prefill op's too: a position
-// gets the same bits from either op.
+// over its 16-token tiles: the first reads K and stores every query head's scores (score_tile: vdpbf16ps
+// and a 16x16 transpose-reduce); then each head's softmax is taken once over the whole partition (one max,
+// one exp per score, one sum), and the second pass reads V and accumulates p.V (probabilities rounded to
+// bf16, fp32 accumulators). No running max and no rescale per tile: the passes are free of the serial
+// max -> exp -> rescale chain, so the core overlaps heads and tiles. A sequence of several partitions is
+// folded in partition order by whichever thread finishes its last one. A row's arithmetic is
+// attention_math.h's, which the prefill op runs too: a position gets the same bits from either op.
 //
 // Work items are (sequence, partition, KV heads): all the KV heads at once (a tile of one block is one
 // contiguous range in the [blocks, block_size, kv_heads, head_dim] layout) on one thread or when the batch
@@ -226,7 +225,6 @@ AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, fl
   uint32_t* const Pp = scratch.probs;  // [heads][PARTITION_TOKENS / 2]
   Prefetcher<D> pf(P);
   const uint16_t* rows[TILE];
-  __m512i kt[D / 2];  // a tile's K for one KV head: feature pair c of its 16 keys
 
   // pass 1: scores, K read once
   for (int64_t j = 0; j < tiles; j++) {
@@ -235,19 +233,11 @@ AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, fl
     tile_rows(P, table, tile, n, row, P.k, rows);
     pf.plan(item, j + PREFETCH_TILES, next);
     for (int64_t kh = kh0; kh < kh1; kh++) {
-      for (int c = 0; c < D / 32; c++) {  // the tile's K in feature pairs, once for the KV head's query heads
-        __m512i r[TILE];
-        for (int t = 0; t < TILE; t++) r[t] = _mm512_loadu_si512(rows[t] + kh * D + c * 32);
-        transpose16x16(r);
-        for (int i = 0; i < 16; i++) kt[c * 16 + i] = r[i];
-      }
       for (int64_t g = 0; g < G; g++) {
         pf.issue((kh - kh0) * G + g, heads);
         const int64_t h = kh * G + g;
-        const uint16_t* qh = P.q + b * P.q_stride + h * D;
-        __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < D / 2; c++) a = dot_pair(a, bf16_pair(qh + 2 * c), kt[c]);
-        _mm512_store_ps(S + (h - h0) * PARTITION_TOKENS + j * TILE, a);
+        _mm512_store_ps(S + (h - h0) * PARTITION_TOKENS + j * TILE,
+                        score_tile<D>(rows, kh * D, P.q + b * P.q_stride + h * D));
       }
     }
   }

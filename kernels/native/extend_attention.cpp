@@ -5,17 +5,19 @@
 // Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
 // Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
 //
-// GEMM-style, in two steps. First every key block (KEY_BLOCK keys at absolute positions 0, 128, 256, ...)
-// of every KV head a sequence's queries read is packed once, for all its query tiles: K into
-// pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads). Then a work item,
-// (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads of its KV head,
-// partition by partition (PARTITION_TOKENS keys at absolute positions): per query head the scores S = Q K^T
-// of the partition with a register-blocked micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys),
-// each row's softmax over the partition (probabilities rounded to bf16, as the torch path rounds them),
-// acc = P V with the same micro-kernel, and each row's partition folded into its output.
+// In two steps. First every key block (KEY_BLOCK keys at absolute positions 0, 128, 256, ...) of every KV
+// head a sequence's queries read is packed once, for all its query tiles: K's rows together and V into
+// pairs-of-tokens order (the layout vdpbf16ps reads). Then a work item, (sequence, KV head, tile of
+// QUERY_TILE consecutive queries), serves all the query heads of its KV head, partition by partition
+// (PARTITION_TOKENS keys at absolute positions): per query head each row's scores over the keys it sees,
+// 16 at a time in the decode op's order (score_tile), each row's softmax over the partition (probabilities
+// rounded to bf16, as the torch path rounds them), acc = P V with a register-blocked micro-kernel (rows of
+// P broadcast as bf16 pairs x 64 features), and each row's partition folded into its output. The scores
+// cost more than a GEMM's would (a reduction tree per row and 16 keys): what one numerics with the decode
+// op, whose order is the fast one for decoding, costs prefill.
 //
 // One numerics with the decode op: a query row's result depends only on its own query, its position and
-// the sequence's K/V, in attention_math.h's arithmetic, the decode op's too. The micro-kernel only runs
+// the sequence's K/V, in attention_math.h's arithmetic, the decode op's too. The p.V micro-kernel only runs
 // several rows' chains side by side; keys past a row's position give it probabilities 0 (adding 0 leaves
 // its sums as they are), and a partition past a row's position is never folded into it. So a position gets
 // the same bits here in whatever tiles or chunks its queries come, alone or batched, at any thread count,
@@ -123,10 +125,10 @@ struct Item {
   int64_t b, kh, q0, rows;  // sequence, KV head, first query (index within the chunk), queries
 };
 
-// One key block of one KV head, packed for vdpbf16ps: K by feature pairs, V by token pairs.
+// One key block of one KV head: K's rows, V by token pairs (for vdpbf16ps).
 template <int D>
 struct PackedBlock {
-  alignas(64) uint16_t k[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
+  alignas(64) uint16_t k[KEY_BLOCK][D];  // [key][feature], zeros past the keys there are
   alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
 };
 
@@ -156,17 +158,8 @@ AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, 
     vrow[t] = P.v + off;
     if (++in == P.bs) in = 0, blk++;
   }
-  const int tiles = (n + 15) / 16;
-  for (int tile = 0; tile < tiles; tile++)
-    for (int c = 0; c < D / 32; c++) {  // 16 keys x 32 features (16 pairs) -> 16 pair vectors of 16 keys
-      __m512i r[16];
-      for (int t = 0; t < 16; t++) {
-        const int key = tile * 16 + t;
-        r[t] = key < n ? _mm512_loadu_si512(krow[key] + c * 32) : _mm512_setzero_si512();
-      }
-      transpose16x16(r);
-      for (int j = 0; j < 16; j++) _mm512_store_si512(&S.k[c * 16 + j][tile * 32], r[j]);
-    }
+  for (int t = 0; t < n; t++) std::memcpy(S.k[t], krow[t], sizeof(uint16_t) * D);
+  std::memset(S.k[n], 0, sizeof(uint16_t) * D * ((n + 15) / 16 * 16 - n));
   for (int t = 0; t < n; t += 2)
     for (int c = 0; c < D / 32; c++) {
       const __m512i x = _mm512_loadu_si512(vrow[t] + c * 32);
@@ -197,12 +190,15 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock
     const int64_t padded = (extent + 15) / 16 * 16;  // probabilities p.V reads (0 past each row's keys)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      for (int64_t k0 = 0; k0 < extent; k0 += KEY_BLOCK) {
+      // scores: each row over the 16-key tiles it sees, a tile's key rows found once for the rows
+      for (int64_t k0 = 0; k0 < extent; k0 += 16) {
         const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
-        const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, extent - k0));
-        for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block
-          gemm_rows<4, 6, false>(nr, q0 + first * P.q_stride + h * D, P.q_stride, &pb.k[0][0] + 2 * c0,
-                                 KEY_BLOCK * 2, D / 2, &S.scores[0][0] + k0 + c0, PARTITION_TOKENS);
+        const uint16_t* keys[16];
+        for (int t = 0; t < 16; t++) keys[t] = pb.k[(k0 % KEY_BLOCK) + t];
+        // rows [first + skip, rows) see this tile (positions rise along the tile)
+        const int skip = static_cast<int>(std::max<int64_t>(0, t0 + k0 - pos0 - first));
+        for (int i = skip; i < nr; i++)
+          _mm512_store_ps(S.scores[i] + k0, score_tile<D>(keys, 0, q0 + (first + i) * P.q_stride + h * D));
       }
       for (int i = 0; i < nr; i++) {
         const int64_t visible = std::min<int64_t>(PARTITION_TOKENS, pos0 + first + i + 1 - t0);
