@@ -109,3 +109,19 @@ def test_onednn_packed_linear(monkeypatch, dtype):
     assert lin.packed == (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     x = torch.randn(MAX_ROWS, 128, generator=g).to(dtype)
     _assert_row_invariant(lin, x)
+
+
+def test_sampling():
+    """kernels.sample: a row's token whatever the other rows filter (top-k, top-p, min-p or nothing: the
+    sort is skipped when no row filters, and top-k/top-p may filter from a prefix of the sorted logits)."""
+    g = torch.Generator().manual_seed(8)
+    rows, vocab = 120, 1500  # over 1024: the sorted-prefix filter applies
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    temperature = torch.where(torch.rand(rows, generator=g) < 0.2, 0.0, 0.5 + torch.rand(rows, generator=g))
+    top_k = torch.where(torch.rand(rows, generator=g) < 0.7, 0, torch.randint(1, 3000, (rows,), generator=g))
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.7, 1.0, 0.5 + 0.5 * torch.rand(rows, generator=g))
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.8, 0.0, 0.1 * torch.rand(rows, generator=g))
+    top_k[:40], top_p[:40], min_p[:40] = 0, 1.0, 0.0  # the first prefixes filter nothing
+    noise = -torch.rand(rows, vocab, generator=g).log()
+    x = torch.arange(rows)
+    _assert_row_invariant(lambda i: kernels.sample(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], noise[i]), x)
