@@ -6,15 +6,15 @@
 // Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
 //
 // In two steps. First every key block (KEY_BLOCK keys at absolute positions 0, 128, 256, ...) of every KV
-// head a sequence's queries read is packed once, for all its query tiles: K's rows together and V into
-// pairs-of-tokens order (the layout vdpbf16ps reads). Then a work item, (sequence, KV head, tile of
+// head a sequence's queries read is packed once, for all its query tiles: K into pairs-of-features order
+// (keys in lanes) and V into pairs-of-tokens order (the layouts vdpbf16ps reads). Then a work item, (sequence, KV head, tile of
 // QUERY_TILE consecutive queries), serves all the query heads of its KV head, partition by partition
 // (PARTITION_TOKENS keys at absolute positions): per query head each row's scores over the keys it sees,
-// 16 at a time in the decode op's order (score_tile), each row's softmax over the partition (probabilities
+// 16 at a time in the decode op's order (score_rows), each row's softmax over the partition (probabilities
 // rounded to bf16, as the torch path rounds them), acc = P V with a register-blocked micro-kernel (rows of
 // P broadcast as bf16 pairs x 64 features), and each row's partition folded into its output. The scores
-// cost more than a GEMM's would (a reduction tree per row and 16 keys): what one numerics with the decode
-// op, whose order is the fast one for decoding, costs prefill.
+// cost a GEMM's multiply-adds plus 15 adds per row and 16 keys (the decode order's reduction tree): what
+// one numerics with the decode op, whose order is the fast one for decoding, costs prefill.
 //
 // One numerics with the decode op: a query row's result depends only on its own query, its position and
 // the sequence's K/V, in attention_math.h's arithmetic, the decode op's too. The p.V micro-kernel only runs
@@ -52,6 +52,31 @@ constexpr int KEY_BLOCK = 128;   // keys per block: 8 score vectors per query ro
 constexpr int QUERY_TILE = 48;   // queries (positions) per work item, for all the KV head's query heads: 8 x 6 rows
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr float LOG2E = 1.4426950408889634f;
+
+// 16 rows of 16 dwords -> 16 columns, in place (three rounds: 32-bit, 64-bit, 128-bit interleaves).
+AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // s[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; k++) {
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // column k
+    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // column 4 + k
+    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);   // column 8 + k
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);  // column 12 + k
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i];
+}
 
 // C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1], one dot_pair chain
 // per lane over k in order: A row-major bf16 (lda elements a row), B packed as pairs (ldb elements per pair
@@ -125,10 +150,10 @@ struct Item {
   int64_t b, kh, q0, rows;  // sequence, KV head, first query (index within the chunk), queries
 };
 
-// One key block of one KV head: K's rows, V by token pairs (for vdpbf16ps).
+// One key block of one KV head, packed for vdpbf16ps: K by feature pairs (keys in lanes), V by token pairs.
 template <int D>
 struct PackedBlock {
-  alignas(64) uint16_t k[KEY_BLOCK][D];  // [key][feature], zeros past the keys there are
+  alignas(64) uint16_t k[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
   alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
 };
 
@@ -144,6 +169,47 @@ struct Scratch {
   float mo[MAX_GROUP][QUERY_TILE], lo[MAX_GROUP][QUERY_TILE];
 };
 
+// Raw scores of MR query rows (q, rows q_stride apart) against 16 keys of a packed block (kt: their first
+// feature pair's vector, pair rows ldk apart) into out (rows ldo apart), in the decode op's order
+// (score_tile in attention_math.h) with the keys in lanes: per key, partial i (i < 16) is one vdpbf16ps
+// chain over pairs i, i + 16, ... (score_tile's lane i), and the 16 partials are summed in
+// transpose_reduce's tree, ((x0 + x2) + (x1 + x3)) per four, then pairs of those, then the two halves,
+// here as vertical adds: the decode op's bits without its shuffles.
+template <int D, int MR>
+AVX512_BF16 inline void score_rows(const uint16_t* kt, int64_t ldk, const uint16_t* q, int64_t q_stride, float* out,
+                                   int64_t ldo) {
+  __m512 half[MR], quarter[MR];  // the tree's sums of partials 0-7 and 8-11 as they complete
+  for (int p = 0; p < 4; p++) {  // partials 4p .. 4p+3
+    __m512 x[MR][4];
+    for (int r = 0; r < MR; r++)
+      for (int j = 0; j < 4; j++) x[r][j] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; c++) {
+      __m512i kv[4];
+      for (int j = 0; j < 4; j++) kv[j] = _mm512_load_si512(kt + (16 * c + 4 * p + j) * ldk);
+      for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 4; j++)
+          x[r][j] = dot_pair(x[r][j], bf16_pair(q + r * q_stride + 2 * (16 * c + 4 * p + j)), kv[j]);
+    }
+    for (int r = 0; r < MR; r++) {
+      const __m512 four = _mm512_add_ps(_mm512_add_ps(x[r][0], x[r][2]), _mm512_add_ps(x[r][1], x[r][3]));
+      if (p == 0 || p == 2) quarter[r] = four;
+      else if (p == 1) half[r] = _mm512_add_ps(quarter[r], four);
+      else _mm512_store_ps(out + r * ldo, _mm512_add_ps(half[r], _mm512_add_ps(quarter[r], four)));
+    }
+  }
+}
+
+template <int D>
+AVX512_BF16 inline void score_row_block(int m, const uint16_t* kt, int64_t ldk, const uint16_t* q, int64_t q_stride,
+                                        float* out, int64_t ldo) {
+  switch (m) {
+    case 1: return score_rows<D, 1>(kt, ldk, q, q_stride, out, ldo);
+    case 2: return score_rows<D, 2>(kt, ldk, q, q_stride, out, ldo);
+    case 3: return score_rows<D, 3>(kt, ldk, q, q_stride, out, ldo);
+    default: return score_rows<D, 4>(kt, ldk, q, q_stride, out, ldo);
+  }
+}
+
 // Pack keys [k0, k0 + n) of KV head kh of the sequence with this block table; zeros past n.
 template <int D>
 AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, int64_t k0, int n,
@@ -158,8 +224,17 @@ AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, 
     vrow[t] = P.v + off;
     if (++in == P.bs) in = 0, blk++;
   }
-  for (int t = 0; t < n; t++) std::memcpy(S.k[t], krow[t], sizeof(uint16_t) * D);
-  std::memset(S.k[n], 0, sizeof(uint16_t) * D * ((n + 15) / 16 * 16 - n));
+  const int tiles = (n + 15) / 16;
+  for (int tile = 0; tile < tiles; tile++)
+    for (int c = 0; c < D / 32; c++) {  // 16 keys x 32 features (16 pairs) -> 16 pair vectors of 16 keys
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) {
+        const int key = tile * 16 + t;
+        r[t] = key < n ? _mm512_loadu_si512(krow[key] + c * 32) : _mm512_setzero_si512();
+      }
+      transpose16x16(r);
+      for (int j = 0; j < 16; j++) _mm512_store_si512(&S.k[c * 16 + j][tile * 32], r[j]);
+    }
   for (int t = 0; t < n; t += 2)
     for (int c = 0; c < D / 32; c++) {
       const __m512i x = _mm512_loadu_si512(vrow[t] + c * 32);
@@ -190,15 +265,15 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock
     const int64_t padded = (extent + 15) / 16 * 16;  // probabilities p.V reads (0 past each row's keys)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      // scores: each row over the 16-key tiles it sees, a tile's key rows found once for the rows
+      // scores: the rows that see a 16-key tile, 4 at a time
       for (int64_t k0 = 0; k0 < extent; k0 += 16) {
         const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
-        const uint16_t* keys[16];
-        for (int t = 0; t < 16; t++) keys[t] = pb.k[(k0 % KEY_BLOCK) + t];
+        const uint16_t* kt = &pb.k[0][0] + 2 * (k0 % KEY_BLOCK);
         // rows [first + skip, rows) see this tile (positions rise along the tile)
         const int skip = static_cast<int>(std::max<int64_t>(0, t0 + k0 - pos0 - first));
-        for (int i = skip; i < nr; i++)
-          _mm512_store_ps(S.scores[i] + k0, score_tile<D>(keys, 0, q0 + (first + i) * P.q_stride + h * D));
+        for (int i = skip; i < nr; i += 4)
+          score_row_block<D>(std::min(4, nr - i), kt, KEY_BLOCK * 2, q0 + (first + i) * P.q_stride + h * D,
+                             P.q_stride, S.scores[i] + k0, PARTITION_TOKENS);
       }
       for (int i = 0; i < nr; i++) {
         const int64_t visible = std::min<int64_t>(PARTITION_TOKENS, pos0 + first + i + 1 - t0);
