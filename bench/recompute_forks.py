@@ -2,9 +2,10 @@
 
 Recovery (a worker lost, a scheduler fail-over, a lost step) re-admits a sequence with prompt + the
 outputs already confirmed and prefills them in one pass. The decode steps that produced those outputs
-ran the same positions one at a time, in other batches: in float32 the two agree to the last bit often
-enough that greedy streams continue identically; in bfloat16 the prefill rounds differently and a
-near-tie can flip the argmax, and the stream takes another path from there.
+ran the same positions one at a time, in other batches. On the native CPU ops a position's logits have
+the same bits either way (one numerics, docs/decisions.md), so no stream should fork in either dtype; on
+paths without that promise (the torch path: PHASESERVE_NATIVE=0) a near-tie can flip the argmax, and the
+stream takes another path from there.
 
 `python -m bench.recompute_forks [--model DIR] [--dtype bfloat16 float32] [--streams 16] [--max-tokens 64]`
 runs `streams` greedy prompts to `max-tokens` in the in-process engine, then for each cut k re-admits

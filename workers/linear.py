@@ -81,10 +81,14 @@ class Linear:
 # slower than at one fixed length, with 400-800 page faults a step against 1 (docs/model-runner.md).
 # Up to ROW_QUANTUM rows (small decode batches) row counts are few and stay cached; above, rounding up to
 # a multiple of ROW_QUANTUM costs at most ROW_QUANTUM - 1 rows: under 4% of a 400-token prefill step.
+# One row goes as two: oneDNN's one-row fp32 kernel (a matrix-vector product) sums in another order than
+# its GEMM, so a row alone in a step would get other bits than among others (tests/test_row_invariance.py).
 ROW_QUANTUM = 16
 
 
 def padded_rows(rows: int) -> int:
+    if rows == 1:
+        return 2
     return rows if rows <= ROW_QUANTUM else -(-rows // ROW_QUANTUM) * ROW_QUANTUM
 
 

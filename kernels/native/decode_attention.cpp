@@ -5,18 +5,21 @@
 //
 // A sequence is cut into partitions of PARTITION_TOKENS consecutive positions, so how it is split depends
 // only on its own length, never on the batch or the thread count. A partition is attended in two passes
-// over its 16-token tiles: the first reads K and stores every query head's scores (vdpbf16ps and a 16x16
-// transpose-reduce, base 2: log2(e) folded into the scale); then each head's softmax is taken once over the
-// whole partition (one max, one exp per score, one sum), and the second pass reads V and accumulates p.V
-// (probabilities rounded to bf16, fp32 accumulators). No running max and no rescale per tile: the passes are
-// free of the serial max -> exp -> rescale chain, so the core overlaps heads and tiles. A sequence of
-// several partitions is combined in partition order by whichever thread finishes its last one.
+// over its 16-token tiles: the first reads K and stores every query head's scores (score_tile: vdpbf16ps
+// and a 16x16 transpose-reduce); then each head's softmax is taken once over the whole partition (one max,
+// one exp per score, one sum), and the second pass reads V and accumulates p.V (probabilities rounded to
+// bf16, fp32 accumulators). No running max and no rescale per tile: the passes are free of the serial
+// max -> exp -> rescale chain, so the core overlaps heads and tiles. A sequence of several partitions is
+// folded in partition order by whichever thread finishes its last one. A row's arithmetic is
+// attention_math.h's, which the prefill op runs too: a position gets the same bits from either op.
 //
 // Work items are (sequence, partition, KV heads): all the KV heads at once (a tile of one block is one
 // contiguous range in the [blocks, block_size, kv_heads, head_dim] layout) on one thread or when the batch
 // gives every thread several items, else one KV head each, so that a small batch still fills the threads. A head's
 // arithmetic is the same in either form: a sequence's result is bit-identical alone or batched, on any
 // number of threads.
+
+#pragma GCC optimize("fp-contract=off")  // only the FMAs written out: the same bits as the prefill op
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -42,7 +45,6 @@ using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
-constexpr int64_t PARTITION_TOKENS = 512;  // a multiple of TILE
 // software prefetch distance (measured on one thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
 // prefetching only each block's first lines for the hardware prefetcher to follow: no better)
 constexpr int PREFETCH_TILES = 2;
@@ -50,21 +52,6 @@ constexpr int MAX_GROUP = 16;  // query heads per KV head
 // fewer (sequence, partition) items than this per thread: one KV head an item
 constexpr int ITEMS_PER_THREAD = 4;
 constexpr float LOG2E = 1.4426950408889634f;
-
-// 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes.
-AVX512_BF16 inline __m512 transpose_reduce(__m512 v[16]) {
-  __m512 r[8], s[4], u[2];
-  for (int i = 0; i < 8; i++)  // lanes per 128-bit part: (v2i, v2i+1, v2i, v2i+1)
-    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++) {  // (v4i .. v4i+3) in each 128-bit part
-    __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
-    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; i++)  // 128-bit parts: (s2i: 0+1, 2+3), (s2i+1: 0+1, 2+3)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-}
 
 struct Problem {
   const uint16_t* q;  // [B, Hq, D], row stride q_stride
@@ -195,8 +182,8 @@ AVX512_BF16 inline void pv_block(const uint16_t* vpairs, const uint32_t* p, floa
     __m512bh vv[D / 16];
     for (int c = 0; c < D / 16; c++) vv[c] = (__m512bh)_mm512_load_si512(vpairs + t * 2 * D + c * 32);
     for (int i = 0; i < NB; i++) {
-      const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[i * (PARTITION_TOKENS / 2) + t]));
-      for (int c = 0; c < D / 16; c++) o[i][c] = _mm512_dpbf16_ps(o[i][c], vv[c], pt);
+      const int32_t pt = static_cast<int32_t>(p[i * (PARTITION_TOKENS / 2) + t]);
+      for (int c = 0; c < D / 16; c++) o[i][c] = dot_pair(o[i][c], pt, (__m512i)vv[c]);
     }
   }
   for (int i = 0; i < NB; i++)
@@ -249,42 +236,16 @@ AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, fl
       for (int64_t g = 0; g < G; g++) {
         pf.issue((kh - kh0) * G + g, heads);
         const int64_t h = kh * G + g;
-        const uint16_t* qh = P.q + b * P.q_stride + h * D;
-        __m512bh qv[D / 32];
-        for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
-        __m512 dots[TILE];
-        for (int t = 0; t < TILE; t++) {
-          __m512 a = _mm512_setzero_ps();
-          for (int c = 0; c < D / 32; c++)
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(rows[t] + kh * D + c * 32), qv[c]);
-          dots[t] = a;
-        }
         _mm512_store_ps(S + (h - h0) * PARTITION_TOKENS + j * TILE,
-                        _mm512_mul_ps(transpose_reduce(dots), _mm512_set1_ps(P.scale_log2)));
+                        score_tile<D>(rows, kh * D, P.q + b * P.q_stride + h * D));
       }
     }
   }
 
-  // each head's softmax over the partition: max, then p = 2^(s - max) (bf16 pairs for p.V) and their sum
-  const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1);
-  for (int64_t i = 0; i < heads; i++) {
-    const float* s = S + i * PARTITION_TOKENS;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j + 1 < tiles; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(s + j * TILE));
-    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(s + (tiles - 1) * TILE));
-    const float mh = _mm512_reduce_max_ps(mx);
-    const __m512 mv = _mm512_set1_ps(mh);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < tiles; j++) {
-      __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s + j * TILE), mv));
-      if (j + 1 == tiles) p = _mm512_maskz_mov_ps(tail, p);
-      sum = _mm512_add_ps(sum, p);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(Pp + i * (PARTITION_TOKENS / 2) + j * (TILE / 2)),
-                         (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    m[h0 + i] = mh;
-    l[h0 + i] = _mm512_reduce_add_ps(sum);
-  }
+  // each head's softmax over the partition (bf16 pairs for p.V)
+  for (int64_t i = 0; i < heads; i++)
+    m[h0 + i] = softmax_row(S + i * PARTITION_TOKENS, t1 - t0, P.scale_log2,
+                            reinterpret_cast<uint16_t*>(Pp + i * (PARTITION_TOKENS / 2)), l + h0 + i);
 
   // pass 2: acc = p.V, V read once (each KV head's tile with tokens (2i, 2i+1) interleaved per feature)
   for (int64_t i = 0; i < heads; i++) std::memset(acc + (h0 + i) * D, 0, sizeof(float) * D);
@@ -313,33 +274,21 @@ AVX512_BF16 void attend(const Problem& P, const Item& item, const Item* next, fl
   }
 }
 
-// Sequence b's partitions (state slots [first, last)) combined in partition order (deterministic) into
-// out [Hq, D].
+// Sequence b's partitions (state slots [first, last)) folded in partition order into out [Hq, D], for query
+// heads [h0, h1).
 template <int D>
-AVX512_BF16 void combine_partitions(const float* state, int64_t per_slot, int64_t hq, int64_t first, int64_t last,
-                                    uint16_t* out) {
-  alignas(64) float total[D];
-  for (int64_t h = 0; h < hq; h++) {
-    float mx = -INFINITY;
-    for (int64_t i = first; i < last; i++) mx = std::fmax(mx, state[i * per_slot + hq * D + h]);
-    float sum = 0.0f;
-    __m512 o[D / 16];
-    for (int c = 0; c < D / 16; c++) o[c] = _mm512_setzero_ps();
+AVX512_BF16 void fold_partitions(const float* state, int64_t per_slot, int64_t hq, int64_t first, int64_t last,
+                                 int64_t h0, int64_t h1, uint16_t* out) {
+  alignas(64) float o[D];
+  for (int64_t h = h0; h < h1; h++) {
+    float mo = -INFINITY, lo = 0.0f;
+    std::memset(o, 0, sizeof(o));
     for (int64_t i = first; i < last; i++) {
       const float* st = state + i * per_slot;
-      const float w = std::exp2(st[hq * D + h] - mx);
-      sum += st[hq * D + hq + h] * w;
-      const __m512 wv = _mm512_set1_ps(w);
-      for (int c = 0; c < D / 16; c++) o[c] = _mm512_fmadd_ps(wv, _mm512_load_ps(st + h * D + c * 16), o[c]);
+      fold_partition(st + h * D, st[hq * D + h], st[hq * D + hq + h], o, &mo, &lo, D);
     }
-    for (int c = 0; c < D / 16; c++) _mm512_store_ps(total + c * 16, o[c]);
-    store_normalized(out + h * D, total, 1.0f / sum, D);
+    store_normalized(out + h * D, o, 1.0f / lo, D);
   }
-}
-
-template <int D>
-AVX512_BF16 void finish_alone(const float* acc, const float* l, int64_t h0, int64_t h1, uint16_t* out) {
-  for (int64_t h = h0; h < h1; h++) store_normalized(out + h * D, acc + h * D, 1.0f / l[h], D);
 }
 
 template <int D>
@@ -382,9 +331,9 @@ void run(const Problem& P, int64_t B, uint16_t* out) {
       const int64_t b = it.b;
       const int64_t G = P.hq / P.hkv;
       if (first[b + 1] - first[b] == 1)
-        finish_alone<D>(acc, l, it.kh0 * G, it.kh1 * G, out + b * P.hq * D);
+        fold_partitions<D>(state, per_slot, P.hq, first[b], first[b + 1], it.kh0 * G, it.kh1 * G, out + b * P.hq * D);
       else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        combine_partitions<D>(state, per_slot, P.hq, first[b], first[b + 1], out + b * P.hq * D);
+        fold_partitions<D>(state, per_slot, P.hq, first[b], first[b + 1], 0, P.hq, out + b * P.hq * D);
     }
   });
   std::free(state);

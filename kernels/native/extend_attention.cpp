@@ -5,20 +5,26 @@
 // Built against torch's stable ABI (torch/csrc/stable), like decode_attention.cpp.
 // Registered as torch.ops.phaseserve_extend_attention.{extend_attention, supported}.
 //
-// GEMM-style, flash-attention order, in two passes. First every key block (KEY_BLOCK keys at absolute
-// positions 0, 128, 256, ...) of every KV head a sequence's queries read is packed once, for all its query
-// tiles: K into pairs-of-features order and V into pairs-of-tokens order (the layouts vdpbf16ps reads).
-// Then a work item, (sequence, KV head, tile of QUERY_TILE consecutive queries), serves all the query heads
-// of its KV head: per block and query head it computes the scores S = Q K^T with a register-blocked
-// micro-kernel (6 rows of Q broadcast as bf16 pairs x 64 keys), an online softmax per query row in fp32
-// (base 2: log2(e) folded into the scale), and O += P V with the same micro-kernel (probabilities rounded
-// to bf16, as the torch path rounds them; O in fp32).
+// In two steps. First every key block (KEY_BLOCK keys at absolute positions 0, 128, 256, ...) of every KV
+// head a sequence's queries read is packed once, for all its query tiles: K into pairs-of-features order
+// (keys in lanes) and V into pairs-of-tokens order (the layouts vdpbf16ps reads). Then a work item, (sequence, KV head, tile of
+// QUERY_TILE consecutive queries), serves all the query heads of its KV head, partition by partition
+// (PARTITION_TOKENS keys at absolute positions): per query head each row's scores over the keys it sees,
+// 16 at a time in the decode op's order (score_rows), each row's softmax over the partition (probabilities
+// rounded to bf16, as the torch path rounds them), acc = P V with a register-blocked micro-kernel (rows of
+// P broadcast as bf16 pairs x 64 features), and each row's partition folded into its output. The scores
+// cost a GEMM's multiply-adds plus 15 adds per row and 16 keys (the decode order's reduction tree): what
+// one numerics with the decode op, whose order is the fast one for decoding, costs prefill.
 //
-// A query row's result depends only on its own position and the sequence's K/V: the key blocks sit at
-// absolute positions, and a block past a row's position leaves that row untouched (no rescale, zero
-// probabilities). So a sequence's output is bit-identical alone or batched, at any thread count, and in
-// whatever tiles or chunks its queries come. Threads pull items from a shared counter; which thread runs an
-// item never changes its arithmetic.
+// One numerics with the decode op: a query row's result depends only on its own query, its position and
+// the sequence's K/V, in attention_math.h's arithmetic, the decode op's too. The p.V micro-kernel only runs
+// several rows' chains side by side; keys past a row's position give it probabilities 0 (adding 0 leaves
+// its sums as they are), and a partition past a row's position is never folded into it. So a position gets
+// the same bits here in whatever tiles or chunks its queries come, alone or batched, at any thread count,
+// and from the decode op. Threads pull items from a shared counter; which thread runs an item never
+// changes its arithmetic.
+
+#pragma GCC optimize("fp-contract=off")  // only the FMAs written out: the same bits as the decode op
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -72,31 +78,27 @@ AVX512_BF16 inline void transpose16x16(__m512i r[16]) {
   for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-// C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1]: A row-major bf16 (lda
-// elements a row), B packed as pairs (ldb elements per pair row). With `keep`, C starts from C * keep[m]
-// (the online softmax's rescale); else from 0. KEEP is a template parameter so that each form's
-// accumulators stay in registers from start to end.
-template <int MR, int NR, bool KEEP>
+// C[MR rows][NR * 16 lanes] (+)= sum over k pairs of A[m][2k, 2k+1] . B[k][lane][0, 1], one dot_pair chain
+// per lane over k in order: A row-major bf16 (lda elements a row), B packed as pairs (ldb elements per pair
+// row). With ACC, C goes on from its stored value (a chain continued from the last key block); else from 0.
+// ACC is a template parameter so that each form's accumulators stay in registers from start to end.
+template <int MR, int NR, bool ACC>
 AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int kpairs,
-                                   float* C, int64_t ldc, const float* keep) {
+                                   float* C, int64_t ldc) {
   __m512 acc[MR][NR];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; m++)
 #pragma GCC unroll 8
-    for (int n = 0; n < NR; n++)
-      acc[m][n] = KEEP ? _mm512_mul_ps(_mm512_load_ps(C + m * ldc + n * 16), _mm512_set1_ps(keep[m]))
-                       : _mm512_setzero_ps();
+    for (int n = 0; n < NR; n++) acc[m][n] = ACC ? _mm512_load_ps(C + m * ldc + n * 16) : _mm512_setzero_ps();
   for (int k = 0; k < kpairs; k++) {
     __m512bh b[NR];
 #pragma GCC unroll 8
     for (int n = 0; n < NR; n++) b[n] = (__m512bh)_mm512_load_si512(B + k * ldb + n * 32);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; m++) {
-      int32_t pair;
-      std::memcpy(&pair, A + m * lda + 2 * k, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      const int32_t pair = bf16_pair(A + m * lda + 2 * k);
 #pragma GCC unroll 8
-      for (int n = 0; n < NR; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
+      for (int n = 0; n < NR; n++) acc[m][n] = dot_pair(acc[m][n], pair, (__m512i)b[n]);
     }
   }
 #pragma GCC unroll 16
@@ -106,28 +108,26 @@ AVX512_BF16 inline void micro_gemm(const uint16_t* A, int64_t lda, const uint16_
 }
 
 // micro_gemm over M rows: blocks of MR_MAX rows, then the remainder.
-template <int NR, int MR_MAX, bool KEEP>
+template <int NR, int MR_MAX, bool ACC>
 AVX512_BF16 inline void gemm_rows(int M, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                                  int kpairs, float* C, int64_t ldc, const float* keep) {
+                                  int kpairs, float* C, int64_t ldc) {
   int m = 0;
-  for (; m + MR_MAX <= M; m += MR_MAX)
-    micro_gemm<MR_MAX, NR, KEEP>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc, KEEP ? keep + m : nullptr);
+  for (; m + MR_MAX <= M; m += MR_MAX) micro_gemm<MR_MAX, NR, ACC>(A + m * lda, lda, B, ldb, kpairs, C + m * ldc, ldc);
   const int rest = M - m;
   A += m * lda;
   C += m * ldc;
-  if (KEEP) keep += m;
   switch (rest) {  // MR_MAX <= 12
-    case 1: micro_gemm<1, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 2: micro_gemm<2, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 3: micro_gemm<3, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 4: micro_gemm<4, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 5: micro_gemm<5, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 6: micro_gemm<6, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 7: micro_gemm<7, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 8: micro_gemm<8, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 9: micro_gemm<9, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 10: micro_gemm<10, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
-    case 11: micro_gemm<11, NR, KEEP>(A, lda, B, ldb, kpairs, C, ldc, keep); break;
+    case 1: micro_gemm<1, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 2: micro_gemm<2, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 3: micro_gemm<3, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 4: micro_gemm<4, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 5: micro_gemm<5, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 6: micro_gemm<6, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 7: micro_gemm<7, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 8: micro_gemm<8, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 9: micro_gemm<9, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 10: micro_gemm<10, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
+    case 11: micro_gemm<11, NR, ACC>(A, lda, B, ldb, kpairs, C, ldc); break;
     default: break;
   }
 }
@@ -150,22 +150,65 @@ struct Item {
   int64_t b, kh, q0, rows;  // sequence, KV head, first query (index within the chunk), queries
 };
 
-// One key block of one KV head, packed for vdpbf16ps: K by feature pairs, V by token pairs.
+// One key block of one KV head, packed for vdpbf16ps: K by feature pairs (keys in lanes), V by token pairs.
 template <int D>
 struct PackedBlock {
   alignas(64) uint16_t k[D / 2][KEY_BLOCK * 2];  // [feature pair][key][2]
   alignas(64) uint16_t v[KEY_BLOCK / 2][D * 2];  // [token pair][feature, in unpacklo/unpackhi order][2]
 };
 
-// A work item's buffers, one set per thread.
+// A work item's buffers, one set per thread: one query head's partition (scores, probabilities, p.V, max and
+// sum per row), and every query head's running output.
 template <int D>
 struct Scratch {
-  alignas(64) float scores[QUERY_TILE][KEY_BLOCK];
-  alignas(64) uint16_t probs[QUERY_TILE][KEY_BLOCK];
-  alignas(64) float acc[MAX_GROUP][QUERY_TILE][D];
-  float m[MAX_GROUP][QUERY_TILE], l[MAX_GROUP][QUERY_TILE];
-  float keep[QUERY_TILE];
+  alignas(64) float scores[QUERY_TILE][PARTITION_TOKENS];
+  alignas(64) uint16_t probs[QUERY_TILE][PARTITION_TOKENS];
+  alignas(64) float acc[QUERY_TILE][D];
+  float m[QUERY_TILE], l[QUERY_TILE];
+  alignas(64) float o[MAX_GROUP][QUERY_TILE][D];
+  float mo[MAX_GROUP][QUERY_TILE], lo[MAX_GROUP][QUERY_TILE];
 };
+
+// Raw scores of MR query rows (q, rows q_stride apart) against 16 keys of a packed block (kt: their first
+// feature pair's vector, pair rows ldk apart) into out (rows ldo apart), in the decode op's order
+// (score_tile in attention_math.h) with the keys in lanes: per key, partial i (i < 16) is one vdpbf16ps
+// chain over pairs i, i + 16, ... (score_tile's lane i), and the 16 partials are summed in
+// transpose_reduce's tree, ((x0 + x2) + (x1 + x3)) per four, then pairs of those, then the two halves,
+// here as vertical adds: the decode op's bits without its shuffles.
+template <int D, int MR>
+AVX512_BF16 inline void score_rows(const uint16_t* kt, int64_t ldk, const uint16_t* q, int64_t q_stride, float* out,
+                                   int64_t ldo) {
+  __m512 half[MR], quarter[MR];  // the tree's sums of partials 0-7 and 8-11 as they complete
+  for (int p = 0; p < 4; p++) {  // partials 4p .. 4p+3
+    __m512 x[MR][4];
+    for (int r = 0; r < MR; r++)
+      for (int j = 0; j < 4; j++) x[r][j] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; c++) {
+      __m512i kv[4];
+      for (int j = 0; j < 4; j++) kv[j] = _mm512_load_si512(kt + (16 * c + 4 * p + j) * ldk);
+      for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 4; j++)
+          x[r][j] = dot_pair(x[r][j], bf16_pair(q + r * q_stride + 2 * (16 * c + 4 * p + j)), kv[j]);
+    }
+    for (int r = 0; r < MR; r++) {
+      const __m512 four = _mm512_add_ps(_mm512_add_ps(x[r][0], x[r][2]), _mm512_add_ps(x[r][1], x[r][3]));
+      if (p == 0 || p == 2) quarter[r] = four;
+      else if (p == 1) half[r] = _mm512_add_ps(quarter[r], four);
+      else _mm512_store_ps(out + r * ldo, _mm512_add_ps(half[r], _mm512_add_ps(quarter[r], four)));
+    }
+  }
+}
+
+template <int D>
+AVX512_BF16 inline void score_row_block(int m, const uint16_t* kt, int64_t ldk, const uint16_t* q, int64_t q_stride,
+                                        float* out, int64_t ldo) {
+  switch (m) {
+    case 1: return score_rows<D, 1>(kt, ldk, q, q_stride, out, ldo);
+    case 2: return score_rows<D, 2>(kt, ldk, q, q_stride, out, ldo);
+    case 3: return score_rows<D, 3>(kt, ldk, q, q_stride, out, ldo);
+    default: return score_rows<D, 4>(kt, ldk, q, q_stride, out, ldo);
+  }
+}
 
 // Pack keys [k0, k0 + n) of KV head kh of the sequence with this block table; zeros past n.
 template <int D>
@@ -201,68 +244,6 @@ AVX512_BF16 void pack_block(const Problem& P, const int32_t* table, int64_t kh, 
     }
 }
 
-// Online softmax of the block's scores for `rows` queries, the first at position pos0, keys from k0 (n of
-// them). Writes the bf16 probabilities of the block's first n keys, rounded up to a pair (0 past each row's
-// last visible key), and each row's rescale factor for its output.
-AVX512_BF16 void softmax_block(const float* scores, uint16_t* probs, int rows, int64_t pos0, int64_t k0, int n,
-                               float scale_log2, float* m, float* l, float* keep) {
-  const __m512 sc = _mm512_set1_ps(scale_log2);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  const int vecs = (n + 31) / 32 * 2;  // 16-key vectors of scores, even (probabilities are stored 32 at a time)
-  for (int r = 0; r < rows; r++) {
-    const int64_t visible = std::min<int64_t>(n, pos0 + r + 1 - k0);  // keys of this block the row sees
-    uint16_t* pr = probs + r * KEY_BLOCK;
-    if (visible <= 0) {  // the block lies past this row: leave its state as it is
-      keep[r] = 1.0f;
-      std::memset(pr, 0, sizeof(uint16_t) * 16 * vecs);
-      continue;
-    }
-    const float* sr = scores + r * KEY_BLOCK;
-    if (visible == KEY_BLOCK) {  // the whole block visible (most rows over a prefix): no masks, unrolled
-      __m512 s[KEY_BLOCK / 16];
-      __m512 mx = neg_inf;
-      for (int i = 0; i < KEY_BLOCK / 16; i++) {
-        s[i] = _mm512_mul_ps(_mm512_load_ps(sr + i * 16), sc);
-        mx = _mm512_max_ps(mx, s[i]);
-      }
-      const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int i = 0; i < KEY_BLOCK / 16; i += 2) {
-        const __m512 p0 = exp2_ps(_mm512_sub_ps(s[i], mv)), p1 = exp2_ps(_mm512_sub_ps(s[i + 1], mv));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      }
-      keep[r] = std::exp2(m[r] - m_new);
-      l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
-      m[r] = m_new;
-      continue;
-    }
-    __m512 s[KEY_BLOCK / 16];
-    __mmask16 valid[KEY_BLOCK / 16];
-    __m512 mx = neg_inf;
-    for (int i = 0; i < vecs; i++) {
-      const int64_t left = visible - i * 16;
-      valid[i] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                            : left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1);
-      s[i] = _mm512_mask_mul_ps(neg_inf, valid[i], _mm512_load_ps(sr + i * 16), sc);
-      mx = _mm512_max_ps(mx, s[i]);
-    }
-    const float m_new = std::fmax(m[r], _mm512_reduce_max_ps(mx));
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int i = 0; i < vecs; i += 2) {
-      const __m512 p0 = _mm512_maskz_mov_ps(valid[i], exp2_ps(_mm512_sub_ps(s[i], mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(valid[i + 1], exp2_ps(_mm512_sub_ps(s[i + 1], mv)));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_store_si512(pr + i * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    keep[r] = std::exp2(m[r] - m_new);  // 0 on a row's first block (m = -inf)
-    l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
-    m[r] = m_new;
-  }
-}
-
 // Tile `it` over its sequence's packed blocks (blocks[j] = key block j of the item's KV head).
 template <int D>
 AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock<D>* const* blocks, Scratch<D>& S) {
@@ -273,29 +254,53 @@ AVX512_BF16 void attend_item(const Problem& P, const Item& it, const PackedBlock
   const int64_t last = pos0 + rows - 1;
   const uint16_t* q0 = P.q + (start + it.q0) * P.q_stride;
   for (int64_t g = 0; g < G; g++) {
-    std::memset(S.acc[g], 0, sizeof(float) * rows * D);
-    for (int r = 0; r < rows; r++) S.m[g][r] = -INFINITY, S.l[g][r] = 0.0f;
+    std::memset(S.o[g], 0, sizeof(float) * rows * D);
+    for (int r = 0; r < rows; r++) S.mo[g][r] = -INFINITY, S.lo[g][r] = 0.0f;
   }
-  constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in O += P V
-  for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
-    const PackedBlock<D>& pb = *blocks[k0 / KEY_BLOCK];
-    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, last + 1 - k0));  // keys the tile sees
-    const int kpairs = (n + 1) / 2;
+  constexpr int PV_NR = D / 16 < 4 ? D / 16 : 4;  // accumulator vectors per row in acc = P V
+  for (int64_t t0 = 0; t0 <= last; t0 += PARTITION_TOKENS) {
+    const int64_t extent = std::min<int64_t>(PARTITION_TOKENS, last + 1 - t0);  // keys the tile's last row sees
+    const int first = static_cast<int>(std::max<int64_t>(0, t0 - pos0));  // rows [first, rows) see the partition
+    const int nr = rows - first;
+    const int64_t padded = (extent + 15) / 16 * 16;  // probabilities p.V reads (0 past each row's keys)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      for (int c0 = 0; c0 < n; c0 += 64)  // 64 keys (4 vectors) per register block; only the block's n keys
-        gemm_rows<4, 6, false>(rows, q0 + h * D, P.q_stride, &pb.k[0][0] + 2 * c0, KEY_BLOCK * 2, D / 2,
-                        &S.scores[0][0] + c0, KEY_BLOCK, nullptr);
-      softmax_block(&S.scores[0][0], &S.probs[0][0], rows, pos0, k0, n, P.scale_log2, S.m[g], S.l[g], S.keep);
-      for (int d0 = 0; d0 < D; d0 += PV_NR * 16)
-        gemm_rows<PV_NR, 24 / PV_NR, true>(rows, &S.probs[0][0], KEY_BLOCK, &pb.v[0][0] + 2 * d0, D * 2, kpairs,
-                                     &S.acc[g][0][0] + d0, D, S.keep);
+      // scores: the rows that see a 16-key tile, 4 at a time
+      for (int64_t k0 = 0; k0 < extent; k0 += 16) {
+        const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
+        const uint16_t* kt = &pb.k[0][0] + 2 * (k0 % KEY_BLOCK);
+        // rows [first + skip, rows) see this tile (positions rise along the tile)
+        const int skip = static_cast<int>(std::max<int64_t>(0, t0 + k0 - pos0 - first));
+        for (int i = skip; i < nr; i += 4)
+          score_row_block<D>(std::min(4, nr - i), kt, KEY_BLOCK * 2, q0 + (first + i) * P.q_stride + h * D,
+                             P.q_stride, S.scores[i] + k0, PARTITION_TOKENS);
+      }
+      for (int i = 0; i < nr; i++) {
+        const int64_t visible = std::min<int64_t>(PARTITION_TOKENS, pos0 + first + i + 1 - t0);
+        S.m[i] = softmax_row(S.scores[i], visible, P.scale_log2, S.probs[i], S.l + i);
+        const int64_t written = (visible + 15) / 16 * 16;
+        std::memset(S.probs[i] + written, 0, sizeof(uint16_t) * (padded - written));
+      }
+      for (int64_t k0 = 0; k0 < extent; k0 += KEY_BLOCK) {
+        const PackedBlock<D>& pb = *blocks[(t0 + k0) / KEY_BLOCK];
+        const int kpairs = static_cast<int>((std::min<int64_t>(KEY_BLOCK, extent - k0) + 1) / 2);
+        for (int d0 = 0; d0 < D; d0 += PV_NR * 16) {
+          if (k0 == 0)
+            gemm_rows<PV_NR, 24 / PV_NR, false>(nr, &S.probs[0][0], PARTITION_TOKENS, &pb.v[0][0] + 2 * d0, D * 2,
+                                                kpairs, &S.acc[0][0] + d0, D);
+          else
+            gemm_rows<PV_NR, 24 / PV_NR, true>(nr, &S.probs[0][0] + k0, PARTITION_TOKENS, &pb.v[0][0] + 2 * d0,
+                                               D * 2, kpairs, &S.acc[0][0] + d0, D);
+        }
+      }
+      for (int i = 0; i < nr; i++)
+        fold_partition(S.acc[i], S.m[i], S.l[i], S.o[g][first + i], &S.mo[g][first + i], &S.lo[g][first + i], D);
     }
   }
   for (int r = 0; r < rows; r++)
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = it.kh * G + g;
-      store_normalized(P.out + ((start + it.q0 + r) * P.hq + h) * D, S.acc[g][r], 1.0f / S.l[g][r], D);
+      store_normalized(P.out + ((start + it.q0 + r) * P.hq + h) * D, S.o[g][r], 1.0f / S.lo[g][r], D);
     }
 }
 

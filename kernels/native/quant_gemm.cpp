@@ -18,9 +18,14 @@
 // so unpacking costs 2 (int4) or 5 (int8) instructions per 32 weights and stays well below the
 // multiply-adds even for one activation row, while rounding happens only in fp32 (the weights are
 // never rounded to bf16). The weights are read once per tile of up to 6 activation rows.
-// From BF16_GEMM_ROWS rows on (prefill), a chunk of 64 outputs is dequantized once to bf16 (rounded as
-// the torch reference rounds) into a buffer that stays in cache, and a plain bf16 kernel (4 groups x 6
-// rows of accumulators) runs every row over it.
+// From UNPACKED_ROWS rows on (prefill), a chunk of groups is unpacked once into a buffer of those exact
+// bf16 integers that stays in cache, and the same tiles read it instead of unpacking per row tile. One
+// arithmetic at every row count: how rows are tiled and where the integers come from only change which
+// accumulator chains run side by side, so a row's outputs have the same bits whatever the rows beside it
+// or the thread count (a prefill regime that dequantized to bf16, rounding the weights, then ran a plain
+// bf16 GEMM gave a position other bits than its decode).
+
+#pragma GCC optimize("fp-contract=off")  // only the FMAs written out: every regime the same bits
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -33,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -86,10 +92,11 @@ AVX512_BF16 inline __m512bh broadcast_pair(const uint16_t* x) {
 }
 
 // NW groups (16 * NW outputs from group g0) x TT activation rows, over the whole K.
-// xsum [TT rows, nblocks]: each row's block sums (int4's offset term).
+// xsum [TT rows, nblocks]: each row's block sums (int4's offset term). With `unpacked` (a chunk's buffer,
+// unpack_groups, from group u0 on), the k-pairs come from it instead of being unpacked here.
 template <bool INT4, int NW, int TT>
 AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ldx, const float* xsum,
-                      uint16_t* out, int64_t ldo) {
+                      uint16_t* out, int64_t ldo, const __m512i* unpacked = nullptr, int64_t u0 = 0) {
   __m512 acc[TT][NW];
   for (int t = 0; t < TT; t++)
     for (int w = 0; w < NW; w++) acc[t][w] = _mm512_setzero_ps();
@@ -102,7 +109,7 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
     for (int w = 0; w < NW; w++) qp[w] = W.data + ((g0 + w) * W.nblocks + b) * BB;
     // PREFETCH_BLOCKS ahead in each group's stream; near its end, the start of the next tile's groups
     // (each tile's first blocks would otherwise wait on DRAM)
-    for (int w = 0; w < NW; w++) {
+    for (int w = 0; w < NW && unpacked == nullptr; w++) {
       const int64_t ahead = b + PREFETCH_BLOCKS;
       const int64_t g = ahead < W.nblocks ? g0 + w : g0 + NW + w;
       if (g < W.groups) {
@@ -113,7 +120,9 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
     const uint16_t* xb = x + b * BLOCK;
     for (int p = 0; p < PAIRS; p++) {
       __m512bh wv[NW];
-      for (int w = 0; w < NW; w++) wv[w] = unpack_pair<INT4>(qp[w] + p * PB);
+      for (int w = 0; w < NW; w++)
+        wv[w] = unpacked ? (__m512bh)_mm512_load_si512(unpacked + ((g0 + w - u0) * W.nblocks + b) * PAIRS + p)
+                         : unpack_pair<INT4>(qp[w] + p * PB);
       for (int t = 0; t < TT; t++) {
         const __m512bh xv = broadcast_pair(xb + t * ldx + 2 * p);
         for (int w = 0; w < NW; w++) blk[t][w] = _mm512_dpbf16_ps(blk[t][w], wv[w], xv);
@@ -141,20 +150,52 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
 // Rows [t0, t0 + TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
 template <bool INT4, int NW, int TT>
 AVX512_BF16 void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const uint16_t* x, int64_t ldx,
-                          const float* xsum, uint16_t* out, int64_t ldo) {
+                          const float* xsum, uint16_t* out, int64_t ldo, const __m512i* unpacked = nullptr) {
   int64_t g = g_begin;
-  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo);
-  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo);
+  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo, unpacked, g_begin);
+  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo, unpacked, g_begin);
 }
 
 template <bool INT4, int TT>
 AVX512_BF16 void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const uint16_t* x, int64_t ldx,
-                                const float* xsum, uint16_t* out, int64_t ldo, int64_t rows) {
+                                const float* xsum, uint16_t* out, int64_t ldo, int64_t rows,
+                                const __m512i* unpacked = nullptr) {
   if constexpr (TT > 0) {
-    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo);
-    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows);
+    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo, unpacked);
+    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows, unpacked);
   }
 }
+
+// Groups [g0, g0 + ng)'s k-pairs as the exact bf16 integers unpack_pair gives: buf [ng][nblocks][PAIRS].
+template <bool INT4>
+AVX512_BF16 void unpack_groups(const Packed& W, int64_t g0, int64_t ng, __m512i* buf) {
+  constexpr int64_t PB = pair_bytes<INT4>(), BB = block_bytes<INT4>();
+  for (int64_t g = 0; g < ng; g++)
+    for (int64_t b = 0; b < W.nblocks; b++) {
+      const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
+      for (int p = 0; p < PAIRS; p++) _mm512_store_si512(buf + (g * W.nblocks + b) * PAIRS + p, (__m512i)unpack_pair<INT4>(blk + p * PB));
+    }
+}
+
+// The calling thread's buffer of unpacked k-pairs, 64-byte aligned, kept between calls (grown to the
+// largest seen).
+struct UnpackBuffer {
+  __m512i* data = nullptr;
+  int64_t size = 0;
+  ~UnpackBuffer() { std::free(data); }
+  __m512i* reserve(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<__m512i*>(std::aligned_alloc(64, sizeof(__m512i) * n));
+      STD_TORCH_CHECK(data != nullptr, "quant_linear: out of memory");
+      size = n;
+    }
+    return data;
+  }
+};
+
+// From this many activation rows on, a chunk's k-pairs are unpacked once for all its row tiles.
+constexpr int64_t UNPACKED_ROWS = 48;
 
 // Block sums of every activation row (fp32, of the bf16 values the multiply-adds see).
 AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xsum) {
@@ -168,103 +209,19 @@ AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t n
     }
 }
 
-// ---- many rows (prefill): dequantize a chunk of groups once to bf16 pairs, then a plain bf16 GEMM
-
-// Groups [g0, g0 + ng) as bf16 pairs [ng][nblocks * PAIRS][32], each weight d*q (+ m) rounded once to
-// bf16 (as the torch reference does). Unpacked exact integers are split into their two fp32 halves
-// (lane i = output i in both), scaled, rounded and interleaved back.
-template <bool INT4>
-AVX512_BF16 void dequantize_groups(const Packed& W, int64_t g0, int64_t ng, uint16_t* buf) {
-  constexpr int64_t PB = pair_bytes<INT4>(), BB = block_bytes<INT4>();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t g = 0; g < ng; g++)
-    for (int64_t b = 0; b < W.nblocks; b++) {
-      const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + PAIRS * PB)));
-      __m512 offset = _mm512_setzero_ps();
-      if constexpr (INT4)
-        offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d,
-                                  _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + PAIRS * PB + 32))));
-      uint16_t* dst = buf + (g * W.nblocks + b) * PAIRS * BLOCK;
-      for (int p = 0; p < PAIRS; p++) {
-        const __m512i v = (__m512i)unpack_pair<INT4>(blk + p * PB);
-        const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, offset);
-        const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high)), d, offset);
-        const __m512i pair = _mm512_or_si512(
-            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even)),
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd)), 16));
-        _mm512_storeu_si512(dst + p * BLOCK, pair);
-      }
-    }
-}
-
-// NW groups (from chunk-local group w0) x TT rows over the whole K, weights from the bf16 buffer.
-template <int NW, int TT>
-AVX512_BF16 void tile_bf16(const uint16_t* buf, int64_t pairs, int64_t w0, int64_t g0, const uint16_t* x,
-                           int64_t ldx, uint16_t* out, int64_t ldo) {
-  __m512 acc[TT][NW];
-  for (int t = 0; t < TT; t++)
-    for (int w = 0; w < NW; w++) acc[t][w] = _mm512_setzero_ps();
-  const uint16_t* wp = buf + w0 * pairs * BLOCK;
-  for (int64_t kp = 0; kp < pairs; kp++) {
-    __m512bh wv[NW];
-    for (int w = 0; w < NW; w++) wv[w] = (__m512bh)_mm512_loadu_si512(wp + (w * pairs + kp) * BLOCK);
-    for (int t = 0; t < TT; t++) {
-      const __m512bh xv = broadcast_pair(x + t * ldx + 2 * kp);
-      for (int w = 0; w < NW; w++) acc[t][w] = _mm512_dpbf16_ps(acc[t][w], wv[w], xv);
-    }
-  }
-  for (int t = 0; t < TT; t++)
-    for (int w = 0; w < NW; w++)
-      _mm256_storeu_si256((__m256i*)(out + t * ldo + (g0 + w0 + w) * GROUP), (__m256i)_mm512_cvtneps_pbh(acc[t][w]));
-}
-
-template <int TT>
-AVX512_BF16 void rows_bf16(const uint16_t* buf, int64_t pairs, int64_t g0, int64_t ng, const uint16_t* x,
-                           int64_t ldx, uint16_t* out, int64_t ldo) {
-  int64_t w = 0;
-  for (; w + 4 <= ng; w += 4) tile_bf16<4, TT>(buf, pairs, w, g0, x, ldx, out, ldo);
-  for (; w < ng; w++) tile_bf16<1, TT>(buf, pairs, w, g0, x, ldx, out, ldo);
-}
-
-template <int TT>
-AVX512_BF16 void rows_bf16_remainder(const uint16_t* buf, int64_t pairs, int64_t g0, int64_t ng, const uint16_t* x,
-                                     int64_t ldx, uint16_t* out, int64_t ldo, int64_t rows) {
-  if constexpr (TT > 0) {
-    if (rows == TT) rows_bf16<TT>(buf, pairs, g0, ng, x, ldx, out, ldo);
-    else rows_bf16_remainder<TT - 1>(buf, pairs, g0, ng, x, ldx, out, ldo, rows);
-  }
-}
-
-// From this many activation rows on, dequantizing once and running bf16 beats unpacking per row tile.
-// Weights from DRAM, one thread, int4, bf16 time / ours, (in registers, dequantized) alternating 7 rounds:
-// 64 rows 0.99-1.04 / 0.89-0.99; 128 rows 0.90 / 0.93-0.96; 256 rows 0.85-0.86 / 0.97-1.00.
-constexpr int64_t BF16_GEMM_ROWS = 96;
-
 template <bool INT4>
 AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T, int64_t groups, uint16_t* out,
                       int64_t ldo) {
-  if (T >= BF16_GEMM_ROWS) {
-    const int64_t pairs = W.nblocks * PAIRS;
-    torch::stable::parallel_for(0, groups, CHUNK_GROUPS, [&](int64_t begin, int64_t end) {
-      std::vector<uint16_t> buf(CHUNK_GROUPS * pairs * BLOCK);
-      for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
-        const int64_t ng = std::min(c + CHUNK_GROUPS, end) - c;
-        dequantize_groups<INT4>(W, c, ng, buf.data());
-        int64_t t0 = 0;
-        for (; t0 + 6 <= T; t0 += 6) rows_bf16<6>(buf.data(), pairs, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo);
-        if (t0 < T)
-          rows_bf16_remainder<5>(buf.data(), pairs, c, ng, x + t0 * ldx, ldx, out + t0 * ldo, ldo, T - t0);
-      }
-    });
-    return;
-  }
   std::vector<float> xsum(INT4 ? T * W.nblocks : 1);
   if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
   const float* xs = xsum.data();
+  const bool unpack_once = T >= UNPACKED_ROWS;
   auto body = [&](int64_t begin, int64_t end) {
+    thread_local UnpackBuffer buffer;
+    __m512i* unpacked = unpack_once ? buffer.reserve(CHUNK_GROUPS * W.nblocks * PAIRS) : nullptr;
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
+      if (unpacked) unpack_groups<INT4>(W, c, c_end - c, unpacked);
       // up to 3 rows: more groups per tile keep enough accumulators in flight; else 2 groups x 6 rows
       if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, xs, out, ldo);
       else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
@@ -272,9 +229,10 @@ AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T
       else {
         int64_t t0 = 0;
         for (; t0 + 6 <= T; t0 += 6)
-          row_tile<INT4, 2, 6>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo);
+          row_tile<INT4, 2, 6>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, unpacked);
         if (t0 < T)
-          rows_remainder<INT4, 5>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0);
+          rows_remainder<INT4, 5>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0,
+                                  unpacked);
       }
     }
   };

@@ -1,0 +1,127 @@
+"""Every op on a CPU model's path gives a row the same bits at every row count (1 to 300) and on 1 and 2
+threads: the quantized and the bf16 linears, the layer ops (norms, SiLU-and-mul, rotary), argmax. A regime
+that switches on the number of rows (a prefill kernel beside a decode one) would show here as a row count
+whose rows differ from the same rows computed among more. Run through the dispatch point, in each dtype
+whose native ops this CPU runs (kernels/cpu_isa.py): what a worker runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_isa, native
+from kernels.quant import quantize
+from native_ops import torch_threads
+from workers.linear import Linear
+
+MAX_ROWS = 300
+DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in (torch.bfloat16, torch.float32)]
+
+
+def _level_or_skip(dtype: torch.dtype) -> None:
+    level = next(lv for lv, dt in native.LEVEL_DTYPE.items() if dt == dtype)
+    if not cpu_isa.supports(level):
+        pytest.skip(f"{dtype} runs native ops from {level}; this CPU runs {cpu_isa.level()}: the op never runs here")
+
+
+def _assert_row_invariant(fn, x: torch.Tensor) -> None:
+    """fn(x[:T]) equals the first T rows of fn(x) for every T, on 1 and 2 threads, and the threads agree."""
+    results = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            full = fn(x)
+            for t in range(1, x.shape[0] + 1):
+                got = fn(x[:t])
+                assert torch.equal(got, full[:t]), f"{t} rows on {threads} threads differ from the same rows among {x.shape[0]}"
+        results.append(full)
+    assert torch.equal(results[0], results[1]), "1 and 2 threads differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear(dtype, kind):
+    _level_or_skip(dtype)
+    g = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(96, 256, generator=g) * 0.05, kind)
+    packed = kernels.pack_quantized(qw, dtype)
+    x = torch.randn(MAX_ROWS, 256, generator=g).to(dtype)
+    _assert_row_invariant(lambda a: kernels.quant_linear(a, packed), x)
+
+
+def test_bf16_linear():
+    _level_or_skip(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(100, 192, generator=g) * 0.05).bfloat16()
+    b = torch.randn(100, generator=g).bfloat16()
+    packed = kernels.pack_bf16_linear(w)
+    assert packed is not None
+    x = torch.randn(MAX_ROWS, 192, generator=g).bfloat16()
+    _assert_row_invariant(lambda a: kernels.bf16_linear(a, packed, b), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_ops(dtype):
+    _level_or_skip(dtype)
+    g = torch.Generator().manual_seed(5)
+    hidden = 576
+    w = (1 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    x = (torch.randn(MAX_ROWS, hidden, generator=g) * 3).to(dtype)
+    res = torch.randn(MAX_ROWS, hidden, generator=g).to(dtype)
+    _assert_row_invariant(lambda a: kernels.rms_norm(a, w, 1e-5)[0], x)
+    _assert_row_invariant(lambda a: torch.cat(kernels.rms_norm(a, w, 1e-5, res[:a.shape[0]].clone()), 1), x)
+    _assert_row_invariant(lambda a: kernels.silu_and_mul(a), x)
+    _assert_row_invariant(lambda a: kernels.argmax(a), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_kv_write(dtype):
+    _level_or_skip(dtype)
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d = 9, 3, 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(4096).float()[:, None] * inv[None]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], 1)
+    qkv = torch.randn(MAX_ROWS, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (MAX_ROWS,), generator=g)
+
+    def rotate(a: torch.Tensor) -> torch.Tensor:
+        t = a.shape[0]
+        a = a.clone()
+        q, k, v = a.view(t, -1, d).split([hq, hkv, hkv], 1)
+        k_cache = torch.zeros(t, 1, hkv, d, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q, k = kernels.rotary_and_write_kv(positions[:t], q, k, v, cos_sin, k_cache, v_cache, torch.arange(t))
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), k_cache.view(t, -1)], 1)
+
+    _assert_row_invariant(rotate, qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_onednn_packed_linear(monkeypatch, dtype):
+    """A dense linear where no native GEMM takes it (float32 weights; bf16 without the native op): oneDNN's
+    packed matmul, whose one-row kernel (a matrix-vector product) sums in another order than its GEMM."""
+    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(320, 128, generator=g) * 0.05).to(dtype)
+    b = torch.randn(320, generator=g).to(dtype)
+    lin = Linear(w, b)
+    assert lin.packed == (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    x = torch.randn(MAX_ROWS, 128, generator=g).to(dtype)
+    _assert_row_invariant(lin, x)
+
+
+def test_sampling():
+    """kernels.sample: a row's token whatever the other rows filter (top-k, top-p, min-p or nothing: the
+    sort is skipped when no row filters, and top-k/top-p may filter from a prefix of the sorted logits)."""
+    g = torch.Generator().manual_seed(8)
+    rows, vocab = 120, 1500  # over 1024: the sorted-prefix filter applies
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    temperature = torch.where(torch.rand(rows, generator=g) < 0.2, 0.0, 0.5 + torch.rand(rows, generator=g))
+    top_k = torch.where(torch.rand(rows, generator=g) < 0.7, 0, torch.randint(1, 3000, (rows,), generator=g))
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.7, 1.0, 0.5 + 0.5 * torch.rand(rows, generator=g))
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.8, 0.0, 0.1 * torch.rand(rows, generator=g))
+    top_k[:40], top_p[:40], min_p[:40] = 0, 1.0, 0.0  # the first prefixes filter nothing
+    noise = -torch.rand(rows, vocab, generator=g).log()
+    x = torch.arange(rows)
+    _assert_row_invariant(lambda i: kernels.sample(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], noise[i]), x)
