@@ -82,8 +82,8 @@ class AllRowsLogits:
         self._ordered = None
         inputs, forward = runner._inputs, runner.model.forward
 
-        def keep_order(chunks):
-            inp, ordered = inputs(chunks)
+        def keep_order(chunks, drafts=None):
+            inp, ordered = inputs(chunks, drafts)
             self._ordered = ordered
             return inp, ordered
 
