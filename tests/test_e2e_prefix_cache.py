@@ -6,6 +6,7 @@ cached (OpenAI's usage.prompt_tokens_details.cached_tokens, in the streamed fina
 from __future__ import annotations
 
 import re
+import time
 
 import openai
 import pytest
@@ -72,6 +73,10 @@ def test_cached_tokens_are_reported_and_the_text_does_not_change(stacks):
     assert all(c >= 64 and c < p for c, p in zip(cached[1:3], prompts[1:3])), (cached, prompts)
     assert cached[3] >= 64  # n = 3 after turn 1's prompt: the whole system prompt + question
     assert cached[4] >= 64  # the streamed final usage chunk carries it too
+    # the scheduler's stats reach /metrics a moment after the last answer
+    deadline = time.monotonic() + 10
+    while metric(on.base_url, "phaseserve_prefix_cache_hits") < sum(cached) and time.monotonic() < deadline:
+        time.sleep(0.1)
     queries, hits = metric(on.base_url, "phaseserve_prefix_cache_queries"), metric(on.base_url,
                                                                                  "phaseserve_prefix_cache_hits")
     assert hits >= sum(cached) and queries >= sum(prompts) and hits < queries

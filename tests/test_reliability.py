@@ -6,6 +6,8 @@ unfaulted run produces; an unseeded sampled request stays one sample through a s
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import re
 import signal
@@ -261,7 +263,8 @@ def test_the_wire_contract_ignores_fields_a_newer_peer_adds():
     assert StepPlan.from_wire(with_extra(plan, priority_hint=1)) == plan
     result = StepResult(3, "w", [TokenEvent("r", 0, [5], "stop", None, None, None)], 1, 0.5, 9)
     extra_event = msgpack.unpackb(result.to_wire(), raw=False)
-    extra_event["events"][0] += [None, "a newer event field"]  # positional: error_kind (unset), then the new one
+    event = extra_event["events"][0]  # positional: the fields left unset, then the new one
+    event += [f.default for f in dataclasses.fields(TokenEvent)[len(event):]] + ["a newer event field"]
     extra_event["trace"] = {}
     assert StepResult.from_wire(msgpack.packb(extra_event)) == result
     info = WorkerInfo("w", "mixed", "m", 8, 16, 128, 1, 2.0, 5)
