@@ -111,10 +111,12 @@ class StepBudget:
                 + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
 
     def is_long(self, prefill_len: int) -> bool:
+        """`prefill_len`: the positions a prefill computes, its cached prefix excluded (a resent history
+        that only adds a question is a short prefill, however long the prompt)."""
         return bool(self.long_threshold) and prefill_len > self.long_threshold
 
     def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
-        """The most tokens of a prefill of `prefill_len` from `start` that fit `budget`, and for a long prompt
+        """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and for a long prompt
         the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill)."""
         if not self.long_threshold:
             return max_chunk_tokens(start, min(budget, self.target_left), self.horizon)

@@ -230,16 +230,16 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         allow = budget.left - budget.head_reserve
         # short first: under a tight ITL target a long prompt would otherwise take a short one's room
         prefilling = [s for s in self._running if s.is_prefilling and s not in step.scheduled]
-        for seq in sorted(prefilling, key=lambda s: budget.is_long(s.prefill_len)):
+        for seq in sorted(prefilling, key=lambda s: budget.is_long(s.num_prefill_computed)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
-            n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.prefill_len, start, allow))
+            n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.num_prefill_computed, start, allow))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
             self._plan_prefill(step, seq, n)
-            allow -= budget.charge_prefill(seq.prefill_len, start, n)
+            allow -= budget.charge_prefill(seq.num_prefill_computed, start, n)
 
     def _admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
@@ -252,7 +252,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 break
             cached = 0 if seq.on_worker else len(self.cached_prefix(seq)) * self.config.block_size
             if chunking:
-                n = min(need - cached, budget.chunk_tokens(need, cached, budget.left))
+                n = min(need - cached, budget.chunk_tokens(need - cached, cached, budget.left))
                 if n <= 0:
                     if seq is not step.head or not step.head_admitted:
                         break
@@ -273,7 +273,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 step.starts.append(seq.seq_start(seq.num_computed_tokens, seq.num_cached_tokens))
                 seq.on_worker = True
             self._plan_prefill(step, seq, n)
-            budget.charge_prefill(need, cached, n)
+            budget.charge_prefill(need - cached, cached, n)
 
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the

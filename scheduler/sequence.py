@@ -80,6 +80,11 @@ class Sequence:
     def num_prefill_remaining(self) -> int:
         return self.prefill_len - self.num_computed_tokens
 
+    @property
+    def num_prefill_computed(self) -> int:
+        """The positions its prefill computes: its cached prefix is read, not computed."""
+        return self.prefill_len - self.num_cached_tokens
+
     def reaches_limit(self, max_model_len: int) -> bool:
         """True once the planned outputs already include the last token the worker will sample
         (max_tokens or max_model_len, the same rule as phaseserve.params.finish_reason)."""

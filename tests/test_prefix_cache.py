@@ -261,3 +261,18 @@ def test_cached_prefix_length_for_routing():
     assert sched.num_cached_tokens(system + [1, 2, 3]) == 48
     assert sched.num_cached_tokens(system[:20]) == 16
     assert sched.num_cached_tokens([7] + system) == 0
+
+
+def test_a_long_prompt_mostly_cached_is_a_short_prefill():
+    """The long-prompt cap (one long prefill's worth of a step) counts the positions a prefill computes: chats
+    resending a long cached history with a short question each start together instead of one a step."""
+    cfg = SchedulerConfig(num_blocks=256, block_size=8, max_num_batched_tokens=512, max_model_len=1024,
+                          long_prefill_threshold=64)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    system = prefix_tokens(400)
+    run_one(sched, worker, shared_req("warm", system, 3))
+    for i in range(4):
+        sched.add_request(shared_req(f"chat{i}", system, 30))
+    plan = sched.schedule()
+    assert len(plan.starts) == 4 and all(s.num_cached == 400 for s in plan.starts)
+    assert sorted(c.num_tokens for c in plan.chunks) == [30] * 4  # every question in the first step
