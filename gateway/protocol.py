@@ -30,18 +30,18 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "template_name", "self")
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # strict: no "0.5" -> 0.5 or true -> 1 coercions; unknown fields are ignored as OpenAI's SDKs send extras
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has the "
                                          "usage of its choice so far")
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
@@ -49,18 +49,18 @@ class TextPart(_Strict):
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -78,23 +78,23 @@ class ChatMessage(_Strict):
         return self
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
@@ -102,7 +102,7 @@ class NamedToolChoice(_Strict):
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -252,7 +252,7 @@ def _error_param(loc: tuple) -> tuple[str | None, str]:
     return top, path
 
 
-def parse_body(model: type[_Strict], raw: bytes) -> Any:
+def parse_body(model: type[StrictModel], raw: bytes) -> Any:
     """Raw body -> validated request model, or APIError(400) naming the field."""
     if not raw.strip():
         raise bad_request("The request body is empty; expected a JSON object.")

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from gateway.errors import bad_request, model_not_found
-from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, _Strict, parse_body
+from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
 from gateway.state import GATEWAY, Gateway
 from phaseserve.models.tokenizer import ChatTemplateError
 
@@ -23,7 +23,7 @@ from phaseserve.models.tokenizer import ChatTemplateError
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """POST /tokenize: exactly one of `prompt` and `messages`."""
 
     model: str | None = None
@@ -45,7 +45,7 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """POST /detokenize"""
 
     model: str | None = None

@@ -1,5 +1,5 @@
 """Structured outputs and tool calling end to end, with the official openai client, on the bundled model and
-the default one (SmolLM2): sampled at temperature 1, the output follows its schema, choice or regex every
+the default one (SmolLM2), and with speculative decoding on: sampled at temperature 1, the output follows its schema, choice or regex every
 time, streamed or not; a forced tool call parses and its arguments validate; malformed forms are 400s in
 OpenAI's error format while other streams carry on."""
 
@@ -32,10 +32,17 @@ TIME_TOOL = {"type": "function", "function": {
                                        "required": ["zone"], "additionalProperties": False}}}
 
 
-@pytest.fixture(scope="module", params=["bundled", "smollm2"])
+# the default model again with speculative decoding on at a fixed k, so every constrained stream verifies drafts
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
+
+
+@pytest.fixture(scope="module", params=["bundled", "smollm2", "smollm2+ngram"])
 def served(request, tmp_path_factory):
-    model = settings.resolve_model(request.param).path
-    with running_stack(model, tmp_path_factory.mktemp("structured-logs")) as stack:
+    name, _, method = request.param.partition("+")
+    model = settings.resolve_model(name).path
+    extra = {"speculative_config": NGRAM} if method else {}
+    with running_stack(model, tmp_path_factory.mktemp("structured-logs"), **extra) as stack:
+        stack.speculating = bool(method)
         with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=300) as client:
             yield stack, client
 
@@ -73,6 +80,10 @@ def test_json_schema_validates_every_time_at_temperature_1_streamed(served):
     assert len(texts) == RUNS
     for text in texts.values():
         jsonschema.validate(json.loads(text), NESTED)
+    if stack.speculating:  # the constrained streams verified drafts, and kept some
+        metrics = urllib.request.urlopen(stack.base_url + "/metrics", timeout=10).read().decode()
+        accepted = re.search(r"^phaseserve_spec_decode_num_accepted_tokens ([0-9.e+]+)$", metrics, re.M)
+        assert accepted and float(accepted.group(1)) > 0
 
 
 def test_completions_json_object_and_guided_json(served):
