@@ -39,3 +39,32 @@ def stack(e2e_model, tmp_path_factory):
     """The whole stack (embedded Redis + scheduler + worker + gateway as subprocesses) on free ports."""
     with running_stack(e2e_model, tmp_path_factory.mktemp("stack-logs")) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The official openai client on `stack`."""
+    import openai
+
+    with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stack):
+    """The tokenizer of `stack`'s model."""
+    from phaseserve.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(str(stack.model_dir))
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """The dispatch (kernels/__init__.py) decides every op family afresh, natively where it may: its choices
+    are cached per process, and an earlier test may have left them (or its native switch) set otherwise."""
+    import kernels
+    from kernels import native
+
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice"):
+        monkeypatch.setattr(kernels, cache, {})

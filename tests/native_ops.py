@@ -7,7 +7,6 @@ import contextlib
 import pytest
 import torch
 
-import kernels
 from kernels import cpu_isa, native
 
 
@@ -36,10 +35,3 @@ def torch_threads(n: int):
     finally:
         torch.set_num_threads(before)
 
-
-def fresh_dispatch(monkeypatch) -> None:
-    """The dispatch (kernels/__init__.py) decides every op family afresh, natively where it may: its choices
-    are cached per process, and an earlier test may have left them (or its native switch) set otherwise."""
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice"):
-        monkeypatch.setattr(kernels, cache, {})

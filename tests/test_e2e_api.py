@@ -6,23 +6,9 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import openai
 import pytest
 
-from phaseserve.models.tokenizer import Tokenizer
-
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(stack):
-    return Tokenizer.from_folder(str(stack.model_dir))
 
 
 def test_models_lists_the_served_model(client, stack):

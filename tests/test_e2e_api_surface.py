@@ -12,20 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from phaseserve.models.tokenizer import Tokenizer
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(stack):
-    return Tokenizer.from_folder(str(stack.model_dir))
 
 
 def test_logit_bias_forces_and_bans_a_token_greedy_and_sampled(client, stack, tokenizer):

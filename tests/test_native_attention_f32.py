@@ -154,12 +154,6 @@ def test_errors_are_clear(ops):
         ops.extend_attention(q, k, v, tables, lens, _qsl([2]), 0.1)
 
 
-@pytest.fixture
-def fresh_dispatch(monkeypatch):
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(kernels, "_attention_choice", {})
-
-
 def test_float32_attention_dispatches_to_the_avx2_op(ops, fresh_dispatch, monkeypatch):
     """Where this process may run AVX2 code, fp32 attention (decode and prefill) runs natively: fails if it
     would silently take torch."""

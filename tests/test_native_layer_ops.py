@@ -34,13 +34,6 @@ def ops():
     return load_or_skip("layer_ops")
 
 
-@pytest.fixture
-def fresh_dispatch(monkeypatch):
-    """The dispatch decides afresh (its per-dtype choice is cached per process)."""
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(kernels, "_layer_ops_choice", {})
-
-
 # --------------------------------------------------------------------------- rms_norm
 
 

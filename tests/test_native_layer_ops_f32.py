@@ -32,13 +32,6 @@ def ops():
     return load_or_skip("layer_ops_f32")
 
 
-@pytest.fixture
-def fresh_dispatch(monkeypatch):
-    """The dispatch decides afresh (its per-dtype choice is cached per process)."""
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(kernels, "_layer_ops_choice", {})
-
-
 def _silu(ops, x):
     return ops.silu_and_mul(x, kernels._torch_vector_floats())
 

@@ -24,7 +24,7 @@ import torch
 import kernels
 from kernels import cpu_isa, native
 from model_factory import make_model
-from native_ops import fresh_dispatch, load_or_skip, torch_threads
+from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
@@ -43,13 +43,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 @pytest.fixture(params=list(LEVELS))
-def level(request, monkeypatch):
+def level(request, monkeypatch, fresh_dispatch):
     """This CPU level's ops, chosen afresh (the dispatch caches its choices per process). Never above the
     level the process was started at (a capped run stays capped)."""
     if not cpu_isa.supports(request.param):
         pytest.skip(f"the {request.param} level: this process runs {cpu_isa.level()}")
     monkeypatch.setenv(cpu_isa.ENV_CAP, request.param)
-    fresh_dispatch(monkeypatch)
     load_or_skip(LEVELS[request.param][1])  # below the level: skipped, saying why
     return request.param
 

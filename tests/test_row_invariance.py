@@ -12,18 +12,13 @@ import torch
 import kernels
 from kernels import cpu_isa, native
 from kernels.quant import quantize
-from native_ops import fresh_dispatch, torch_threads
+from native_ops import torch_threads
 from workers.linear import Linear
 
 MAX_ROWS = 300
+# the ops a worker would choose, not what an earlier test in the process left chosen
+pytestmark = pytest.mark.usefixtures("fresh_dispatch")
 DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in (torch.bfloat16, torch.float32)]
-
-
-@pytest.fixture(autouse=True)
-def native_dispatch(monkeypatch):
-    """The ops a worker would choose, chosen afresh: an earlier test in the process may have left the
-    dispatch's per-process choices (or its native switch) set otherwise."""
-    fresh_dispatch(monkeypatch)
 
 
 def _level_or_skip(dtype: torch.dtype) -> None:
