@@ -17,14 +17,8 @@ from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 
 
 class DraftModelDrafts:
-    def __init__(self, target, model_dir: str, quantization: str = "auto"):
-        from workers.runner import ModelRunner  # the draft is a runner of its own (its model, its KV cache)
-
-        # half the target's KV memory is the draft's: the same block count, so both caches fit the budget the
-        # target was sized for only when the caller sized it for two (see workers/service.py)
-        self.runner = ModelRunner(model_dir, dtype=target.dtype, device=str(target.device),
-                                  block_size=target.block_size, num_blocks=target.num_blocks,
-                                  max_model_len=target.max_model_len, quantization=quantization)
+    def __init__(self, runner, target):
+        self.runner = runner  # a ModelRunner with the target's block count and size
         if self.runner.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.runner.vocab_size}) is not the target's "
                              f"({target.vocab_size}): it must share the target's tokenizer")

@@ -154,9 +154,14 @@ class ModelRunner:
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            from workers.draft_model import DraftModelDrafts  # loads a second model: only when asked for
+            from workers.draft_model import DraftModelDrafts
 
-            self.proposer = DraftModelDrafts(self, spec.model, spec.quantization)
+            # the draft is a runner of its own (its model, its KV cache) with the target's block ids: the
+            # scheduler's accounting covers both caches
+            draft = ModelRunner(spec.model, dtype=self.dtype, device=str(self.device), block_size=block_size,
+                                num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+                                quantization=spec.quantization)
+            self.proposer = DraftModelDrafts(draft, self)
         self.seqs: dict[str, SequenceState] = {}
         # grammar matchers are built on this thread (a large grammar, or a recomputed sequence's rebuild over
         # many outputs, takes a while), beside the steps of the other sequences
