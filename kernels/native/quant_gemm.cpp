@@ -18,12 +18,21 @@
 // so unpacking costs 2 (int4) or 5 (int8) instructions per 32 weights and stays well below the
 // multiply-adds even for one activation row, while rounding happens only in fp32 (the weights are
 // never rounded to bf16). The weights are read once per tile of up to 6 activation rows.
-// From UNPACKED_ROWS rows on (prefill), a chunk of groups is unpacked once into a buffer of those exact
-// bf16 integers that stays in cache, and the same tiles read it instead of unpacking per row tile. One
-// arithmetic at every row count: how rows are tiled and where the integers come from only change which
-// accumulator chains run side by side, so a row's outputs have the same bits whatever the rows beside it
-// or the thread count (a prefill regime that dequantized to bf16, rounding the weights, then ran a plain
-// bf16 GEMM gave a position other bits than its decode).
+//
+// A block's sum(q' x) is one fp32 chain over its k-pairs, each pair added as vdpbf16ps adds it:
+// fma(w[k], x[k], fma(w[k+1], x[k+1], sum)), denormals flushed. Intel's cores issue vdpbf16ps (32
+// products) at half the rate of an fp32 FMA (16 products), so there, from 2 rows on, the pair runs as
+// those two FMAs on the pair's halves (the k-odd and k-even weights, exact in fp32, and the activations
+// widened to fp32): the same bits, faster (fp32_dots_here checks the bits on the CPU before using them).
+//
+// From UNPACKED_ROWS rows on (prefill), a chunk of groups is unpacked once into a buffer (the exact
+// integers, as fp32 halves where the FMAs run, and the blocks' fp32 scales) that stays in cache, and tiles
+// of 4 groups x 6 rows read it, their running sums in L1 so that the block sums alone fill the registers.
+// One arithmetic at every row count: how rows are tiled, where the integers come from, where the running
+// sums live and which instructions add a k-pair only change which chains run side by side, so a row's
+// outputs have the same bits whatever the rows beside it or the thread count (a prefill regime that
+// dequantized to bf16, rounding the weights, then ran a plain bf16 GEMM gave a position other bits than
+// its decode).
 
 #pragma GCC optimize("fp-contract=off")  // only the FMAs written out: every regime the same bits
 
@@ -97,8 +106,17 @@ AVX512_BF16 inline __m512 odd_half(__m512bh v) {
   return _mm512_castsi512_ps(_mm512_and_si512((__m512i)v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// The activation rows a tile reads: bf16 (bf16 dots) or the same values as fp32 (fp32 dots), and each row's
-// block sums (int4's offset term).
+// vdpbf16ps treats denormal inputs as zero and flushes denormal results whatever MXCSR says; with MXCSR's
+// DAZ and FTZ set for the op (in every thread that runs it), the fp32 FMAs standing in for it, and the
+// scaling in either arithmetic, flush them alike.
+struct FlushDenormals {
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// The activation rows a tile reads: bf16 (for vdpbf16ps) or the same values as fp32 (for the FMAs), and
+// each row's block sums (int4's offset term).
 struct Rows {
   const uint16_t* x;
   int64_t ldx;
@@ -109,7 +127,8 @@ struct Rows {
   Rows from(int64_t t0) const { return {x + t0 * ldx, ldx, xf + t0 * ldf, ldf, xsum + t0 * nblocks, nblocks}; }
 };
 
-// One k-pair (k, k + 1) of NW groups' weights wv into the block sums of TT rows.
+// One k-pair (k, k + 1) of NW groups' weights wv into the block sums of TT rows: vdpbf16ps, or (FP32) the
+// two FMAs that give its bits.
 template <bool FP32, int NW, int TT>
 AVX512_BF16 inline void pair_step(__m512 (&blk)[TT][NW], const __m512bh (&wv)[NW], const Rows& r, int64_t k) {
   if constexpr (FP32) {
@@ -117,7 +136,7 @@ AVX512_BF16 inline void pair_step(__m512 (&blk)[TT][NW], const __m512bh (&wv)[NW
     for (int w = 0; w < NW; w++) even[w] = even_half(wv[w]), odd[w] = odd_half(wv[w]);
     for (int t = 0; t < TT; t++) {
       const __m512 xe = _mm512_set1_ps(r.xf[t * r.ldf + k]), xo = _mm512_set1_ps(r.xf[t * r.ldf + k + 1]);
-      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_fmadd_ps(odd[w], xo, _mm512_fmadd_ps(even[w], xe, blk[t][w]));
+      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_fmadd_ps(even[w], xe, _mm512_fmadd_ps(odd[w], xo, blk[t][w]));
     }
   } else {
     for (int t = 0; t < TT; t++) {
@@ -195,7 +214,7 @@ AVX512_BF16 void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const R
 
 // ---- many rows (prefill): a chunk of groups unpacked once into a buffer, read by every row tile
 
-// zmm per block in the buffer: the k-pairs (bf16 dots: one per pair; fp32 dots: its even and odd halves),
+// zmm per block in the buffer: the k-pairs (one per pair, or with FP32 its odd and even halves as fp32),
 // then the 16 scales d as fp32 and (int4) the offsets m - 128 d.
 template <bool INT4, bool FP32>
 constexpr int64_t buffered_block() { return (FP32 ? BLOCK : PAIRS) + (INT4 ? 2 : 1); }
@@ -213,8 +232,8 @@ AVX512_BF16 void unpack_groups(const Packed& W, int64_t g0, int64_t ng, __m512i*
       for (int p = 0; p < PAIRS; p++) {
         const __m512bh v = unpack_pair<INT4>(blk + p * PB);
         if constexpr (FP32) {
-          _mm512_store_ps((float*)(dst + 2 * p), even_half(v));
-          _mm512_store_ps((float*)(dst + 2 * p + 1), odd_half(v));
+          _mm512_store_ps((float*)(dst + 2 * p), odd_half(v));  // in the order vdpbf16ps adds them
+          _mm512_store_ps((float*)(dst + 2 * p + 1), even_half(v));
         } else {
           _mm512_store_si512(dst + p, (__m512i)v);
         }
@@ -248,11 +267,11 @@ AVX512_BF16 void tile_buffered(const __m512i* buf, int64_t nblocks, int64_t w0, 
     for (int w = 0; w < NW; w++) wp[w] = buf + ((w0 + w) * nblocks + b) * ZB;
     if constexpr (FP32) {
       const float* xb = r.xf + b * BLOCK;
-      for (int k = 0; k < BLOCK; k++) {
+      for (int k = 0; k < BLOCK; k++) {  // buffer slot k holds k-pair k / 2's odd half, then its even half
         __m512 wv[NW];
         for (int w = 0; w < NW; w++) wv[w] = _mm512_load_ps((const float*)(wp[w] + k));
         for (int t = 0; t < TT; t++) {
-          const __m512 xv = _mm512_set1_ps(xb[t * r.ldf + k]);
+          const __m512 xv = _mm512_set1_ps(xb[t * r.ldf + (k ^ 1)]);
           for (int w = 0; w < NW; w++) blk[t][w] = _mm512_fmadd_ps(wv[w], xv, blk[t][w]);
         }
       }
@@ -330,7 +349,7 @@ AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t n
     }
 }
 
-// Every activation row as fp32 (exact), for the fp32 dots: xf [T, nblocks * BLOCK].
+// Every activation row as fp32 (exact), for the FMAs: xf [T, nblocks * BLOCK].
 AVX512_BF16 void widen_rows(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xf) {
   for (int64_t t = 0; t < T; t++)
     for (int64_t k = 0; k < nblocks * BLOCK; k += 16)
@@ -348,6 +367,7 @@ AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T
   const Rows rows{x, ldx, xf.data(), FP32 ? K : 0, xsum.data(), INT4 ? W.nblocks : 0};
   const bool unpack_once = T >= UNPACKED_ROWS;
   auto body = [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     thread_local UnpackBuffer buffer;
     __m512i* unpacked =
         unpack_once ? buffer.reserve(CHUNK_GROUPS * W.nblocks * buffered_block<INT4, FP32>()) : nullptr;
@@ -375,16 +395,52 @@ AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T
   torch::stable::parallel_for(0, groups, CHUNK_GROUPS, body);
 }
 
-// Whether this CPU's dots run as fp32 FMAs: on Intel's AVX512-BF16 cores vdpbf16ps (32 products) issues at
-// half the rate of an fp32 FMA (16 products), so the fp32 FMAs multiply faster; AMD's run it at least at the
-// FMA rate. Fixed per CPU model, so every process on a machine computes the same bits.
-bool fp32_dots_here() {
+// vdpbf16ps's lane i is fma(a[2i], b[2i], fma(a[2i+1], b[2i+1], c)) in fp32 (the order of Intel's manual),
+// denormals flushed: probe that on this CPU with its exact weights (int4's 128 + q, int8's q) and others.
+AVX512_BF16 bool fmas_match_dots() {
+  FlushDenormals flush;
+  uint32_t s = 0x9E3779B9u;
+  auto next = [&s] { s ^= s << 13; s ^= s >> 17; s ^= s << 5; return s; };
+  auto bf16 = [&](int spread) {  // sign, an exponent around 1 (or 0: zero and denormals), a mantissa
+    const uint32_t r = next();
+    const uint32_t e = r % 29 == 0 ? 0 : 127 + (r >> 8) % (2 * spread + 1) - spread;
+    return static_cast<uint16_t>((r >> 31) << 15 | e << 7 | (r >> 16) % 128);
+  };
+  for (int it = 0; it < 4096; it++) {
+    alignas(64) uint16_t a[32], b[32];
+    alignas(64) float c[16];
+    for (int i = 0; i < 32; i++) {
+      const float q = static_cast<float>(static_cast<int>(next() % 255) - 127);
+      uint32_t bits;
+      std::memcpy(&bits, &q, sizeof(bits));
+      a[i] = it % 3 == 0 ? 0x4300 | (next() & 15) : it % 3 == 1 ? bits >> 16 : bf16(30);
+      b[i] = bf16(it % 2 ? 20 : 126);
+    }
+    for (int i = 0; i < 16; i++) {
+      const uint32_t bits = static_cast<uint32_t>(bf16(it % 2 ? 20 : 126)) << 16 | (next() & 0xFFFF);
+      std::memcpy(&c[i], &bits, sizeof(bits));
+    }
+    const __m512bh av = (__m512bh)_mm512_load_si512(a), bv = (__m512bh)_mm512_load_si512(b);
+    const __m512 acc = _mm512_load_ps(c);
+    const __m512 dot = _mm512_dpbf16_ps(acc, av, bv);
+    const __m512 fmas =
+        _mm512_fmadd_ps(even_half(av), even_half(bv), _mm512_fmadd_ps(odd_half(av), odd_half(bv), acc));
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(dot), _mm512_castps_si512(fmas)) != 0) return false;
+  }
+  return true;
+}
+
+// Whether this CPU's k-pair sums run as fp32 FMAs from 2 rows on: on Intel's AVX512-BF16 cores vdpbf16ps
+// (32 products) issues at half the rate of an fp32 FMA (16 products), so two FMAs per k-pair multiply
+// faster; AMD's issue it at the FMA's rate or faster. Only where the FMAs give vdpbf16ps's bits.
+AVX512_BF16 bool fp32_dots_here() {
   __builtin_cpu_init();
-  return __builtin_cpu_is("intel");
+  return __builtin_cpu_is("intel") && fmas_match_dots();
 }
 
 // x [T, K] bf16 (dense rows); packed uint8 [N / 16, K / 32, block bytes] as kernels/native_quant.py packs
-// it; returns [T, N] bf16.
+// it; returns [T, N] bf16. dots: how the k-pair sums run: -1 as this CPU runs them best (what the dispatch
+// asks), 0 vdpbf16ps at every row count, 1 fp32 FMAs at every row count (the tests compare them).
 Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t dots) {
   STD_TORCH_CHECK(cpu_supported(), "quant_linear: this CPU lacks AVX512-BF16");
   STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
@@ -404,7 +460,9 @@ Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t dots) {
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
   static const bool fp32_here = fp32_dots_here();
-  const bool fp32 = dots == -1 ? fp32_here : dots == 1;
+  // one row: vdpbf16ps (fewer instructions per weight, none of them waiting on another in its chain)
+  const bool fp32 = dots == -1 ? fp32_here && T >= 2 : dots == 1;
+  FlushDenormals flush;
   const int64_t ldx = x.stride(0), ldo = groups * GROUP;
   if (bits == 4) (fp32 ? gemm<true, true> : gemm<true, false>)(W, xp, ldx, T, groups, o, ldo);
   else (fp32 ? gemm<false, true> : gemm<false, false>)(W, xp, ldx, T, groups, o, ldo);
@@ -413,11 +471,14 @@ Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t dots) {
 
 bool supported() { return cpu_supported(); }
 
+bool fp32_dots() { return cpu_supported() && fp32_dots_here(); }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(phaseserve_quant_gemm, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int bits, int dots=-1) -> Tensor");
   m.def("supported() -> bool");
+  m.def("fp32_dots() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
@@ -426,4 +487,5 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CompositeExplicitAutograd, m) {
   m.impl("supported", TORCH_BOX(&supported));
+  m.impl("fp32_dots", TORCH_BOX(&fp32_dots));
 }
