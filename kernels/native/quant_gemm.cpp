@@ -25,14 +25,14 @@
 // those two FMAs on the pair's halves (the k-odd and k-even weights, exact in fp32, and the activations
 // widened to fp32): the same bits, faster (fp32_dots_here checks the bits on the CPU before using them).
 //
-// From UNPACKED_ROWS rows on (prefill), a chunk of groups is unpacked once into a buffer (the exact
-// integers, as fp32 halves where the FMAs run, and the blocks' fp32 scales) that stays in cache, and tiles
-// of 4 groups x 6 rows read it, their running sums in L1 so that the block sums alone fill the registers.
-// One arithmetic at every row count: how rows are tiled, where the integers come from, where the running
-// sums live and which instructions add a k-pair only change which chains run side by side, so a row's
-// outputs have the same bits whatever the rows beside it or the thread count (a prefill regime that
-// dequantized to bf16, rounding the weights, then ran a plain bf16 GEMM gave a position other bits than
-// its decode).
+// From UNPACKED_ROWS rows on (prefill; UNPACKED_ROWS_FMA with the FMAs), a chunk of groups is unpacked once
+// into a buffer (the exact integers, as fp32 halves where the FMAs run, and the blocks' fp32 scales) that
+// stays in cache, and tiles of 4 groups x 6 rows read it, their running sums in L1 so that the block sums
+// alone fill the registers. One arithmetic at every row count: how rows are tiled, where the integers come
+// from, where the running sums live and which instructions add a k-pair only change which chains run side by
+// side, so a row's outputs have the same bits whatever the rows beside it or the thread count (a prefill
+// regime that dequantized to bf16, rounding the weights, then ran a plain bf16 GEMM gave a position other
+// bits than its decode).
 
 #pragma GCC optimize("fp-contract=off")  // only the FMAs written out: every regime the same bits
 
@@ -334,8 +334,9 @@ struct UnpackBuffer {
   }
 };
 
-// From this many activation rows on, a chunk's k-pairs are unpacked once for all its row tiles.
-constexpr int64_t UNPACKED_ROWS = 48;
+// From this many activation rows on, a chunk's k-pairs are unpacked once for all its row tiles; sooner with
+// the FMAs, whose in-register tiles also split every k-pair into its halves.
+constexpr int64_t UNPACKED_ROWS = 48, UNPACKED_ROWS_FMA = 32;
 
 // Block sums of every activation row (fp32, of the bf16 values the multiply-adds see).
 AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xsum) {
@@ -365,7 +366,7 @@ AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T
   if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
   if (FP32) widen_rows(x, ldx, T, W.nblocks, xf.data());
   const Rows rows{x, ldx, xf.data(), FP32 ? K : 0, xsum.data(), INT4 ? W.nblocks : 0};
-  const bool unpack_once = T >= UNPACKED_ROWS;
+  const bool unpack_once = T >= (FP32 ? UNPACKED_ROWS_FMA : UNPACKED_ROWS);
   auto body = [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
     thread_local UnpackBuffer buffer;
