@@ -20,7 +20,7 @@
 // never rounded to bf16). The weights are read once per tile of up to 6 activation rows.
 //
 // A block's sum(q' x) is one fp32 chain over its k-pairs, each pair added as vdpbf16ps adds it:
-// fma(w[k], x[k], fma(w[k+1], x[k+1], sum)), denormals flushed. Intel's cores issue vdpbf16ps (32
+// fma(w[k], x[k], fma(w[k+1], x[k+1], sum)) for k even, denormals flushed. Intel's cores issue vdpbf16ps (32
 // products) at half the rate of an fp32 FMA (16 products), so there, from 2 rows on, the pair runs as
 // those two FMAs on the pair's halves (the k-odd and k-even weights, exact in fp32, and the activations
 // widened to fp32): the same bits, faster (fp32_dots_here checks the bits on the CPU before using them).
@@ -267,7 +267,7 @@ AVX512_BF16 void tile_buffered(const __m512i* buf, int64_t nblocks, int64_t w0, 
     for (int w = 0; w < NW; w++) wp[w] = buf + ((w0 + w) * nblocks + b) * ZB;
     if constexpr (FP32) {
       const float* xb = r.xf + b * BLOCK;
-      for (int k = 0; k < BLOCK; k++) {  // buffer slot k holds k-pair k / 2's odd half, then its even half
+      for (int k = 0; k < BLOCK; k++) {  // slots 2p, 2p + 1: k-pair p's odd half, then its even half
         __m512 wv[NW];
         for (int w = 0; w < NW; w++) wv[w] = _mm512_load_ps((const float*)(wp[w] + k));
         for (int t = 0; t < TT; t++) {
@@ -353,9 +353,10 @@ AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t n
 // Every activation row as fp32 (exact), for the FMAs: xf [T, nblocks * BLOCK].
 AVX512_BF16 void widen_rows(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xf) {
   for (int64_t t = 0; t < T; t++)
-    for (int64_t k = 0; k < nblocks * BLOCK; k += 16)
-      _mm512_storeu_ps(xf + t * nblocks * BLOCK + k, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + t * ldx + k))), 16)));
+    for (int64_t k = 0; k < nblocks * BLOCK; k += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + t * ldx + k)));
+      _mm512_storeu_ps(xf + t * nblocks * BLOCK + k, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
 }
 
 template <bool INT4, bool FP32>
