@@ -118,6 +118,21 @@ def test_quant_linear_matches_reference(kind, rows):
     assert (got - ref).abs().max() <= 2 ** -6 * scale  # the reference also rounds the weights to bf16
 
 
+@pytest.mark.parametrize("dots", [0, 1], ids=["bf16-dots", "fp32-dots"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_native_quant_linear_either_dots_is_exact_to_rounding(kind, dots):
+    """Both arithmetics of the native op (the one this CPU does not run included), at decode and prefill
+    row counts, within bf16 rounding of the exact product."""
+    ops = load_or_skip("quant_gemm")
+    qw = quantize(weight(80, 96, seed=dots), kind)
+    packed = kernels.pack_quantized(qw, torch.bfloat16)
+    x = torch.randn(100, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for rows in (1, 3, 16, 100):
+        got = ops.quant_linear(x[:rows], packed.data, packed.bits, dots).double()
+        exact = exact_linear(x[:rows], qw)
+        assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+
+
 def test_quant_linear_reads_strided_rows():
     qw = quantize(weight(32, 64), "int4")
     big = torch.randn(7, 128).bfloat16()

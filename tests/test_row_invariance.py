@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import cpu_isa, native
 from kernels.quant import quantize
-from native_ops import torch_threads
+from native_ops import load_or_skip, torch_threads
 from workers.linear import Linear
 
 MAX_ROWS = 300
@@ -49,6 +49,22 @@ def test_quantized_linear(dtype, kind):
     packed = kernels.pack_quantized(qw, dtype)
     x = torch.randn(MAX_ROWS, 256, generator=g).to(dtype)
     _assert_row_invariant(lambda a: kernels.quant_linear(a, packed), x)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear_fmas_give_the_dots_bits(kind):
+    """quant_gemm.cpp sums k-pairs with vdpbf16ps or, where that is the slower multiply (Intel), with two
+    fp32 FMAs in its order: each way row invariant, and where this CPU runs the FMAs, vdpbf16ps's bits."""
+    ops = load_or_skip("quant_gemm")
+    g = torch.Generator().manual_seed(5)
+    packed = kernels.pack_quantized(quantize(torch.randn(96, 256, generator=g) * 0.05, kind), torch.bfloat16)
+    x = torch.randn(MAX_ROWS, 256, generator=g).bfloat16()
+    by = {dots: (lambda a, dots=dots: ops.quant_linear(a, packed.data, packed.bits, dots)) for dots in (0, 1)}
+    for fn in by.values():
+        _assert_row_invariant(fn, x)
+    if ops.fp32_dots():
+        for rows in (1, 2, 7, 48, MAX_ROWS):
+            assert torch.equal(by[1](x[:rows]), by[0](x[:rows])), f"{rows} rows: the FMAs differ from vdpbf16ps"
 
 
 def test_bf16_linear():

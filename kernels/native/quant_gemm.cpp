@@ -18,12 +18,21 @@
 // so unpacking costs 2 (int4) or 5 (int8) instructions per 32 weights and stays well below the
 // multiply-adds even for one activation row, while rounding happens only in fp32 (the weights are
 // never rounded to bf16). The weights are read once per tile of up to 6 activation rows.
-// From UNPACKED_ROWS rows on (prefill), a chunk of groups is unpacked once into a buffer of those exact
-// bf16 integers that stays in cache, and the same tiles read it instead of unpacking per row tile. One
-// arithmetic at every row count: how rows are tiled and where the integers come from only change which
-// accumulator chains run side by side, so a row's outputs have the same bits whatever the rows beside it
-// or the thread count (a prefill regime that dequantized to bf16, rounding the weights, then ran a plain
-// bf16 GEMM gave a position other bits than its decode).
+//
+// A block's sum(q' x) is one fp32 chain over its k-pairs, each pair added as vdpbf16ps adds it:
+// fma(w[k], x[k], fma(w[k+1], x[k+1], sum)) for k even, denormals flushed. Intel's cores issue vdpbf16ps (32
+// products) at half the rate of an fp32 FMA (16 products), so there, from 2 rows on, the pair runs as
+// those two FMAs on the pair's halves (the k-odd and k-even weights, exact in fp32, and the activations
+// widened to fp32): the same bits, faster (fp32_dots_here checks the bits on the CPU before using them).
+//
+// From UNPACKED_ROWS rows on (prefill; UNPACKED_ROWS_FMA with the FMAs), a chunk of groups is unpacked once
+// into a buffer (the exact integers, as fp32 halves where the FMAs run, and the blocks' fp32 scales) that
+// stays in cache, and tiles of 4 groups x 6 rows read it, their running sums in L1 so that the block sums
+// alone fill the registers. One arithmetic at every row count: how rows are tiled, where the integers come
+// from, where the running sums live and which instructions add a k-pair only change which chains run side by
+// side, so a row's outputs have the same bits whatever the rows beside it or the thread count (a prefill
+// regime that dequantized to bf16, rounding the weights, then ran a plain bf16 GEMM gave a position other
+// bits than its decode).
 
 #pragma GCC optimize("fp-contract=off")  // only the FMAs written out: every regime the same bits
 
@@ -91,12 +100,56 @@ AVX512_BF16 inline __m512bh broadcast_pair(const uint16_t* x) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// NW groups (16 * NW outputs from group g0) x TT activation rows, over the whole K.
-// xsum [TT rows, nblocks]: each row's block sums (int4's offset term). With `unpacked` (a chunk's buffer,
-// unpack_groups, from group u0 on), the k-pairs come from it instead of being unpacked here.
-template <bool INT4, int NW, int TT>
-AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ldx, const float* xsum,
-                      uint16_t* out, int64_t ldo, const __m512i* unpacked = nullptr, int64_t u0 = 0) {
+// A k-pair of exact bf16 integers as two fp32 vectors: k even (the low halves), k odd (the high halves).
+AVX512_BF16 inline __m512 even_half(__m512bh v) { return _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)v, 16)); }
+AVX512_BF16 inline __m512 odd_half(__m512bh v) {
+  return _mm512_castsi512_ps(_mm512_and_si512((__m512i)v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// vdpbf16ps treats denormal inputs as zero and flushes denormal results whatever MXCSR says; with MXCSR's
+// DAZ and FTZ set for the op (in every thread that runs it), the fp32 FMAs standing in for it, and the
+// scaling in either arithmetic, flush them alike.
+struct FlushDenormals {
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// The activation rows a tile reads: bf16 (for vdpbf16ps) or the same values as fp32 (for the FMAs), and
+// each row's block sums (int4's offset term).
+struct Rows {
+  const uint16_t* x;
+  int64_t ldx;
+  const float* xf;  // [rows, K]
+  int64_t ldf;
+  const float* xsum;  // [rows, nblocks]
+  int64_t nblocks;  // xsum's row stride (0 without xsum)
+  Rows from(int64_t t0) const { return {x + t0 * ldx, ldx, xf + t0 * ldf, ldf, xsum + t0 * nblocks, nblocks}; }
+};
+
+// One k-pair (k, k + 1) of NW groups' weights wv into the block sums of TT rows: vdpbf16ps, or (FP32) the
+// two FMAs that give its bits.
+template <bool FP32, int NW, int TT>
+AVX512_BF16 inline void pair_step(__m512 (&blk)[TT][NW], const __m512bh (&wv)[NW], const Rows& r, int64_t k) {
+  if constexpr (FP32) {
+    __m512 even[NW], odd[NW];
+    for (int w = 0; w < NW; w++) even[w] = even_half(wv[w]), odd[w] = odd_half(wv[w]);
+    for (int t = 0; t < TT; t++) {
+      const __m512 xe = _mm512_set1_ps(r.xf[t * r.ldf + k]), xo = _mm512_set1_ps(r.xf[t * r.ldf + k + 1]);
+      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_fmadd_ps(even[w], xe, _mm512_fmadd_ps(odd[w], xo, blk[t][w]));
+    }
+  } else {
+    for (int t = 0; t < TT; t++) {
+      const __m512bh xv = broadcast_pair(r.x + t * r.ldx + k);
+      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_dpbf16_ps(blk[t][w], wv[w], xv);
+    }
+  }
+}
+
+// NW groups (16 * NW outputs from group g0) x TT activation rows, over the whole K, unpacking the weights
+// in registers.
+template <bool INT4, bool FP32, int NW, int TT>
+AVX512_BF16 void tile(const Packed& W, int64_t g0, const Rows& r, uint16_t* out, int64_t ldo) {
   __m512 acc[TT][NW];
   for (int t = 0; t < TT; t++)
     for (int w = 0; w < NW; w++) acc[t][w] = _mm512_setzero_ps();
@@ -109,7 +162,7 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
     for (int w = 0; w < NW; w++) qp[w] = W.data + ((g0 + w) * W.nblocks + b) * BB;
     // PREFETCH_BLOCKS ahead in each group's stream; near its end, the start of the next tile's groups
     // (each tile's first blocks would otherwise wait on DRAM)
-    for (int w = 0; w < NW && unpacked == nullptr; w++) {
+    for (int w = 0; w < NW; w++) {
       const int64_t ahead = b + PREFETCH_BLOCKS;
       const int64_t g = ahead < W.nblocks ? g0 + w : g0 + NW + w;
       if (g < W.groups) {
@@ -117,16 +170,10 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
         for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
       }
     }
-    const uint16_t* xb = x + b * BLOCK;
     for (int p = 0; p < PAIRS; p++) {
       __m512bh wv[NW];
-      for (int w = 0; w < NW; w++)
-        wv[w] = unpacked ? (__m512bh)_mm512_load_si512(unpacked + ((g0 + w - u0) * W.nblocks + b) * PAIRS + p)
-                         : unpack_pair<INT4>(qp[w] + p * PB);
-      for (int t = 0; t < TT; t++) {
-        const __m512bh xv = broadcast_pair(xb + t * ldx + 2 * p);
-        for (int w = 0; w < NW; w++) blk[t][w] = _mm512_dpbf16_ps(blk[t][w], wv[w], xv);
-      }
+      for (int w = 0; w < NW; w++) wv[w] = unpack_pair<INT4>(qp[w] + p * PB);
+      pair_step<FP32>(blk, wv, r, b * BLOCK + 2 * p);
     }
     for (int w = 0; w < NW; w++) {
       const uint8_t* s = qp[w] + PAIRS * PB;
@@ -135,7 +182,7 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 32)));
         const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  // m - 128 d
         for (int t = 0; t < TT; t++)
-          acc[t][w] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[t * W.nblocks + b]),
+          acc[t][w] = _mm512_fmadd_ps(offset, _mm512_set1_ps(r.xsum[t * W.nblocks + b]),
                                       _mm512_fmadd_ps(blk[t][w], d, acc[t][w]));
       } else {
         for (int t = 0; t < TT; t++) acc[t][w] = _mm512_fmadd_ps(blk[t][w], d, acc[t][w]);
@@ -148,33 +195,126 @@ AVX512_BF16 void tile(const Packed& W, int64_t g0, const uint16_t* x, int64_t ld
 }
 
 // Rows [t0, t0 + TT) against groups [g_begin, g_end): NW groups at a time, then single groups.
-template <bool INT4, int NW, int TT>
-AVX512_BF16 void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const uint16_t* x, int64_t ldx,
-                          const float* xsum, uint16_t* out, int64_t ldo, const __m512i* unpacked = nullptr) {
+template <bool INT4, bool FP32, int NW, int TT>
+AVX512_BF16 void row_tile(const Packed& W, int64_t g_begin, int64_t g_end, const Rows& r, uint16_t* out,
+                          int64_t ldo) {
   int64_t g = g_begin;
-  for (; g + NW <= g_end; g += NW) tile<INT4, NW, TT>(W, g, x, ldx, xsum, out, ldo, unpacked, g_begin);
-  for (; g < g_end; g++) tile<INT4, 1, TT>(W, g, x, ldx, xsum, out, ldo, unpacked, g_begin);
+  for (; g + NW <= g_end; g += NW) tile<INT4, FP32, NW, TT>(W, g, r, out, ldo);
+  for (; g < g_end; g++) tile<INT4, FP32, 1, TT>(W, g, r, out, ldo);
 }
 
-template <bool INT4, int TT>
-AVX512_BF16 void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const uint16_t* x, int64_t ldx,
-                                const float* xsum, uint16_t* out, int64_t ldo, int64_t rows,
-                                const __m512i* unpacked = nullptr) {
+template <bool INT4, bool FP32, int TT>
+AVX512_BF16 void rows_remainder(const Packed& W, int64_t g0, int64_t g1, const Rows& r, uint16_t* out, int64_t ldo,
+                                int64_t rows) {
   if constexpr (TT > 0) {
-    if (rows == TT) row_tile<INT4, 2, TT>(W, g0, g1, x, ldx, xsum, out, ldo, unpacked);
-    else rows_remainder<INT4, TT - 1>(W, g0, g1, x, ldx, xsum, out, ldo, rows, unpacked);
+    if (rows == TT) row_tile<INT4, FP32, 2, TT>(W, g0, g1, r, out, ldo);
+    else rows_remainder<INT4, FP32, TT - 1>(W, g0, g1, r, out, ldo, rows);
   }
 }
 
-// Groups [g0, g0 + ng)'s k-pairs as the exact bf16 integers unpack_pair gives: buf [ng][nblocks][PAIRS].
-template <bool INT4>
+// ---- many rows (prefill): a chunk of groups unpacked once into a buffer, read by every row tile
+
+// zmm per block in the buffer: the k-pairs (one per pair, or with FP32 its odd and even halves as fp32),
+// then the 16 scales d as fp32 and (int4) the offsets m - 128 d.
+template <bool INT4, bool FP32>
+constexpr int64_t buffered_block() { return (FP32 ? BLOCK : PAIRS) + (INT4 ? 2 : 1); }
+
+// Groups [g0, g0 + ng) as the buffered tiles read them: buf [ng][nblocks][buffered_block()] zmm, the values
+// (and the fp32 operation giving the offsets) those of the in-register tile.
+template <bool INT4, bool FP32>
 AVX512_BF16 void unpack_groups(const Packed& W, int64_t g0, int64_t ng, __m512i* buf) {
-  constexpr int64_t PB = pair_bytes<INT4>(), BB = block_bytes<INT4>();
+  constexpr int64_t PB = pair_bytes<INT4>(), BB = block_bytes<INT4>(), ZB = buffered_block<INT4, FP32>();
+  constexpr int64_t WZ = FP32 ? BLOCK : PAIRS;  // zmm of weights per block
   for (int64_t g = 0; g < ng; g++)
     for (int64_t b = 0; b < W.nblocks; b++) {
       const uint8_t* blk = W.data + ((g0 + g) * W.nblocks + b) * BB;
-      for (int p = 0; p < PAIRS; p++) _mm512_store_si512(buf + (g * W.nblocks + b) * PAIRS + p, (__m512i)unpack_pair<INT4>(blk + p * PB));
+      __m512i* dst = buf + (g * W.nblocks + b) * ZB;
+      for (int p = 0; p < PAIRS; p++) {
+        const __m512bh v = unpack_pair<INT4>(blk + p * PB);
+        if constexpr (FP32) {
+          _mm512_store_ps((float*)(dst + 2 * p), odd_half(v));  // in the order vdpbf16ps adds them
+          _mm512_store_ps((float*)(dst + 2 * p + 1), even_half(v));
+        } else {
+          _mm512_store_si512(dst + p, (__m512i)v);
+        }
+      }
+      const uint8_t* s = blk + PAIRS * PB;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+      _mm512_store_ps((float*)(dst + WZ), d);
+      if constexpr (INT4) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 32)));
+        _mm512_store_ps((float*)(dst + WZ + 1), _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m));
+      }
     }
+}
+
+// NW groups (chunk-local groups w0.., output groups g0 + w0..) x TT rows over the whole K from a chunk's
+// buffer: the same operations per output as `tile`, but the running sums live in L1 (acc), not registers,
+// so the block sums alone fill the registers and a tile can be 4 groups x 6 rows (each weight vector
+// loaded once for 6 rows, each activation broadcast once for 4 groups) instead of 2 x 6.
+template <bool INT4, bool FP32, int NW, int TT>
+AVX512_BF16 void tile_buffered(const __m512i* buf, int64_t nblocks, int64_t w0, int64_t g0, const Rows& r,
+                               uint16_t* out, int64_t ldo) {
+  constexpr int64_t ZB = buffered_block<INT4, FP32>(), WZ = FP32 ? BLOCK : PAIRS;
+  alignas(64) float acc[TT][NW][GROUP];
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++) _mm512_store_ps(acc[t][w], _mm512_setzero_ps());
+  for (int64_t b = 0; b < nblocks; b++) {
+    __m512 blk[TT][NW];
+    for (int t = 0; t < TT; t++)
+      for (int w = 0; w < NW; w++) blk[t][w] = _mm512_setzero_ps();
+    const __m512i* wp[NW];
+    for (int w = 0; w < NW; w++) wp[w] = buf + ((w0 + w) * nblocks + b) * ZB;
+    if constexpr (FP32) {
+      const float* xb = r.xf + b * BLOCK;
+      for (int k = 0; k < BLOCK; k++) {  // slots 2p, 2p + 1: k-pair p's odd half, then its even half
+        __m512 wv[NW];
+        for (int w = 0; w < NW; w++) wv[w] = _mm512_load_ps((const float*)(wp[w] + k));
+        for (int t = 0; t < TT; t++) {
+          const __m512 xv = _mm512_set1_ps(xb[t * r.ldf + (k ^ 1)]);
+          for (int w = 0; w < NW; w++) blk[t][w] = _mm512_fmadd_ps(wv[w], xv, blk[t][w]);
+        }
+      }
+    } else {
+      for (int p = 0; p < PAIRS; p++) {
+        __m512bh wv[NW];
+        for (int w = 0; w < NW; w++) wv[w] = (__m512bh)_mm512_load_si512(wp[w] + p);
+        pair_step<false>(blk, wv, r, b * BLOCK + 2 * p);
+      }
+    }
+    for (int w = 0; w < NW; w++) {
+      const __m512 d = _mm512_load_ps((const float*)(wp[w] + WZ));
+      for (int t = 0; t < TT; t++) {
+        __m512 a = _mm512_fmadd_ps(blk[t][w], d, _mm512_load_ps(acc[t][w]));
+        if constexpr (INT4)
+          a = _mm512_fmadd_ps(_mm512_load_ps((const float*)(wp[w] + WZ + 1)),
+                              _mm512_set1_ps(r.xsum[t * nblocks + b]), a);
+        _mm512_store_ps(acc[t][w], a);
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++)
+    for (int w = 0; w < NW; w++)
+      _mm256_storeu_si256((__m256i*)(out + t * ldo + (g0 + w0 + w) * GROUP),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[t][w])));
+}
+
+// Rows [t0, t0 + TT) against a chunk's ng buffered groups (output groups from g0): 4 at a time, then single.
+template <bool INT4, bool FP32, int TT>
+AVX512_BF16 void rows_buffered(const __m512i* buf, int64_t nblocks, int64_t g0, int64_t ng, const Rows& r,
+                               uint16_t* out, int64_t ldo) {
+  int64_t w = 0;
+  for (; w + 4 <= ng; w += 4) tile_buffered<INT4, FP32, 4, TT>(buf, nblocks, w, g0, r, out, ldo);
+  for (; w < ng; w++) tile_buffered<INT4, FP32, 1, TT>(buf, nblocks, w, g0, r, out, ldo);
+}
+
+template <bool INT4, bool FP32, int TT>
+AVX512_BF16 void rows_buffered_remainder(const __m512i* buf, int64_t nblocks, int64_t g0, int64_t ng, const Rows& r,
+                                         uint16_t* out, int64_t ldo, int64_t rows) {
+  if constexpr (TT > 0) {
+    if (rows == TT) rows_buffered<INT4, FP32, TT>(buf, nblocks, g0, ng, r, out, ldo);
+    else rows_buffered_remainder<INT4, FP32, TT - 1>(buf, nblocks, g0, ng, r, out, ldo, rows);
+  }
 }
 
 // The calling thread's buffer of unpacked k-pairs, 64-byte aligned, kept between calls (grown to the
@@ -194,8 +334,9 @@ struct UnpackBuffer {
   }
 };
 
-// From this many activation rows on, a chunk's k-pairs are unpacked once for all its row tiles.
-constexpr int64_t UNPACKED_ROWS = 48;
+// From this many activation rows on, a chunk's k-pairs are unpacked once for all its row tiles; sooner with
+// the FMAs, whose in-register tiles also split every k-pair into its halves.
+constexpr int64_t UNPACKED_ROWS = 48, UNPACKED_ROWS_FMA = 32;
 
 // Block sums of every activation row (fp32, of the bf16 values the multiply-adds see).
 AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xsum) {
@@ -209,41 +350,103 @@ AVX512_BF16 void block_sums(const uint16_t* x, int64_t ldx, int64_t T, int64_t n
     }
 }
 
-template <bool INT4>
+// Every activation row as fp32 (exact), for the FMAs: xf [T, nblocks * BLOCK].
+AVX512_BF16 void widen_rows(const uint16_t* x, int64_t ldx, int64_t T, int64_t nblocks, float* xf) {
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < nblocks * BLOCK; k += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + t * ldx + k)));
+      _mm512_storeu_ps(xf + t * nblocks * BLOCK + k, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+}
+
+template <bool INT4, bool FP32>
 AVX512_BF16 void gemm(const Packed& W, const uint16_t* x, int64_t ldx, int64_t T, int64_t groups, uint16_t* out,
                       int64_t ldo) {
-  std::vector<float> xsum(INT4 ? T * W.nblocks : 1);
+  const int64_t K = W.nblocks * BLOCK;
+  std::vector<float> xsum(INT4 ? T * W.nblocks : 0), xf(FP32 ? T * K : 0);
   if (INT4) block_sums(x, ldx, T, W.nblocks, xsum.data());
-  const float* xs = xsum.data();
-  const bool unpack_once = T >= UNPACKED_ROWS;
+  if (FP32) widen_rows(x, ldx, T, W.nblocks, xf.data());
+  const Rows rows{x, ldx, xf.data(), FP32 ? K : 0, xsum.data(), INT4 ? W.nblocks : 0};
+  const bool unpack_once = T >= (FP32 ? UNPACKED_ROWS_FMA : UNPACKED_ROWS);
   auto body = [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     thread_local UnpackBuffer buffer;
-    __m512i* unpacked = unpack_once ? buffer.reserve(CHUNK_GROUPS * W.nblocks * PAIRS) : nullptr;
+    __m512i* unpacked =
+        unpack_once ? buffer.reserve(CHUNK_GROUPS * W.nblocks * buffered_block<INT4, FP32>()) : nullptr;
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
-      if (unpacked) unpack_groups<INT4>(W, c, c_end - c, unpacked);
-      // up to 3 rows: more groups per tile keep enough accumulators in flight; else 2 groups x 6 rows
-      if (T == 1) row_tile<INT4, 4, 1>(W, c, c_end, x, ldx, xs, out, ldo);
-      else if (T == 2) row_tile<INT4, 4, 2>(W, c, c_end, x, ldx, xs, out, ldo);
-      else if (T == 3) row_tile<INT4, 4, 3>(W, c, c_end, x, ldx, xs, out, ldo);
-      else {
+      if (unpacked) {  // 4 groups x 6 rows from the buffer
+        unpack_groups<INT4, FP32>(W, c, c_end - c, unpacked);
         int64_t t0 = 0;
         for (; t0 + 6 <= T; t0 += 6)
-          row_tile<INT4, 2, 6>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, unpacked);
+          rows_buffered<INT4, FP32, 6>(unpacked, W.nblocks, c, c_end - c, rows.from(t0), out + t0 * ldo, ldo);
         if (t0 < T)
-          rows_remainder<INT4, 5>(W, c, c_end, x + t0 * ldx, ldx, xs + t0 * W.nblocks, out + t0 * ldo, ldo, T - t0,
-                                  unpacked);
+          rows_buffered_remainder<INT4, FP32, 5>(unpacked, W.nblocks, c, c_end - c, rows.from(t0), out + t0 * ldo, ldo,
+                                                 T - t0);
+      } else if (T <= 3) {  // more groups per tile keep enough accumulators in flight
+        if (T == 1) row_tile<INT4, FP32, 4, 1>(W, c, c_end, rows, out, ldo);
+        else if (T == 2) row_tile<INT4, FP32, 4, 2>(W, c, c_end, rows, out, ldo);
+        else row_tile<INT4, FP32, 4, 3>(W, c, c_end, rows, out, ldo);
+      } else {  // 2 groups x 6 rows
+        int64_t t0 = 0;
+        for (; t0 + 6 <= T; t0 += 6) row_tile<INT4, FP32, 2, 6>(W, c, c_end, rows.from(t0), out + t0 * ldo, ldo);
+        if (t0 < T) rows_remainder<INT4, FP32, 5>(W, c, c_end, rows.from(t0), out + t0 * ldo, ldo, T - t0);
       }
     }
   };
   torch::stable::parallel_for(0, groups, CHUNK_GROUPS, body);
 }
 
+// vdpbf16ps's lane i is fma(a[2i], b[2i], fma(a[2i+1], b[2i+1], c)) in fp32 (the order of Intel's manual),
+// denormals flushed: probe that on this CPU with its exact weights (int4's 128 + q, int8's q) and others.
+AVX512_BF16 bool fmas_match_dots() {
+  FlushDenormals flush;
+  uint32_t s = 0x9E3779B9u;
+  auto next = [&s] { s ^= s << 13; s ^= s >> 17; s ^= s << 5; return s; };
+  auto bf16 = [&](int spread) {  // sign, an exponent around 1 (or 0: zero and denormals), a mantissa
+    const uint32_t r = next();
+    const uint32_t e = r % 29 == 0 ? 0 : 127 + (r >> 8) % (2 * spread + 1) - spread;
+    return static_cast<uint16_t>((r >> 31) << 15 | e << 7 | (r >> 16) % 128);
+  };
+  for (int it = 0; it < 4096; it++) {
+    alignas(64) uint16_t a[32], b[32];
+    alignas(64) float c[16];
+    for (int i = 0; i < 32; i++) {
+      const float q = static_cast<float>(static_cast<int>(next() % 255) - 127);
+      uint32_t bits;
+      std::memcpy(&bits, &q, sizeof(bits));
+      a[i] = it % 3 == 0 ? 0x4300 | (next() & 15) : it % 3 == 1 ? bits >> 16 : bf16(30);
+      b[i] = bf16(it % 2 ? 20 : 126);
+    }
+    for (int i = 0; i < 16; i++) {
+      const uint32_t bits = static_cast<uint32_t>(bf16(it % 2 ? 20 : 126)) << 16 | (next() & 0xFFFF);
+      std::memcpy(&c[i], &bits, sizeof(bits));
+    }
+    const __m512bh av = (__m512bh)_mm512_load_si512(a), bv = (__m512bh)_mm512_load_si512(b);
+    const __m512 acc = _mm512_load_ps(c);
+    const __m512 dot = _mm512_dpbf16_ps(acc, av, bv);
+    const __m512 fmas =
+        _mm512_fmadd_ps(even_half(av), even_half(bv), _mm512_fmadd_ps(odd_half(av), odd_half(bv), acc));
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(dot), _mm512_castps_si512(fmas)) != 0) return false;
+  }
+  return true;
+}
+
+// Whether this CPU's k-pair sums run as fp32 FMAs from 2 rows on: on Intel's AVX512-BF16 cores vdpbf16ps
+// (32 products) issues at half the rate of an fp32 FMA (16 products), so two FMAs per k-pair multiply
+// faster; AMD's issue it at the FMA's rate or faster. Only where the FMAs give vdpbf16ps's bits.
+AVX512_BF16 bool fp32_dots_here() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") && fmas_match_dots();
+}
+
 // x [T, K] bf16 (dense rows); packed uint8 [N / 16, K / 32, block bytes] as kernels/native_quant.py packs
-// it; returns [T, N] bf16.
-Tensor quant_linear(Tensor x, Tensor packed, int64_t bits) {
+// it; returns [T, N] bf16. dots: how the k-pair sums run: -1 as this CPU runs them best (what the dispatch
+// asks), 0 vdpbf16ps at every row count, 1 fp32 FMAs at every row count (the tests compare them).
+Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t dots) {
   STD_TORCH_CHECK(cpu_supported(), "quant_linear: this CPU lacks AVX512-BF16");
   STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  STD_TORCH_CHECK(dots >= -1 && dots <= 1, "quant_linear: dots must be -1 (this CPU's), 0 (bf16) or 1 (fp32)");
   STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::BFloat16 && x.stride(1) == 1,
                   "quant_linear: x must be bfloat16 [T, K] with dense rows");
   STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), "quant_linear: CPU tensors only");
@@ -258,18 +461,26 @@ Tensor quant_linear(Tensor x, Tensor packed, int64_t bits) {
   Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups};
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
-  if (bits == 4) gemm<true>(W, xp, x.stride(0), T, groups, o, groups * GROUP);
-  else gemm<false>(W, xp, x.stride(0), T, groups, o, groups * GROUP);
+  static const bool fp32_here = fp32_dots_here();
+  // one row: vdpbf16ps (fewer instructions per weight, none of them waiting on another in its chain)
+  const bool fp32 = dots == -1 ? fp32_here && T >= 2 : dots == 1;
+  FlushDenormals flush;
+  const int64_t ldx = x.stride(0), ldo = groups * GROUP;
+  if (bits == 4) (fp32 ? gemm<true, true> : gemm<true, false>)(W, xp, ldx, T, groups, o, ldo);
+  else (fp32 ? gemm<false, true> : gemm<false, false>)(W, xp, ldx, T, groups, o, ldo);
   return out;
 }
 
 bool supported() { return cpu_supported(); }
 
+bool fp32_dots() { return cpu_supported() && fp32_dots_here(); }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(phaseserve_quant_gemm, m) {
-  m.def("quant_linear(Tensor x, Tensor packed, int bits) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int bits, int dots=-1) -> Tensor");
   m.def("supported() -> bool");
+  m.def("fp32_dots() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
@@ -278,4 +489,5 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CompositeExplicitAutograd, m) {
   m.impl("supported", TORCH_BOX(&supported));
+  m.impl("fp32_dots", TORCH_BOX(&fp32_dots));
 }
