@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import cli as bench_cli
+from bench import spec_timeline
 from bench.models import resolve_model, safetensors_folder
 from bench.servers import DEFAULT_VLLM, phaseserve_server, vllm_server
 from bench.side_by_side import bench_args
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phaseserve-arg", action="append", default=[], metavar="ARG",
                    help="an extra flag for every `phaseserve up` (repeatable)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--per-request", action="store_true",
+                   help="print each phaseserve cell request by request (prompt, cached, output tokens, TTFT, E2E, "
+                        "finish, drafts verified and kept) and by phase (prefill, all decoding, tail); runs the "
+                        "servers with debug JSON logs, whose step lines it reads")
     return p
 
 
@@ -121,6 +126,8 @@ def run(args) -> dict:
                                log_stats=True)  # its spec-decode counters are stats: off, /metrics has none
         else:
             extra = list(args.phaseserve_arg) + flags + (["--speculative-config", json.dumps(spec)] if spec else [])
+            if args.per_request:  # the worker's step lines (debug level) say what each step ran and drafted
+                extra += ["--log-level", "debug", "--log-json", "true"]
             proc = phaseserve_server(model_dir, port, "bench-model", log_path, model_len=args.max_model_len,
                                      extra=extra)
         proc.start(args.startup_timeout)
@@ -128,6 +135,7 @@ def run(args) -> dict:
             for workload in workloads:
                 for c in concurrencies:
                     before = read_counters(proc.url, COUNTERS[server])
+                    wall, perf = time.time(), time.perf_counter()
                     result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url))
                     after = read_counters(proc.url, COUNTERS[server])
                     delta = {k: after[k] - before[k] for k in after}
@@ -139,6 +147,8 @@ def run(args) -> dict:
                                   "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
                                   "acceptance": accepted / drafted if drafted else None})
                     print(format_cell(cells[-1]), flush=True)
+                    if args.per_request and server == "phaseserve":
+                        cells[-1].update(timeline(result, log_path, wall, perf))
         finally:
             proc.stop()
     add_ratios(cells)
@@ -150,6 +160,21 @@ def run(args) -> dict:
     print(format_table(cells))
     print(f"wrote {path}")
     return payload
+
+
+def timeline(result: dict, log_path: Path, wall: float, perf: float) -> dict:
+    """The cell request by request and by phase (bench/spec_timeline.py), printed; its origin is the first
+    request's send (`wall` and `perf`: one instant on the log's clock and on the client's)."""
+    reqs = result["requests"]
+    perf0 = min(r["start_time"] for r in reqs)
+    wall0 = wall + (perf0 - perf)
+    end = wall0 + result["metrics"]["duration"]
+    steps = [s for s in spec_timeline.read_step_lines(log_path) if wall0 <= s["t"] <= end + 1.0]
+    rows = spec_timeline.per_request(reqs, steps, perf0)
+    ph = spec_timeline.phases(rows, steps, wall0, result["metrics"]["duration"])
+    print(spec_timeline.format_requests(rows))
+    print(spec_timeline.format_phases(ph), flush=True)
+    return {"requests": rows, "phases": ph}
 
 
 def add_ratios(cells: list[dict]) -> None:
