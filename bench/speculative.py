@@ -62,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="bundled, small-200m, smollm2 (the default model), or a folder")
     p.add_argument("--configs", default="off,ngram,ngram-fixed,off-dense,draft,vllm-off,vllm-ngram",
-                   help=f"comma-separated, run in this order; from {', '.join(CONFIGS)}")
+                   help=f"comma-separated, run in this order (one may repeat: off,ngram,off,ngram alternates "
+                        f"rounds, each compared with the same round of its baseline); from {', '.join(CONFIGS)}")
     p.add_argument("--workloads", default="copy,random", help="copy (standard-library rewrites), random (workload A)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")
     p.add_argument("--num-prompts", type=int, help="per cell (default: 4 x concurrency, at least 8)")
     p.add_argument("--input-len", type=int, default=512, help="copy prompts' tokens (workload A: 128)")
     p.add_argument("--output-len", type=int, default=128, help="copy outputs' tokens (workload A: 64)")
+    p.add_argument("--seed", type=int, default=0, help="the first cell's prompts; each later cell takes the next")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--vllm-bin", default=DEFAULT_VLLM, help="[env PHASESERVE_BENCH_VLLM]")
     p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -93,11 +95,12 @@ def read_counters(url: str, names: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def cell_args(workload: str, concurrency: int, args, model_dir: Path, label: str, url: str) -> argparse.Namespace:
+def cell_args(workload: str, concurrency: int, args, model_dir: Path, label: str, url: str,
+              seed: int) -> argparse.Namespace:
     n = args.num_prompts or max(8, 4 * concurrency)
     lens = (args.input_len, args.output_len) if workload == "copy" else (128, 64)
     extra = ["--workload", workload, "--num-prompts", str(n), "--input-len", str(lens[0]),
-             "--output-len", str(lens[1]), "--concurrency", str(concurrency)]
+             "--output-len", str(lens[1]), "--concurrency", str(concurrency), "--seed", str(seed)]
     return bench_args(extra, str(model_dir), label, url, "openai", "bench-model")
 
 
@@ -113,12 +116,12 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cells = []
-    for config in configs:
+    for n, config in enumerate(configs):
         server, spec, flags, _ = CONFIGS[config]
         if spec and spec.get("model") == "MODEL":
             spec = {**spec, "model": str(model_dir)}
         port = free_port()
-        log_path = out / f"speculative-{tag}-{config}.log"
+        log_path = out / f"speculative-{tag}-{config}{'-' + str(n) if configs.count(config) > 1 else ''}.log"
         if server == "vllm":
             extra = ["--speculative-config", json.dumps(spec)] if spec else []
             proc = vllm_server(safetensors_folder(model_dir), port, "bench-model", log_path, vllm_bin=args.vllm_bin,
@@ -132,23 +135,25 @@ def run(args) -> dict:
                                      extra=extra)
         proc.start(args.startup_timeout)
         try:
-            for workload in workloads:
-                for c in concurrencies:
-                    before = read_counters(proc.url, COUNTERS[server])
-                    wall, perf = time.time(), time.perf_counter()
-                    result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url))
-                    after = read_counters(proc.url, COUNTERS[server])
-                    delta = {k: after[k] - before[k] for k in after}
-                    drafted, accepted = delta["drafted"], delta["accepted"]
-                    m = result["metrics"]
-                    cells.append({"config": config, "workload": workload, "concurrency": c,
-                                  "tpot_p50_ms": m.get("p50_tpot_ms"), "output_tok_s": m.get("output_throughput"),
-                                  "completed": m.get("completed"), "failed": m.get("failed"),
-                                  "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
-                                  "acceptance": accepted / drafted if drafted else None})
-                    print(format_cell(cells[-1]), flush=True)
-                    if args.per_request and server == "phaseserve":
-                        cells[-1].update(timeline(result, log_path, wall, perf))
+            for cell, (workload, c) in enumerate((w, c) for w in workloads for c in concurrencies):
+                before = read_counters(proc.url, COUNTERS[server])
+                wall, perf = time.time(), time.perf_counter()
+                # each cell its own prompts: a cell sent the prompts of one run before it on this server
+                # would find them in the prefix cache and measure decoding alone
+                result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url,
+                                                           args.seed + cell))
+                after = read_counters(proc.url, COUNTERS[server])
+                delta = {k: after[k] - before[k] for k in after}
+                drafted, accepted = delta["drafted"], delta["accepted"]
+                m = result["metrics"]
+                cells.append({"config": config, "workload": workload, "concurrency": c,
+                              "tpot_p50_ms": m.get("p50_tpot_ms"), "output_tok_s": m.get("output_throughput"),
+                              "completed": m.get("completed"), "failed": m.get("failed"),
+                              "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
+                              "acceptance": accepted / drafted if drafted else None})
+                print(format_cell(cells[-1]), flush=True)
+                if args.per_request and server == "phaseserve":
+                    cells[-1].update(timeline(result, log_path, wall, perf))
         finally:
             proc.stop()
     add_ratios(cells)
@@ -180,9 +185,13 @@ def timeline(result: dict, log_path: Path, wall: float, perf: float) -> dict:
 def add_ratios(cells: list[dict]) -> None:
     """Each cell against its baseline (phaseserve's `off`; `off-dense` for the draft model's dense target) at
     the same workload and concurrency."""
-    base = {(c["config"], c["workload"], c["concurrency"]): c for c in cells}
+    seen: dict[tuple, int] = {}
+    for c in cells:  # a cell run again (--concurrency 16,16, or a config twice) is compared with the same round
+        key = (c["config"], c["workload"], c["concurrency"])
+        c["round"] = seen[key] = seen.get(key, -1) + 1
+    base = {(c["config"], c["workload"], c["concurrency"], c["round"]): c for c in cells}
     for c in cells:
-        b = base.get((CONFIGS[c["config"]][3], c["workload"], c["concurrency"]))
+        b = base.get((CONFIGS[c["config"]][3], c["workload"], c["concurrency"], c["round"]))
         ok = b is not None and b["tpot_p50_ms"] and b["output_tok_s"]
         c["tpot_vs_off"] = c["tpot_p50_ms"] / b["tpot_p50_ms"] if ok and c["tpot_p50_ms"] else None
         c["tok_s_vs_off"] = c["output_tok_s"] / b["output_tok_s"] if ok and c["output_tok_s"] else None
