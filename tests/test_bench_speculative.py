@@ -59,3 +59,18 @@ def test_the_timeline_sums_each_requests_drafts_and_cuts_phases_at_the_last_firs
     assert (ph["prefill"]["to_s"], ph["full"]["to_s"], ph["tail"]["to_s"]) == (1.2, 2.0, 3.0)
     assert ph["prefill"]["prefill_tokens"] == 400 and ph["full"]["drafted"] == 3
     assert ph["tail"]["steps"] == 2 and ph["tail"]["kept"] == 5
+
+
+def test_the_workers_step_line_says_each_sequences_drafts_verified_and_kept():
+    from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
+    from workers.service import draft_fields
+
+    plan = StepPlan(7, "w", [], [ScheduledChunk("a", 10, 1, [0], num_draft=4), ScheduledChunk("b", 20, 1, [1],
+                                                                                            num_draft=2),
+                                 ScheduledChunk("c", 30, 1, [2])])
+    result = StepResult(7, "w", [TokenEvent("a", 3, [5, 6, 7]), TokenEvent("b", 4, [8]), TokenEvent("c", 5, [9])],
+                        drafted={"a": 3, "b": 2})
+    assert draft_fields(plan, result) == {"draft_slots": 6, "drafted": 5, "kept": 2,
+                                          "spec": {"a": [3, 2], "b": [2, 0]}}
+    plain = StepPlan(8, "w", [], [ScheduledChunk("c", 31, 1, [2])])
+    assert draft_fields(plain, StepResult(8, "w", [TokenEvent("c", 6, [1])])) == {}
