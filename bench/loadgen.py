@@ -100,6 +100,7 @@ class OpenAIStreamClient:
                 if resp.status != 200:
                     out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                     return out
+                out.request_id = resp.headers.get("X-Request-Id", "")
                 async for _event_id, msg in sse_messages(resp):
                     if msg is None:  # [DONE]
                         continue
@@ -122,6 +123,8 @@ class OpenAIStreamClient:
                         out.output_tokens = usage.get("completion_tokens") or 0
                         if usage.get("prompt_tokens") is not None:
                             out.prompt_len = usage["prompt_tokens"]
+                        if (details := usage.get("prompt_tokens_details")) is not None:
+                            out.cached_tokens = details.get("cached_tokens")
             if chunks == 0:
                 out.error = "no chunk with choices was streamed"
                 return out

@@ -37,6 +37,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     start_time: float = 0.0
     error: str = ""
+    request_id: str = ""  # the server's X-Request-Id (phaseserve: its sequences are "<id>-<n>")
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache supplied, when it says
     generated_text: str = ""
 
     def to_json(self) -> dict:

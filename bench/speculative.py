@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import cli as bench_cli
+from bench import spec_timeline
 from bench.models import resolve_model, safetensors_folder
 from bench.servers import DEFAULT_VLLM, phaseserve_server, vllm_server
 from bench.side_by_side import bench_args
@@ -61,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="bundled, small-200m, smollm2 (the default model), or a folder")
     p.add_argument("--configs", default="off,ngram,ngram-fixed,off-dense,draft,vllm-off,vllm-ngram",
-                   help=f"comma-separated, run in this order; from {', '.join(CONFIGS)}")
+                   help=f"comma-separated, run in this order (one may repeat: off,ngram,off,ngram alternates "
+                        f"rounds, each compared with the same round of its baseline); from {', '.join(CONFIGS)}")
     p.add_argument("--workloads", default="copy,random", help="copy (standard-library rewrites), random (workload A)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies")
     p.add_argument("--num-prompts", type=int, help="per cell (default: 4 x concurrency, at least 8)")
     p.add_argument("--input-len", type=int, default=512, help="copy prompts' tokens (workload A: 128)")
     p.add_argument("--output-len", type=int, default=128, help="copy outputs' tokens (workload A: 64)")
+    p.add_argument("--seed", type=int, default=0, help="the first cell's prompts; each later cell takes the next")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--vllm-bin", default=DEFAULT_VLLM, help="[env PHASESERVE_BENCH_VLLM]")
     p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -74,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phaseserve-arg", action="append", default=[], metavar="ARG",
                    help="an extra flag for every `phaseserve up` (repeatable)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--per-request", action="store_true",
+                   help="print each phaseserve cell request by request (prompt, cached, output tokens, TTFT, E2E, "
+                        "finish, drafts verified and kept) and by phase (prefill, all decoding, tail); runs the "
+                        "servers with debug JSON logs, whose step lines it reads")
     return p
 
 
@@ -88,11 +95,12 @@ def read_counters(url: str, names: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def cell_args(workload: str, concurrency: int, args, model_dir: Path, label: str, url: str) -> argparse.Namespace:
+def cell_args(workload: str, concurrency: int, args, model_dir: Path, label: str, url: str,
+              seed: int) -> argparse.Namespace:
     n = args.num_prompts or max(8, 4 * concurrency)
     lens = (args.input_len, args.output_len) if workload == "copy" else (128, 64)
     extra = ["--workload", workload, "--num-prompts", str(n), "--input-len", str(lens[0]),
-             "--output-len", str(lens[1]), "--concurrency", str(concurrency)]
+             "--output-len", str(lens[1]), "--concurrency", str(concurrency), "--seed", str(seed)]
     return bench_args(extra, str(model_dir), label, url, "openai", "bench-model")
 
 
@@ -108,12 +116,12 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cells = []
-    for config in configs:
+    for n, config in enumerate(configs):
         server, spec, flags, _ = CONFIGS[config]
         if spec and spec.get("model") == "MODEL":
             spec = {**spec, "model": str(model_dir)}
         port = free_port()
-        log_path = out / f"speculative-{tag}-{config}.log"
+        log_path = out / f"speculative-{tag}-{config}{'-' + str(n) if configs.count(config) > 1 else ''}.log"
         if server == "vllm":
             extra = ["--speculative-config", json.dumps(spec)] if spec else []
             proc = vllm_server(safetensors_folder(model_dir), port, "bench-model", log_path, vllm_bin=args.vllm_bin,
@@ -121,24 +129,31 @@ def run(args) -> dict:
                                log_stats=True)  # its spec-decode counters are stats: off, /metrics has none
         else:
             extra = list(args.phaseserve_arg) + flags + (["--speculative-config", json.dumps(spec)] if spec else [])
+            if args.per_request:  # the worker's step lines (debug level) say what each step ran and drafted
+                extra += ["--log-level", "debug", "--log-json", "true"]
             proc = phaseserve_server(model_dir, port, "bench-model", log_path, model_len=args.max_model_len,
                                      extra=extra)
         proc.start(args.startup_timeout)
         try:
-            for workload in workloads:
-                for c in concurrencies:
-                    before = read_counters(proc.url, COUNTERS[server])
-                    result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url))
-                    after = read_counters(proc.url, COUNTERS[server])
-                    delta = {k: after[k] - before[k] for k in after}
-                    drafted, accepted = delta["drafted"], delta["accepted"]
-                    m = result["metrics"]
-                    cells.append({"config": config, "workload": workload, "concurrency": c,
-                                  "tpot_p50_ms": m.get("p50_tpot_ms"), "output_tok_s": m.get("output_throughput"),
-                                  "completed": m.get("completed"), "failed": m.get("failed"),
-                                  "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
-                                  "acceptance": accepted / drafted if drafted else None})
-                    print(format_cell(cells[-1]), flush=True)
+            for cell, (workload, c) in enumerate((w, c) for w in workloads for c in concurrencies):
+                before = read_counters(proc.url, COUNTERS[server])
+                wall, perf = time.time(), time.perf_counter()
+                # each cell its own prompts: a cell sent the prompts of one run before it on this server
+                # would find them in the prefix cache and measure decoding alone
+                result = bench_cli.run_benchmark(cell_args(workload, c, args, model_dir, config, proc.url,
+                                                           args.seed + cell))
+                after = read_counters(proc.url, COUNTERS[server])
+                delta = {k: after[k] - before[k] for k in after}
+                drafted, accepted = delta["drafted"], delta["accepted"]
+                m = result["metrics"]
+                cells.append({"config": config, "workload": workload, "concurrency": c,
+                              "tpot_p50_ms": m.get("p50_tpot_ms"), "output_tok_s": m.get("output_throughput"),
+                              "completed": m.get("completed"), "failed": m.get("failed"),
+                              "drafted": drafted, "accepted": accepted, "slots": delta.get("slots"),
+                              "acceptance": accepted / drafted if drafted else None})
+                print(format_cell(cells[-1]), flush=True)
+                if args.per_request and server == "phaseserve":
+                    cells[-1].update(timeline(result, log_path, wall, perf))
         finally:
             proc.stop()
     add_ratios(cells)
@@ -152,12 +167,31 @@ def run(args) -> dict:
     return payload
 
 
+def timeline(result: dict, log_path: Path, wall: float, perf: float) -> dict:
+    """The cell request by request and by phase (bench/spec_timeline.py), printed; its origin is the first
+    request's send (`wall` and `perf`: one instant on the log's clock and on the client's)."""
+    reqs = result["requests"]
+    perf0 = min(r["start_time"] for r in reqs)
+    wall0 = wall + (perf0 - perf)
+    end = wall0 + result["metrics"]["duration"]
+    steps = [s for s in spec_timeline.read_step_lines(log_path) if wall0 <= s["t"] <= end + 1.0]
+    rows = spec_timeline.per_request(reqs, steps, perf0)
+    ph = spec_timeline.phases(rows, steps, wall0, result["metrics"]["duration"])
+    print(spec_timeline.format_requests(rows))
+    print(spec_timeline.format_phases(ph), flush=True)
+    return {"requests": rows, "phases": ph}
+
+
 def add_ratios(cells: list[dict]) -> None:
     """Each cell against its baseline (phaseserve's `off`; `off-dense` for the draft model's dense target) at
     the same workload and concurrency."""
-    base = {(c["config"], c["workload"], c["concurrency"]): c for c in cells}
+    seen: dict[tuple, int] = {}
+    for c in cells:  # a cell run again (--concurrency 16,16, or a config twice) is compared with the same round
+        key = (c["config"], c["workload"], c["concurrency"])
+        c["round"] = seen[key] = seen.get(key, -1) + 1
+    base = {(c["config"], c["workload"], c["concurrency"], c["round"]): c for c in cells}
     for c in cells:
-        b = base.get((CONFIGS[c["config"]][3], c["workload"], c["concurrency"]))
+        b = base.get((CONFIGS[c["config"]][3], c["workload"], c["concurrency"], c["round"]))
         ok = b is not None and b["tpot_p50_ms"] and b["output_tok_s"]
         c["tpot_vs_off"] = c["tpot_p50_ms"] / b["tpot_p50_ms"] if ok and c["tpot_p50_ms"] else None
         c["tok_s_vs_off"] = c["output_tok_s"] / b["output_tok_s"] if ok and c["output_tok_s"] else None

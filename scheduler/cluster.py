@@ -547,7 +547,8 @@ class Cluster:
                      horizon=round(costs.horizon),
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
-                     itl_target=str(self.limits.itl_target))
+                     itl_target=str(self.limits.itl_target),
+                     verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
 
     def give_up_overdue_steps(self, now: float) -> float | None:
         """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is

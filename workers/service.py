@@ -199,7 +199,7 @@ class WorkerService:
             log.debug("step", step_id=plan.step_id, decodes=len(plan.chunks) - len(prefills),
                       prefill_tokens=sum(c.num_tokens for c in prefills),
                       context=max((c.start_pos + c.num_tokens for c in prefills), default=0),
-                      step_ms=round(result.step_time_s * 1e3, 3))
+                      step_ms=round(result.step_time_s * 1e3, 3), **draft_fields(plan, result))
 
     def publish(self, plan: StepPlan, result: StepResult, entry_id: bytes) -> None:
         """Hand the step's writes to the relay: one TokenBatch per gateway, the StepResult, the plan's ack."""
@@ -248,6 +248,18 @@ class WorkerService:
                     "elsewhere once the heartbeat is gone)", worker_id=self.worker_id,
                     waited_s=round(self.drain_wait_s, 1))
         return True
+
+
+def draft_fields(plan: StepPlan, result: StepResult) -> dict:
+    """The step line's speculation: draft slots the plan allowed, drafts the worker verified and kept, and per
+    sequence [verified, kept] (what `bench.speculative --per-request` sums per request); none without drafts."""
+    slots = sum(c.num_draft for c in plan.chunks)
+    if not slots:
+        return {}
+    kept = {ev.seq_id: max(len(ev.token_ids) - 1, 0) for ev in result.events if ev.seq_id in result.drafted}
+    per_seq = {s: [n, kept.get(s, 0)] for s, n in result.drafted.items()}
+    return {"draft_slots": slots, "drafted": sum(result.drafted.values()), "kept": sum(kept.values()),
+            "spec": per_seq}
 
 
 def default_worker_id() -> str:
