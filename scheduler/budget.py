@@ -115,15 +115,19 @@ class StepBudget:
         that only adds a question is a short prefill, however long the prompt)."""
         return bool(self.long_threshold) and prefill_len > self.long_threshold
 
-    def chunk_tokens(self, prefill_len: int, start: int, budget: float) -> int:
+    def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False) -> int:
         """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and for a long prompt
-        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill)."""
+        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
+        `overdue`: the target has held this prefill back for its patience; the target no longer bounds it."""
+        target_left = math.inf if overdue else self.target_left
         if not self.long_threshold:
-            return max_chunk_tokens(start, min(budget, self.target_left), self.horizon)
+            return max_chunk_tokens(start, min(budget, target_left), self.horizon)
         if not self.is_long(prefill_len):
             return max_chunk_tokens(start, budget, self.horizon)
-        n = max_chunk_tokens(start, min(budget, self.long_left, self.target_left), self.horizon)
-        if n == 0 and self.long_left == self.long_threshold:  # the step's first long chunk: it always moves
+        n = max_chunk_tokens(start, min(budget, self.long_left, target_left), self.horizon)
+        # the step's first long chunk always moves, and so does an overdue one (behind others overdue too, it
+        # shows progress every step while they take the long cap in turn)
+        if n == 0 and (overdue or self.long_left == self.long_threshold):
             n = min(1, max_chunk_tokens(start, budget, self.horizon))
         return n
 

@@ -42,6 +42,11 @@ class SchedulerConfig:
     # the bound on a step's predicted time while streams decode (docs/architecture.md, "The step budget");
     # it applies once the service has learned the worker's step costs (WorkerPolicy.step_costs)
     itl_target: ItlTarget = field(default_factory=ItlTarget)
+    # the most predicted step time the ITL target may hold a long prompt's prefill back, from its start: past
+    # it the prompt prefills under max_num_batched_tokens and the long cap alone. A quarter of the gateway's
+    # default progress timeout: beside few decodes the target's room is a few tokens a step, and long prompts
+    # queued behind one another would otherwise go that timeout without a chunk
+    itl_patience_s: float = 15.0
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
     # share the cached KV blocks of prompts' common prefixes (scheduler/prefix_caching.py)
@@ -66,5 +71,7 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
             raise ValueError(f"SchedulerConfig.long_prefill_threshold must be an integer >= 0, got "
                              f"{self.long_prefill_threshold!r}")
+        if not self.itl_patience_s >= 0:
+            raise ValueError(f"SchedulerConfig.itl_patience_s must be >= 0, got {self.itl_patience_s!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")

@@ -74,6 +74,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self.step_costs: StepCosts | None = None
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self._num_steps_held_by_itl_target = 0
+        self._clock_s = 0.0  # the planned steps' predicted time, summed: what the ITL target's patience counts
         self._num_prefix_queries = 0  # prefill tokens of sequence (re)starts, and those found cached
         self._num_prefix_hits = 0
         self.spec_stats = SpeculationStats()
@@ -167,6 +168,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._admit_waiting(step, budget)
         self._plan_drafts(step, budget)
         self._note_itl_target(budget)
+        if not step.is_empty:  # a plan that runs: its predicted time passes for the prompts it holds back
+            self._clock_s += budget.predicted_s
         return self._seal(step)
 
     def _note_itl_target(self, budget: StepBudget) -> None:
@@ -233,7 +236,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         for seq in sorted(prefilling, key=lambda s: budget.is_long(s.num_prefill_computed)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
-            n = min(seq.num_prefill_remaining, room, budget.chunk_tokens(seq.num_prefill_computed, start, allow))
+            n = min(seq.num_prefill_remaining, room,
+                    budget.chunk_tokens(seq.num_prefill_computed, start, allow, self._overdue(seq)))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
@@ -265,6 +269,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             seq.status = RUNNING
             seq.prefill_len = need
             seq.num_computed_tokens = 0
+            seq.prefill_started_s = self._clock_s
             bisect.insort(self._running, seq, key=by_rank)
             if not seq.on_worker:
                 if self.kv_transport is not None:  # a new transfer for each (re)start: ids are single-use
@@ -349,6 +354,12 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         # computing now starts on it once it is confirmed (scheduler/prefix_caching.py)
         return (seq.num_inflight_samples == 0 and seq.seq_id not in self._releases
                 and not self._waits_for_prefix(seq))
+
+    def _overdue(self, seq: Sequence) -> bool:
+        """The ITL target protects streams, it must not starve a prompt: beside few decodes its room is a few
+        tokens a step, and long prompts prefilling one after another would wait past the gateway's progress
+        timeout. One that has prefilled for `itl_patience_s` of predicted step time is no longer held by it."""
+        return self._clock_s - seq.prefill_started_s >= self.config.itl_patience_s
 
     def _final_len(self, seq: Sequence) -> int:
         return self.capacity.final_len(seq.num_prompt_tokens, seq.request.params.max_tokens)

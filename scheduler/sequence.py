@@ -33,6 +33,9 @@ class Sequence:
     num_inflight_samples: int = 0  # planned chunks that sample a token, whose step result has not arrived
     on_worker: bool = False  # the worker was sent a SeqStart and no release since
     num_preemptions: int = 0
+    # the policy's clock (predicted step seconds) when its current prefill started: the ITL target may hold
+    # a long prompt back for `SchedulerConfig.itl_patience_s` from then (docs/architecture.md, "The step budget")
+    prefill_started_s: float = 0.0
     # phase workers. On a prefill worker: the transfer its prefill streams its KV into, and
     # whether that prefill is complete, so it waits to be handed to a decode worker instead of decoding.
     # On a decode worker: the transfer to take into its blocks with its first plan (then None).

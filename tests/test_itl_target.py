@@ -181,3 +181,55 @@ def test_short_prompts_are_not_stuck_behind_long_ones_under_the_target(depth):
         assert first[rid] - at <= 2 and done[rid] - at <= 8, (rid, first[rid], done[rid])
     assert max(first[f"long{i}"] for i in range(3)) <= 8  # the long ones started too, and wait their turn
     assert_reference(worker, streams + longs + chats, cfg.max_model_len)
+
+
+# a worker whose learned fixed cost is small in token-units (2-8 in the concurrency-16 record's runs):
+# beside a few decodes a ratio target leaves a long prompt a token or two a step
+SMALL_FIXED = StepCosts(overhead_s=0.020, token_s=0.005, key_s=0.005 / 1843, prefill_chunk_s=0.005)  # O = 4
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_long_prompts_beside_few_decodes_are_not_starved(depth):
+    """bench/results/2026-11-28-speculative-concurrency-16.md, section 4: beside 2 streams a 1.3x target leaves
+    room for about one deep token a step, so ten 512-token prompts prefill one after another, each waiting
+    for those before it, and the last one's first token comes after well over the gateway's default progress
+    timeout (60 s) of step time. The target may hold a prompt back for `itl_patience_s` of predicted step time
+    from the start of its prefill: then it moves every step and prefills under the budget and the long cap."""
+    cfg = config(ItlTarget(ratio=1.3), max_model_len=2048, attention_horizon=1843)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = SMALL_FIXED
+    streams = [make_req(f"d{i}", 8, max_tokens=2030) for i in range(2)]
+    longs = [make_req(f"long{i}", 512, max_tokens=4) for i in range(10)]
+    clock = 0.0  # the plans' predicted step time, summed: what the streams and the gateway see pass
+    chunks: dict[str, list[float]] = {}  # long prompt -> the clock at each of its prefill chunks
+
+    def on_plan(idx, plan):
+        nonlocal clock
+        clock += SMALL_FIXED.predict(*plan_features(plan.chunks))
+        for c in plan.chunks:
+            if c.seq_id.startswith("long") and c.start_pos < 512:
+                chunks.setdefault(c.seq_id, []).append(clock)
+
+    drive(sched, worker, depth=depth, arrivals={0: streams, 4: longs}, on_plan=on_plan, max_iters=6000)
+    assert set(chunks) == {r.request_id for r in longs}
+    # a started prompt is vouched for only while it moves: no chunk-less stretch beyond the patience (and a
+    # step), and every first token well inside the progress timeout
+    worst_gap = max(b - a for times in chunks.values() for a, b in zip(times, times[1:]))
+    assert worst_gap <= cfg.itl_patience_s + 1.0, worst_gap
+    assert max(t[-1] for t in chunks.values()) <= 4 * cfg.itl_patience_s, sorted(t[-1] for t in chunks.values())
+    assert_reference(worker, streams + longs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_an_overdue_long_prompt_is_bounded_by_the_budget_and_the_long_cap_only():
+    cfg = config(ItlTarget(ratio=1.3))
+    budget = StepBudget.for_step(cfg, SMALL_FIXED)
+    for pos in range(2):
+        budget.charge_decode(100 + pos)
+    held = budget.chunk_tokens(512, 0, budget.left)
+    assert 0 < held <= 4  # the target's room beside two decodes
+    assert budget.chunk_tokens(512, 0, budget.left, overdue=True) == max_chunk_tokens(0, 256, budget.horizon)
+    budget.charge_prefill(512, 0, budget.chunk_tokens(512, 0, budget.left, overdue=True))
+    # the long cap is spent: the next overdue prompt still moves one token, one not overdue nothing
+    assert budget.chunk_tokens(512, 0, budget.left, overdue=True) == 1
+    assert budget.chunk_tokens(512, 0, budget.left) == 0
