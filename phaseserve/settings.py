@@ -221,7 +221,8 @@ SETTINGS: list[Setting] = [
             "measured steps: a ratio of the predicted decode-only step at that batch (e.g. 1.5x) or "
             "milliseconds (e.g. 80ms); the chunks of long prompts (over --long-prefill-threshold) get only "
             "what is left under it, so they wait (their TTFT grows) instead of the streams' inter-token "
-            "latency; off = no bound",
+            "latency, for at most 15 s of predicted step time from the start of their prefill (then only "
+            "the token budget and the long cap bound them, so no prompt starves); off = no bound",
             ("scheduler", "up")),
     Setting("speculative_config", "PHASESERVE_SPECULATIVE_CONFIG", None, parse_speculative_config_arg,
             "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
