@@ -101,6 +101,9 @@ class GatewayMetrics:
         self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
                                         registry=r)
+        self.past_itl_patience = Gauge("phaseserve_num_steps_past_itl_patience", "Steps in which a long prompt the "
+                                       "ITL target had held back for its patience prefilled beside decodes "
+                                       "unbounded by it (cumulative, scheduler)", registry=r)
         # speculative decoding, cumulative as the scheduler reports it (its live workers')
         self.spec_slots = Gauge("phaseserve_spec_decode_num_draft_slots", "Draft tokens plans allowed, with "
                                 "their budget and blocks, whether the worker found a draft or not (scheduler)",
@@ -152,6 +155,7 @@ class GatewayMetrics:
         for key, gauge in self.prefix_cache.items():
             gauge.set(stats.get(key, 0))
         self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
+        self.past_itl_patience.set(stats.get("num_steps_past_itl_patience", 0))
         drafted, accepted = stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0)
         self.spec_slots.set(stats.get("num_draft_slots", 0))
         self.spec_drafted.set(drafted)

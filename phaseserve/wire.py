@@ -81,7 +81,8 @@ class Keys:
 
     def scheduler_stats(self) -> str:
         """msgpack dict written by the scheduler on change (throttled): num_waiting, num_running,
-        kv_blocks_used, kv_blocks_total, num_preemptions, num_workers, num_steps_held_by_itl_target, updated_at. Read by the gateway's /metrics."""
+        kv_blocks_used, kv_blocks_total, num_preemptions, num_workers, num_steps_held_by_itl_target,
+        num_steps_past_itl_patience, updated_at. Read by the gateway's /metrics."""
         return f"{self.prefix}:scheduler:stats"
 
     # --- delivery and client leases (gateway side)

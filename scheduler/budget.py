@@ -115,6 +115,12 @@ class StepBudget:
         that only adds a question is a short prefill, however long the prompt)."""
         return bool(self.long_threshold) and prefill_len > self.long_threshold
 
+    def targets(self, prefill_len: int) -> bool:
+        """The ITL target would bound this prefill's chunks in this step: it is on, there are decodes beside
+        it, and the prefill is long (or every prefill is, with no long cap)."""
+        return (not math.isinf(self.target_base) and bool(self.decode_units)
+                and (not self.long_threshold or self.is_long(prefill_len)))
+
     def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False) -> int:
         """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and for a long prompt
         the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
@@ -160,6 +166,7 @@ class StepDraft:
     preempted: bool = False  # no admission in a step that preempted (the victim would come straight back)
     head: Sequence | None = None  # the first startable waiting sequence
     head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
+    past_itl_patience: bool = False  # a chunk of a prompt the ITL target held back for its patience, beside decodes
 
     @property
     def is_empty(self) -> bool:

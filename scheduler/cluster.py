@@ -595,6 +595,7 @@ class Cluster:
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
+            "num_steps_past_itl_patience": sum(p.num_steps_past_itl_patience for p in policies),
             **self.prefix_cache_stats(),
             **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
             "grammar_masks": self.grammar_masks,

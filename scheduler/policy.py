@@ -74,6 +74,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self.step_costs: StepCosts | None = None
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self._num_steps_held_by_itl_target = 0
+        self._num_steps_past_itl_patience = 0
         self._clock_s = 0.0  # the planned steps' predicted time, summed: what the ITL target's patience counts
         self._num_prefix_queries = 0  # prefill tokens of sequence (re)starts, and those found cached
         self._num_prefix_hits = 0
@@ -168,6 +169,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._admit_waiting(step, budget)
         self._plan_drafts(step, budget)
         self._note_itl_target(budget)
+        self._num_steps_past_itl_patience += step.past_itl_patience
         if not step.is_empty:  # a plan that runs: its predicted time passes for the prompts it holds back
             self._clock_s += budget.predicted_s
         return self._seal(step)
@@ -236,14 +238,16 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         for seq in sorted(prefilling, key=lambda s: budget.is_long(s.num_prefill_computed)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
+            overdue = self._overdue(seq)
             n = min(seq.num_prefill_remaining, room,
-                    budget.chunk_tokens(seq.num_prefill_computed, start, allow, self._overdue(seq)))
+                    budget.chunk_tokens(seq.num_prefill_computed, start, allow, overdue))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
             self._plan_prefill(step, seq, n)
             allow -= budget.charge_prefill(seq.num_prefill_computed, start, n)
+            step.past_itl_patience |= overdue and budget.targets(seq.num_prefill_computed)
 
     def _admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
@@ -410,6 +414,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
     def num_steps_held_by_itl_target(self) -> int:
         return self._num_steps_held_by_itl_target
 
+    @property
+    def num_steps_past_itl_patience(self) -> int:
+        return self._num_steps_past_itl_patience
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
@@ -433,6 +441,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             "num_handed_off": self._num_handed_off,
             "num_handed_in": self._num_handed_in,
             "num_steps_held_by_itl_target": self._num_steps_held_by_itl_target,
+            "num_steps_past_itl_patience": self._num_steps_past_itl_patience,
             "prefix_cache_queries": self._num_prefix_queries,
             "prefix_cache_hits": self._num_prefix_hits,
             "prefix_cache_evictions": self.block_manager.num_evictions,
