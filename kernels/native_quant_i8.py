@@ -5,7 +5,9 @@ Outputs in groups of 8; for each group and 32-weight block, its 8 quads (k = 4j 
 8 outputs' 4 values at those k, byte 4o + i = output o at k = 4j + i (a row's 4 values broadcast to every
 output meet them in one vpmaddubsw); then the block's 8 fp16 scales d, then (int4) the 8 fp16 offsets m:
   int8: 8 quads x 32 bytes + 16 = 272 bytes a group block
-  int4: 8 quads x 16 bytes (byte p: quad byte p in its low nibble, byte 16 + p in its high one) + 32 = 160
+  int4: 4 x 32 bytes, the p-th holding quad 2p in its low nibbles and quad 2p + 1 in its high ones (byte
+        4o + i: output o at k = 8p + i low, 8p + 4 + i high; either nibble is a whole quad for the integer
+        dot product, all 8 outputs), + 32 = 160
 The last group is padded with zero weights (q = d = m = 0). A pure reshuffle of the QuantizedWeight's bytes.
 """
 
@@ -51,9 +53,12 @@ def pack(qw: QuantizedWeight) -> PackedQuantI8Weight:
         values = torch.cat((nib & 0x0F, nib >> 4), dim=-1)  # [rows, blocks, 32]: element k of each block
     else:
         values = padded(qw.qdata.view(torch.uint8)).view(rows, blocks, BLOCK)
-    # [group, block, quad j, output o, i]: output 8g + o at k = 4j + i
-    quads = values.view(groups, LANES, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 8, 32)
-    q = quads[..., :16] | (quads[..., 16:] << 4) if qw.kind == "int4" else quads
+    if qw.kind == "int4":
+        # [group, block, p, output o, i, nibble]: output 8g + o at k = 8p + 4 nibble + i
+        pairs = values.view(groups, LANES, blocks, BLOCK // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        q = pairs[..., 0] | (pairs[..., 1] << 4)
+    else:  # [group, block, quad j, output o, i]: output 8g + o at k = 4j + i
+        q = values.view(groups, LANES, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
     parts = [q.reshape(groups, blocks, -1), per_group(qw.scales)]
     if qw.kind == "int4":
         parts.append(per_group(qw.mins))

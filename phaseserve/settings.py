@@ -168,8 +168,9 @@ SETTINGS: list[Setting] = [
     Setting("activation_quant", "PHASESERVE_ACTIVATION_QUANT", "auto", str,
             "float32 activations of quantized linears on a CPU with AVX2 + FMA: int8 (each row's 32-element "
             "blocks quantized to int8, integer dot products as llama.cpp does: faster, moves the numbers), none "
-            "(multiplied as they are), auto (none: that int8 moves perplexity less than the int4 weights do is "
-            "unproven on the default model, see docs/decisions.md); ignored for bf16 and on CUDA",
+            "(multiplied as they are), auto (int8 where float32 is the default dtype, a CPU without AVX512-BF16: "
+            "it moves perplexity less than the int4 weights do, see docs/decisions.md; none elsewhere); ignored "
+            "for bf16 and on CUDA",
             ("worker", "up"), ("none", "int8", "auto")),
     Setting("block_size", "PHASESERVE_BLOCK_SIZE", 16, int, "tokens per KV-cache block", ("worker", "up")),
     Setting("kv_cache_memory", "PHASESERVE_KV_CACHE_MEMORY", "1GiB", parse_size,

@@ -152,7 +152,8 @@ sys.path.insert(0, "tests")
 from test_model_logits import run_schedule
 
 folder, seq = sys.argv[1], json.loads(sys.argv[2])
-kept = ModelRunner(folder, dtype="float32", num_blocks=64)  # quantization auto
+# quantization auto; the activations as they are (auto's int8 at this level: tests/test_native_quant_i8.py)
+kept = ModelRunner(folder, dtype="float32", num_blocks=64, activation_quant="none")
 m = kept.model
 linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 dense = ModelRunner(folder, dtype="float32", num_blocks=64, quantization="none")
@@ -169,8 +170,8 @@ print(json.dumps({
 
 
 def test_float32_model_on_an_avx2_process_runs_the_op(tmp_path):
-    """A GGUF (Q4_1 linears, Q8_0 tied embedding) served in float32 by a process capped to AVX2: `auto` keeps
-    every linear quantized in the f32 op's layout (the lm_head int8), the bf16 op is not even loaded, the
+    """A GGUF (Q4_1 linears, Q8_0 tied embedding) served in float32 by a process capped to AVX2, float32
+    activations as they are (--activation-quant none): `auto` keeps every linear quantized in the f32 op's layout (the lm_head int8), the bf16 op is not even loaded, the
     log names the kernel, and the logits are those of the same weights dequantized to float32 (`none`)."""
     load_or_skip("quant_gemm_f32")
     from gguf_factory import write_gguf

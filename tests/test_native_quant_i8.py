@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import kernels
-from kernels import native_quant_i8, reference
+from kernels import cpu_isa, native_quant_i8, reference
 from kernels.native_quant_i8 import PackedQuantI8Weight
 from kernels.quant import QuantizedWeight, quantize
 from native_ops import load_or_skip, torch_threads
 from test_native_quant_f32 import gguf_weight, rows, weight
+from workers.quantization import Quantization, resolve_activations
 
 ROOT = Path(__file__).resolve().parent.parent
 # row counts: each tile shape (4-row tiles, and 1, 2 or 3 rows left over) at small and large counts
@@ -162,6 +163,24 @@ def test_pack_quantized_keeps_the_float32_op_unless_asked():
 
 # ---------------------------------------------------------------------- --activation-quant in a float32 model
 
+
+@pytest.mark.parametrize("level", cpu_isa.LEVELS)
+def test_auto_is_int8_at_the_avx2_level_only(monkeypatch, level):
+    """`auto` means int8 where float32 activations are the default (the avx2 level) and the op loads; none at
+    the avx512-bf16 level (bf16 is the default there; float32 asked for keeps its numbers) and below AVX2.
+    Each level as PHASESERVE_CPU_ISA caps this CPU to it (a level above this CPU's own cannot be had)."""
+    monkeypatch.setenv(cpu_isa.ENV_CAP, level)
+    if cpu_isa.level() != level:
+        pytest.skip(f"this CPU does not run the {level} level")
+    cpu = torch.device("cpu")
+    want = "int8" if level == "avx2" and kernels.int8_activations_available(torch.float32) else "none"
+    assert resolve_activations("auto", cpu, torch.float32) == want
+    assert Quantization("auto", torch.float32, cpu, "auto").activation_quant == want
+    assert resolve_activations("auto", cpu, torch.bfloat16) == "none"
+    assert resolve_activations("none", cpu, torch.float32) == "none"
+    if level == "avx2":  # the op runs on every CPU at or above this level
+        assert want == "int8"
+
 DISPATCH = """
 import json, sys
 import torch
@@ -186,7 +205,7 @@ bf16 = ModelRunner(folder, dtype="bfloat16", num_blocks=64, activation_quant="in
 out["bf16"] = bf16.model.activation_quant
 ref = logits["none"]
 out["diff_int8"] = (logits["int8"] - ref).abs().max().item()
-out["diff_auto"] = (logits["auto"] - ref).abs().max().item()
+out["auto_is_int8"] = torch.equal(logits["auto"], logits["int8"])
 out["scale"] = ref.abs().max().item()
 print(json.dumps(out))
 """
@@ -195,8 +214,8 @@ print(json.dumps(out))
 def test_activation_quant_setting_chooses_the_op_on_an_avx2_process(tmp_path):
     """A GGUF (Q4_1 linears, Q8_0 tied embedding) served in float32 by a process capped to AVX2: int8 packs
     every quantized linear for the int8-activation op and reports it in the kernels (what /health shows);
-    none keeps the float32 op; auto is none (docs/decisions.md); bf16 activations ignore int8. int8's logits
-    are close to none's but not equal."""
+    none keeps the float32 op; auto is int8 at this level (docs/decisions.md), the same logits bit for bit;
+    bf16 activations ignore int8. int8's logits are close to none's but not equal."""
     load_or_skip("quant_gemm_i8")
     from gguf_factory import write_gguf
     from model_factory import make_model
@@ -213,6 +232,7 @@ def test_activation_quant_setting_chooses_the_op_on_an_avx2_process(tmp_path):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["int8"]["i8"] and r["int8"]["kernels"]["quant_linear"] == "native avx2, int8 activations"
     assert r["none"]["f32"] and r["none"]["kernels"]["quant_linear"] == "native avx2"
-    assert r["auto"]["f32"] and r["auto"]["kernels"]["quant_linear"] == "native avx2" and r["diff_auto"] == 0
+    assert r["auto"]["i8"] and r["auto"]["kernels"]["quant_linear"] == "native avx2, int8 activations"
+    assert r["auto_is_int8"]
     assert r["bf16"] == "none"
     assert 0 < r["diff_int8"] <= 0.05 * r["scale"]

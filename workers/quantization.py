@@ -18,7 +18,8 @@ the model multiplies with: a plain tensor (Linear, bf16/fp32) or a block-quantiz
   none  multiply them as they are (fp32 sums of the unpacked weights: kernels/native/quant_gemm_f32.cpp)
   int8  quantize each row's 32-element blocks to int8 (one fp32 scale a block) and multiply in integers, as
         llama.cpp does on AVX2 (kernels/native/quant_gemm_i8.cpp): faster, and it moves the numbers
-  auto  AUTO_INT8_ACTIVATIONS at the avx2 level (docs/decisions.md says why), none elsewhere
+  auto  int8 at the avx2 level (float32 activations there; docs/decisions.md says why), none elsewhere (bf16
+        activations, or float32 asked for on a CPU whose default is bf16: those keep their numbers)
 Only where float32 activations meet quantized weights on a CPU with AVX2 + FMA; elsewhere (bf16, CUDA) int8
 is logged and ignored.
 
@@ -42,9 +43,6 @@ log = structlog.get_logger(__name__)
 
 MODES = ("none", "int8", "int4", "auto")
 ACTIVATION_MODES = ("none", "int8", "auto")
-# `auto` quantizes activations to int8 only if that moves perplexity less than the int4 weights already do
-# (docs/decisions.md has the measurement)
-AUTO_INT8_ACTIVATIONS = False
 
 
 def is_gguf_quantized(w: Any) -> bool:
@@ -74,7 +72,8 @@ def resolve_activations(requested: str, device: torch.device, dtype: torch.dtype
     if requested == "auto":
         from kernels import cpu_isa
 
-        wanted = AUTO_INT8_ACTIVATIONS and cpu_isa.level() == "avx2" and dtype == torch.float32
+        # int8 activations move perplexity less than the int4 weights they meet already do (docs/decisions.md)
+        wanted = cpu_isa.level() == "avx2" and dtype == torch.float32
         return "int8" if wanted and kernels.int8_activations_available(dtype) else "none"
     if not kernels.int8_activations_available(dtype):
         log.warning("int8 activations need float32 activations on a CPU with AVX2 + FMA: multiplying them as "

@@ -12,7 +12,7 @@
 //
 // Layout (kernels/native_quant_i8.py packs it at load): outputs in groups of 8; for each group and block, its
 // 8 quads (k = 4j .. 4j + 3), each the 8 outputs' 4 values, byte 4o + i = output o at k = 4j + i (int8: 32
-// bytes a quad; int4: 16, byte p holding quad byte p in its low nibble and byte 16 + p in its high one), then
+// bytes a quad; int4: 32 bytes a pair of quads, quad 2p in the low nibbles and 2p + 1 in the high ones), then
 // the 8 fp16 scales, then (int4) the 8 fp16 offsets. A group is one contiguous stream; the last group is
 // padded with zero weights.
 //
@@ -117,8 +117,9 @@ AVX2_FMA inline void store_group(const Packed& W, int64_t g, float* out, __m256 
 // 4j + 3) of a group's block is 32 bytes, byte 4o + i = output o at k = 4j + i, and a row's 4 values at those k
 // are broadcast against it, so vpmaddubsw's int16 lanes 2o and 2o + 1 hold output o's products and vpmaddwd
 // (with ones) gives output o's sum in int32 lane o: no horizontal sums. int4 (unsigned 0..15, vpmaddubsw's
-// unsigned operand as they are): |each int16| <= 2 x 15 x 127, so a block's quads add up in int16 without
-// overflow; int8 (up to 128 x 127 a product; |w| times x with w's sign): each quad widened to int32 at once. Every tile shape runs the same
+// unsigned operand as they are; a nibble of a 32-byte load is a whole quad, so a load, a shift and two ANDs
+// unpack 64 weights): each int16 lane sums 16 products of a block, |sum| <= 16 x 15 x 127 < 2^15, so the
+// block's 8 quads add up in int16 without overflow and one vpmaddwd a block widens them; int8 (up to 128 x 127 a product; |w| times x with w's sign): each quad widened to int32 at once. Every tile shape runs the same
 // sequence for each (row, output), so which shapes a call uses changes no bit.
 template <int BITS, int NG, int TR>
 AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, int64_t t0, float* out, int64_t ldo) {
@@ -143,17 +144,46 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
                                                                        : PREFETCH_BLOCKS + (NG - 1) * W.nblocks) * BB;
       for (int64_t line = 0; line < BB; line += 64) _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
     }
-    // int4: sum[t][g] for outputs 0-3 (lanes of k 4j.., j even in the low half, odd in the high), hi for 4-7
-    __m256i sum[TR][NG], hi[TR][NG];
+    // int4: int16 sums of the block, lanes 2o and 2o + 1 output o's; int8: int32 sums, lane o output o's
+    __m256i sum[TR][NG];
 #pragma GCC unroll 8
     for (int t = 0; t < TR; t++)
 #pragma GCC unroll 8
-      for (int g = 0; g < NG; g++) sum[t][g] = hi[t][g] = _mm256_setzero_si256();
-    if constexpr (BITS == 4) {
-      // quads 2p and 2p + 1 in one 32-byte load: low nibbles are outputs 0-3 of both, high nibbles 4-7; the
-      // row's values at k = 8p .. 8p + 3 meet the low 16 bytes, 8p + 4 .. 8p + 7 the high ones
+      for (int g = 0; g < NG; g++) sum[t][g] = _mm256_setzero_si256();
+    if constexpr (TR == 1) {
+      // one row: group by group, one chain of adds each (few registers live; the groups' chains are
+      // independent for the core to overlap), the row's broadcast values shared by every group
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq);
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; g++) {
+        __m256i s = _mm256_setzero_si256();
+        if constexpr (BITS == 4) {
+          const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+          for (int p = 0; p < BLOCK / 8; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk[g] + p * 32));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(raw, low), _mm256_set1_epi32(xr[2 * p])));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                                         _mm256_set1_epi32(xr[2 * p + 1])));
+            // keeps the chain in order: without it GCC reassociates the adds, computes every product of the
+            // tile first and spills them to the stack
+            asm("" : "+x"(s));
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int j = 0; j < BLOCK / 4; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(blk[g] + j * 32));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            asm("" : "+x"(s));
+          }
+        }
+        sum[0][g] = s;
+      }
+    } else if constexpr (BITS == 4) {
+      // quads 2p (low nibbles) and 2p + 1 (high nibbles) in one 32-byte load, unpacked once for every row;
+      // the row's values at k = 8p .. 8p + 3 broadcast against the first, 8p + 4 .. 8p + 7 against the second
       const __m256i low = _mm256_set1_epi8(0x0F);
-      const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
 #pragma GCC unroll 4
       for (int p = 0; p < BLOCK / 8; p++) {
         __m256i w0[NG], w1[NG];
@@ -165,13 +195,12 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
         }
 #pragma GCC unroll 8
         for (int t = 0; t < TR; t++) {
-          const __m256i xv = _mm256_permutevar8x32_epi32(
-              _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)(xq + t * BLOCK + 8 * p))), spread);
+          const __m256i x0 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + t * BLOCK + 8 * p));
+          const __m256i x1 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + t * BLOCK + 8 * p + 4));
 #pragma GCC unroll 8
-          for (int g = 0; g < NG; g++) {
-            sum[t][g] = _mm256_add_epi16(sum[t][g], _mm256_maddubs_epi16(w0[g], xv));
-            hi[t][g] = _mm256_add_epi16(hi[t][g], _mm256_maddubs_epi16(w1[g], xv));
-          }
+          for (int g = 0; g < NG; g++)
+            sum[t][g] = _mm256_add_epi16(sum[t][g], _mm256_add_epi16(_mm256_maddubs_epi16(w0[g], x0),
+                                                                     _mm256_maddubs_epi16(w1[g], x1)));
         }
       }
     } else {
@@ -201,11 +230,7 @@ AVX2_FMA void tile(const Packed& W, int64_t g0, const QuantRows& X, int64_t T, i
                                  : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int t = 0; t < TR; t++) {
-        __m256i S = sum[t][g];
-        if constexpr (BITS == 4) {  // [outputs 0-3 | 0-3] and [4-7 | 4-7] in int32, the halves added
-          const __m256i a = _mm256_madd_epi16(sum[t][g], ones), c = _mm256_madd_epi16(hi[t][g], ones);
-          S = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
-        }
+        const __m256i S = BITS == 4 ? _mm256_madd_epi16(sum[t][g], ones) : sum[t][g];
         acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, _mm256_broadcast_ss(xd + t)), acc[t][g]);
         if constexpr (BITS == 4) acc[t][g] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + t), acc[t][g]);
       }
@@ -232,8 +257,8 @@ AVX2_FMA void gemm(const Packed& W, const QuantRows& X, int64_t T, float* out, i
     for (int64_t c = begin; c < end; c += CHUNK_GROUPS) {
       const int64_t c_end = std::min(c + CHUNK_GROUPS, end);
       // tiles of rows x groups: enough running sums in flight (the fma chain's latency), a quad's weights
-      // unpacked once for every row of the tile, within the 16 ymm registers (int4 keeps two int16 sums a row
-      // and group); the chunk's weights stay in cache while every row tile passes over them
+      // unpacked once for every row of the tile, within the 16 ymm registers; the chunk's weights stay in cache
+      // while every row tile passes over them
       int64_t t0 = 0;
       for (; t0 + 4 <= T; t0 += 4) rows<BITS, 1, 4>(W, c, c_end, X, T, t0, out, ldo);
       if (T - t0 == 3) rows<BITS, 1, 3>(W, c, c_end, X, T, t0, out, ldo);
