@@ -43,6 +43,16 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def parse_itl_target_arg(text: str | ItlTarget) -> ItlTarget:
     try:
         return parse_itl_target(text)
@@ -222,9 +232,12 @@ SETTINGS: list[Setting] = [
             "measured steps: a ratio of the predicted decode-only step at that batch (e.g. 1.5x) or "
             "milliseconds (e.g. 80ms); the chunks of long prompts (over --long-prefill-threshold) get only "
             "what is left under it, so they wait (their TTFT grows) instead of the streams' inter-token "
-            "latency, for at most 15 s of predicted step time from the start of their prefill (then only "
-            "the token budget and the long cap bound them, so no prompt starves); off = no bound",
+            "latency, for at most --itl-patience from the start of their prefill; off = no bound",
             ("scheduler", "up")),
+    Setting("itl_patience", "PHASESERVE_ITL_PATIENCE", 15.0, nonnegative_float,
+            "seconds of predicted step time the ITL target may hold a long prompt's prefill back; past it only "
+            "the token budget and the long cap bound its chunks, so no prompt starves beside a few streams; keep "
+            "it well under --request-progress-timeout", ("scheduler", "up")),
     Setting("speculative_config", "PHASESERVE_SPECULATIVE_CONFIG", None, parse_speculative_config_arg,
             "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
             "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}, or {\"method\": \"draft_model\", \"model\": "

@@ -105,6 +105,7 @@ class PolicyLimits:
     # else Redis), "shm" or "redis"
     kv_transport: str = "auto"
     itl_target: ItlTarget = field(default_factory=ItlTarget)  # see SchedulerConfig; off: no bound
+    itl_patience_s: float = 15.0  # see SchedulerConfig
     enable_prefix_caching: bool = True  # see SchedulerConfig
 
 
@@ -180,7 +181,8 @@ class Cluster:
             attention_horizon=info.attention_horizon if self.limits.attention_horizon is None
             else self.limits.attention_horizon,
             long_prefill_threshold=self.limits.long_prefill_threshold,
-            itl_target=self.limits.itl_target, vocab_size=info.vocab_size,
+            itl_target=self.limits.itl_target, itl_patience_s=self.limits.itl_patience_s,
+            vocab_size=info.vocab_size,
             enable_prefix_caching=self.limits.enable_prefix_caching,
             speculative_tokens=info.speculative_tokens, speculative_adaptive=not info.speculative_fixed,
         )

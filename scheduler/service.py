@@ -406,7 +406,8 @@ async def serve(args) -> None:
     client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold, kv_transport=args.kv_transport,
-                          itl_target=args.itl_target, enable_prefix_caching=args.enable_prefix_caching)
+                          itl_target=args.itl_target, itl_patience_s=args.itl_patience,
+                          enable_prefix_caching=args.enable_prefix_caching)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
                                resume_grace=args.resume_grace, drain_timeout=args.drain_timeout,

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from phaseserve import settings
-from phaseserve.wire import ScheduledChunk
+from phaseserve.wire import Keys, ScheduledChunk, WorkerInfo
 from scheduler.budget import chunk_cost
+from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.step_cost import (ItlTarget, StepCostModel, StepCosts, chunk_keys, parse_itl_target,
                                  plan_features)
 
@@ -131,6 +132,20 @@ def test_itl_target_setting_default_and_clear_error(capsys):
         parser.parse_args(["--itl-target", "soon"])
     err = capsys.readouterr().err
     assert "expected a ratio like 1.5x" in err and "Traceback" not in err
+
+
+def test_itl_patience_setting_reaches_the_policy_and_rejects_a_negative(capsys):
+    assert settings.parse("scheduler", []).itl_patience == 15.0
+    args = settings.parse("up", ["--itl-patience", "4.5"])
+    cluster = Cluster(Keys("t"), PolicyLimits(itl_patience_s=args.itl_patience))
+    slot = cluster.add_worker(WorkerInfo("w0", "mixed", "m", 64, 16, 2048), epoch=1)
+    assert slot.policy.config.itl_patience_s == 4.5
+    parser = argparse.ArgumentParser(prog="phaseserve scheduler")
+    settings.add_arguments(parser, "scheduler")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--itl-patience", "-1"])
+    err = capsys.readouterr().err
+    assert "must be >= 0" in err and "Traceback" not in err
 
 
 def test_an_implausible_fit_is_not_believed():
