@@ -8,8 +8,10 @@ A step on every core also pays for the rest of the service (gateway, scheduler, 
 per step lands on the model's cores and stalls its threads at every barrier); with a core kept free it
 runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins unless its
 step is longer than the all-cores step plus that service time. The answer is cached in
-`<cache dir>/threads.json` (keyed by CPU, core count and model files) and kept: a busy machine during the
-timing is said in the reason, not a reason to time again on every start. Where the model cannot be timed
+`<cache dir>/threads.json` (keyed by CPU, core count and model files) and kept, unless other processes kept
+the machine busy during the timing: contended threads time slower, so such an answer is used for this start
+only and the next start times again (an answer kept from a busy timing once held a 2-core worker to one
+thread that a quiet machine timed 1.7x faster on two). Where the model cannot be timed
 (or the child overruns PROBE_TIMEOUT_S) the choice is by model size, and cached as well. The launcher's
 core split and the worker it starts read the same answer. This module imports no torch itself: the
 launcher must not pay for it.
@@ -121,7 +123,9 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
     else:
         choice = choose_threads(step_s, cores, service_cpu_per_step())
         if others > BUSY_MACHINE_CORES:
-            choice.reason += f"; other processes used {others:.1f} cores meanwhile"
+            choice.reason += f"; other processes used {others:.1f} cores meanwhile: not kept, timed again next start"
+            log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)
+            return choice
     write_cache(key, {"threads": choice.threads, "reason": choice.reason,
                       "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
     log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)

@@ -52,7 +52,7 @@ def test_service_cpu_scales_with_batch_and_with_how_fast_the_machine_runs_python
 
 def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", -1.0)  # as if other processes were busy: kept all the same
+    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", float("inf"))  # whatever else runs: a quiet timing
     model = make_model(tmp_path, "llama", "bfloat16")
     step_s, others = cpus.probe(str(model), [1, 2])
     assert set(step_s) == {1, 2} and all(0 < t < 5 for t in step_s.values()) and others >= 0
@@ -65,15 +65,30 @@ def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     # the launcher and then its worker ask: the second answer is read, not timed again
     entry["threads"] = 3 - first.threads
     (tmp_path / "cache" / "threads.json").write_text(json.dumps(cache))
+    monkeypatch.setattr(cpus, "probe", lambda *a: pytest.fail("timed again"))
     again = cpus.thread_choice(0, str(model), cores=2)
     assert again.threads == 3 - first.threads and "measured 20" in again.reason
     assert cpus.worker_threads(0, str(model), cores=2) == again.threads  # the launcher's call
-    assert "other processes used" in entry["reason"] and "expires_at" not in entry  # busy, and kept
-    # an entry from a version that let busy answers expire: kept too
+    # an entry from a version that let busy answers expire: kept
     entry.update(expires_at=time.time() - 1)
     (tmp_path / "cache" / "threads.json").write_text(json.dumps(cache))
-    monkeypatch.setattr(cpus, "probe", lambda *a: pytest.fail("timed again"))
     assert cpus.thread_choice(0, str(model), cores=2).threads == 3 - first.threads
+
+
+def test_a_timing_on_a_busy_machine_is_used_once_not_kept(tmp_path, monkeypatch):
+    """Contended threads time slower: an answer timed while other processes were busy would hold the worker
+    to it on every later start, however quiet the machine."""
+    monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", -1.0)  # as if other processes were busy
+    model = make_model(tmp_path, "llama", "bfloat16")
+    busy = cpus.thread_choice(0, str(model), cores=2)
+    assert busy.threads in (1, 2) and "not kept, timed again next start" in busy.reason
+    assert not (tmp_path / "cache" / "threads.json").exists()
+    monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", float("inf"))  # quiet now: timed again, and kept
+    quiet = cpus.thread_choice(0, str(model), cores=2)
+    assert "other processes" not in quiet.reason
+    (entry,) = json.loads((tmp_path / "cache" / "threads.json").read_text()).values()
+    assert entry["threads"] == quiet.threads
 
 
 def test_a_model_that_cannot_be_timed_in_time_is_chosen_by_size_once(tmp_path, monkeypatch):
