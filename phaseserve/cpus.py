@@ -191,7 +191,10 @@ def cache_path() -> Path:
 def cache_key(model_dir: str, files: list[Path], cores: int) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown")
     stamp = ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
-    return f"{cpu}|{cores} cores|{Path(model_dir).resolve()}|{stamp}"
+    # a CPU level cap (kernels/cpu_isa.py) runs other kernels and dtype: a step of its own to time
+    cap = os.environ.get("PHASESERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    level = "" if cap == "auto" else f"|level cap {cap}"
+    return f"{cpu}|{cores} cores{level}|{Path(model_dir).resolve()}|{stamp}"
 
 
 def _cpuinfo() -> list[str]:

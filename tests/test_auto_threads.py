@@ -145,3 +145,18 @@ def test_the_worker_sets_and_logs_the_choice(tmp_path, monkeypatch):
         assert "set" in next(e for e in logs if e["event"] == "worker threads")["reason"]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cpu_level_cap_has_a_thread_choice_of_its_own(tmp_path, monkeypatch):
+    """Capped to a lower level the worker runs other kernels (and float32): the native level's timing is not
+    its answer, and the uncapped key stays what it was."""
+    model = make_model(tmp_path, "llama", "bfloat16")
+    files = cpus.model_files(str(model))
+    monkeypatch.delenv("PHASESERVE_CPU_ISA", raising=False)
+    native = cpus.cache_key(str(model), files, 2)
+    monkeypatch.setenv("PHASESERVE_CPU_ISA", "avx2")
+    capped = cpus.cache_key(str(model), files, 2)
+    assert capped != native and "level cap avx2" in capped and "level cap" not in native
+    monkeypatch.setenv("PHASESERVE_CPU_ISA", "auto")
+    assert cpus.cache_key(str(model), files, 2) == native
+
