@@ -11,24 +11,17 @@ decode parts, so a cell whose wall time is mostly `prefill` cannot gain much fro
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
+
+from bench.step_trace import read_steps
 
 
 def read_step_lines(path) -> list[dict]:
-    """The worker's step lines of a JSON log, each with `t`: its wall time in seconds (the step's end)."""
-    steps = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            if not line.startswith("{") or '"step_ms"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("event") == "step" and "timestamp" in rec:
-                rec["t"] = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
-                steps.append(rec)
+    """The worker's step lines of a JSON log (bench/step_trace.read_steps), each with `t`: its wall time in
+    seconds (the step's end)."""
+    steps = [s for s in read_steps(path) if "timestamp" in s]
+    for s in steps:
+        s["t"] = datetime.fromisoformat(s["timestamp"].replace("Z", "+00:00")).timestamp()
     return steps
 
 

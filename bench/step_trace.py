@@ -34,7 +34,7 @@ class Group:
 
 def read_steps(path: str) -> list[dict]:
     steps = []
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             if not line.startswith("{"):
                 continue

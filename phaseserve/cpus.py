@@ -114,6 +114,7 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
     counts = [cores - 1, cores]
     log.info("timing the model on different thread counts (once for this model and machine)",
              model=model_dir, threads=counts, budget_s=PROBE_BUDGET_S)
+    keep = True
     try:
         step_s, others = probe(model_dir, counts)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
@@ -124,10 +125,10 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         choice = choose_threads(step_s, cores, service_cpu_per_step())
         if others > BUSY_MACHINE_CORES:
             choice.reason += f"; other processes used {others:.1f} cores meanwhile: not kept, timed again next start"
-            log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)
-            return choice
-    write_cache(key, {"threads": choice.threads, "reason": choice.reason,
-                      "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+            keep = False
+    if keep:
+        write_cache(key, {"threads": choice.threads, "reason": choice.reason,
+                          "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
     log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)
     return choice
 

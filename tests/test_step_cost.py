@@ -126,12 +126,17 @@ def test_itl_target_setting_default_and_clear_error(capsys):
     args = settings.parse("scheduler", [])
     assert args.itl_target == ItlTarget(ratio=1.3)
     assert settings.parse("up", ["--itl-target", "60ms"]).itl_target == ItlTarget(ms=60.0)
+    err = scheduler_usage_error(capsys, "--itl-target", "soon")
+    assert "expected a ratio like 1.5x" in err and "Traceback" not in err
+
+
+def scheduler_usage_error(capsys, *argv: str) -> str:
+    """What `phaseserve scheduler` prints on stderr for a command line it refuses."""
     parser = argparse.ArgumentParser(prog="phaseserve scheduler")
     settings.add_arguments(parser, "scheduler")
     with pytest.raises(SystemExit):
-        parser.parse_args(["--itl-target", "soon"])
-    err = capsys.readouterr().err
-    assert "expected a ratio like 1.5x" in err and "Traceback" not in err
+        parser.parse_args(list(argv))
+    return capsys.readouterr().err
 
 
 def test_itl_patience_setting_reaches_the_policy_and_rejects_a_negative(capsys):
@@ -140,11 +145,7 @@ def test_itl_patience_setting_reaches_the_policy_and_rejects_a_negative(capsys):
     cluster = Cluster(Keys("t"), PolicyLimits(itl_patience_s=args.itl_patience))
     slot = cluster.add_worker(WorkerInfo("w0", "mixed", "m", 64, 16, 2048), epoch=1)
     assert slot.policy.config.itl_patience_s == 4.5
-    parser = argparse.ArgumentParser(prog="phaseserve scheduler")
-    settings.add_arguments(parser, "scheduler")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--itl-patience", "-1"])
-    err = capsys.readouterr().err
+    err = scheduler_usage_error(capsys, "--itl-patience", "-1")
     assert "must be >= 0" in err and "Traceback" not in err
 
 
