@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
 
     inp, _ = r._inputs(chunk())
     g = inp.groups[0]
+    # whether decode steps run each layer in one native call (kernels.decode_layer) here
+    one_call = m._decode_in_one_call(inp, torch.empty(1, 1, dtype=m.dtype), r.kv)
     dt = m.dtype
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     x_h, x_i, x_2i = torch.randn(1, hidden, dtype=dt), torch.randn(1, inter, dtype=dt), torch.randn(1, 2 * inter, dtype=dt)
@@ -86,8 +88,26 @@ def main(argv: list[str] | None = None) -> None:
             kernels.paged_attention(q_only, r.kv.k[i], r.kv.v[i], g.block_tables, g.seq_lens, g.query_start_loc,
                                     layer.scale, g.max_query_len)
 
-    parts = {"step (runner.execute)": lambda: qb._exec(chunks=chunk()),
-             "forward": lambda: m.forward(inp, r.kv, fp32=False),
+    def op_by_op(fn):  # fn with the model's layers run one op at a time (the path before decode_layer)
+        def run():
+            m._layer_in_one_call = False
+            try:
+                fn()
+            finally:
+                m._layer_in_one_call = one_call
+        return run
+
+    def one_call_layers():
+        for i, layer in enumerate(layers):
+            layer.decode(x_h, res, inp, m.cos_sin_cache, r.kv.k[i], r.kv.v[i])
+
+    step = lambda: qb._exec(chunks=chunk())  # noqa: E731
+    forward = lambda: m.forward(inp, r.kv, fp32=False)  # noqa: E731
+    parts = {f"step (runner.execute){', each layer in one call' if one_call else ''}": step,
+             **({"step, layers op by op": op_by_op(step)} if one_call else {}),
+             f"forward{', each layer in one call' if one_call else ''}": forward,
+             **({"forward, layers op by op": op_by_op(forward),
+                 "layers in one call each (decode_layer) x layers": one_call_layers} if one_call else {}),
              f"{4 * len(layers)} layer linears": linears, "lm_head": lambda: m.lm_head(x_h),
              "layer ops (2 rms_norm, silu_and_mul) x layers": layer_ops, "rotary + KV write x layers": rotary,
              "attention x layers": attention}
@@ -108,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
             layer.qkv, layer.o = stub((1, qkv.shape[1])), stub((1, hidden))
             layer.gate_up, layer.down = stub((1, 2 * inter)), stub((1, hidden))
         m.lm_head = stub((1, r.vocab_size))
-        saved = {n: getattr(kernels, n) for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul")}
+        saved = {n: getattr(kernels, n)
+                 for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul", "decode_layer")}
         try:
+            kernels.decode_layer = lambda *a: (x_h, res)
             kernels.rms_norm = lambda *a: (x_h, res)
             kernels.rotary_and_write_kv = lambda pos, q, k, *a: (q, k)
             kernels.paged_attention = lambda q, *a: q
@@ -125,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| part | ms | / floor |\n| --- | --: | --: |")
     for name, t in times.items():
         print(f"| {name} | {t * 1e3:.3f} | {t / floor:.2f}x |")
+    for name in [n for n in times if n.startswith("step")]:
+        print(f"{name}: {times[name] / floor:.2f}x the floor at {bw / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
