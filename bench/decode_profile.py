@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
              **({"step, layers op by op": op_by_op(step)} if one_call else {}),
              f"forward{', each layer in one call' if one_call else ''}": forward,
              **({"forward, layers op by op": op_by_op(forward),
+                 "every layer in one call (DecodeLayers)": lambda: m._decode_layers(
+                     x_h, inp.positions, m.cos_sin_cache, r.kv.k, r.kv.v, inp.slot_mapping, g.block_tables,
+                     g.seq_lens),
                  "layers in one call each (decode_layer) x layers": one_call_layers} if one_call else {}),
              f"{4 * len(layers)} layer linears": linears, "lm_head": lambda: m.lm_head(x_h),
              "layer ops (2 rms_norm, silu_and_mul) x layers": layer_ops, "rotary + KV write x layers": rotary,
@@ -120,25 +123,18 @@ def main(argv: list[str] | None = None) -> None:
             for name, fn in parts.items():
                 times[name] = min(times[name], best(fn))
         # the forward with every op stubbed out: the Python around the ops
-        class Stub:  # a linear returning zeros, its weight kept (what decode_layer's caller reads)
-            def __init__(self, lin, shape):
-                self.weight, self.out = lin.weight, torch.zeros(shape, dtype=dt)
-
-            def __call__(self, *a):
-                return self.out
-
         def stub(shape):
             out = torch.zeros(shape, dtype=dt)
             return lambda *a: out
 
         for layer in layers:
-            layer.qkv, layer.o = Stub(layer.qkv, (1, qkv.shape[1])), Stub(layer.o, (1, hidden))
-            layer.gate_up, layer.down = Stub(layer.gate_up, (1, 2 * inter)), Stub(layer.down, (1, hidden))
+            layer.qkv, layer.o = stub((1, qkv.shape[1])), stub((1, hidden))
+            layer.gate_up, layer.down = stub((1, 2 * inter)), stub((1, hidden))
         m.lm_head = stub((1, r.vocab_size))
         saved = {n: getattr(kernels, n)
-                 for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul", "decode_layer")}
+                 for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul")}
         try:
-            kernels.decode_layer = lambda *a: (x_h, res)
+            m._decode_layers = lambda *a: (x_h, res)
             kernels.rms_norm = lambda *a: (x_h, res)
             kernels.rotary_and_write_kv = lambda pos, q, k, *a: (q, k)
             kernels.paged_attention = lambda q, *a: q

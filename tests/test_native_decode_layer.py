@@ -97,13 +97,13 @@ def test_one_call_is_the_ops_one_by_one(level, model_dir, kind, lengths):
 
 
 def test_decode_steps_take_it_with_the_same_logits(level, model_dir, monkeypatch):
-    """A runner's decode steps run each layer in one call, its mixed steps one op at a time; a decode step's
-    logits are the same either way."""
+    """A runner's decode steps run every layer in one call (kernels.DecodeLayers: decode_layer per layer), its
+    mixed steps one op at a time; a decode step's logits are the same either way."""
     runner = make_runner(model_dir, "int4")
     m = runner.model
     calls = []
-    real = kernels.decode_layer
-    monkeypatch.setattr(kernels, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    real = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda *a: calls.append(1) or real(*a))
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     table = list(range(8))
     prompt = list(range(3, 103))
@@ -114,7 +114,7 @@ def test_decode_steps_take_it_with_the_same_logits(level, model_dir, monkeypatch
     assert calls == []
     decodes = [ScheduledChunk("a", 101, 1, table), ScheduledChunk("b", 40, 1, list(range(8, 16)))]
     runner.execute(StepPlan(2, "w", [], decodes))
-    assert len(calls) == len(m.layers)
+    assert len(calls) == 1  # every layer in one call
     inp, _ = runner._inputs([ScheduledChunk("a", 102, 1, table), ScheduledChunk("b", 41, 1, list(range(8, 16)))])
     for threads in (1, 2):
         with torch_threads(threads):

@@ -176,9 +176,9 @@ def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, monkeypat
     ran = kernels.native.implementations(("attention", "layer_ops"), getattr(torch, dtype))
     assert all(v == f"native {level}" for v in ran.values()), ran  # the level's native ops, no torch fallback
 
-    one_call = []  # decode steps' layers run in one native call (kernels.decode_layer), counted
-    decode_layer = kernels.decode_layer
-    monkeypatch.setattr(kernels, "decode_layer", lambda *a: one_call.append(1) or decode_layer(*a))
+    one_call = []  # decode steps whose layers ran in one native call (kernels.DecodeLayers), counted
+    decode_layers = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda *a: one_call.append(1) or decode_layers(*a))
     for threads in (1, 2):
         with torch_threads(threads):
             paths, seq_of = _paths(tokens, other, bs)

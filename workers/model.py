@@ -185,8 +185,9 @@ class LlamaFamilyModel:
         if unused:
             log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])
         self.cos_sin_cache = build_cos_sin_cache(cfg, max_positions, self.device)
-        # whether decode steps run each layer in one call (kernels.decode_layer): decided on the first decode
+        # whether decode steps run every layer in one call (kernels.DecodeLayers): decided on the first decode
         self._layer_in_one_call: bool | None = None
+        self._decode_layers: kernels.DecodeLayers | None = None
 
     def _decode_in_one_call(self, inp: StepInputs, h: torch.Tensor, kv: KVCache) -> bool:
         """True for a decode step (one attention group, one query per sequence) of a model whose layers all take
@@ -201,6 +202,12 @@ class LlamaFamilyModel:
                 and self.cos_sin_cache.dtype == torch.float32
                 and all(layer.takes_decode_layer() for layer in self.layers)
                 and kernels.decode_layer_available(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+            if self._layer_in_one_call:
+                layers = self.layers
+                self._decode_layers = kernels.DecodeLayers(
+                    [(lay.input_norm, lay.post_attn_norm, (lay.qkv.weight, lay.o.weight, lay.gate_up.weight,
+                                                           lay.down.weight)) for lay in layers],
+                    cfg.rms_norm_eps, layers[0].scale, cfg.num_heads)
         return self._layer_in_one_call
 
     @torch.inference_mode()
@@ -208,10 +215,14 @@ class LlamaFamilyModel:
         """Logits [R, vocab] for the rows in `inp.logits_indices`: in fp32, or with fp32=False as the lm_head
         gives them (the activations' dtype; the sampler upcasts only what it needs, a greedy batch nothing)."""
         h = embed(self.embed, inp.input_ids, self.dtype)
-        residual = None
-        run = DecoderLayer.decode if self._decode_in_one_call(inp, h, kv) else DecoderLayer.forward
-        for i, layer in enumerate(self.layers):
-            h, residual = run(layer, h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
+        if self._decode_in_one_call(inp, h, kv):  # every layer in one native call: the same bits
+            g = inp.groups[0]
+            h, residual = self._decode_layers(h, inp.positions, self.cos_sin_cache, kv.k, kv.v, inp.slot_mapping,
+                                              g.block_tables, g.seq_lens)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
         # only the rows that sample need the final norm and the (large) lm_head GEMM; when every row
         # samples (a decode step) the indices are 0..T-1 and need no gather
         rows = inp.logits_indices

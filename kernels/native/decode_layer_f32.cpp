@@ -15,8 +15,11 @@
 // dispatcher, the Python around each op and a tensor per intermediate; those live in scratch reused across
 // calls. No biases (the caller keeps the separate ops for a linear with one).
 //
+// decode_layers runs every layer of the step in one call (what the model calls; one boxed call from Python a
+// step instead of one a layer).
+//
 // Built against torch's stable ABI. Registered as torch.ops.phaseserve_decode_layer_f32.{decode_layer,
-// supported}.
+// decode_layers, supported}.
 
 #pragma GCC optimize("fp-contract=off")  // as the separate ops' files: only the FMAs written out
 
@@ -232,6 +235,31 @@ std::tuple<Tensor, Tensor> decode_layer(Tensor h, std::optional<Tensor> residual
   return {out, r2};
 }
 
+// Every layer of a decode step in one call: decode_layer for layer i on input_norms[i], post_norms[i],
+// weights[4i .. 4i + 3] (qkv, o, gate_up, down; their bits alike) and the caches k_caches[i], v_caches[i], the
+// first without a residual. Returns the last layer's (h, residual). What is left per layer is that function's
+// checks and two outputs, not a boxed call from Python.
+std::tuple<Tensor, Tensor> decode_layers(Tensor h, std::vector<Tensor> input_norms, std::vector<Tensor> post_norms,
+                                         double eps, std::vector<Tensor> weights, std::vector<int64_t> bits,
+                                         Tensor positions, Tensor cos_sin, std::vector<Tensor> k_caches,
+                                         std::vector<Tensor> v_caches, Tensor slots, Tensor block_tables,
+                                         Tensor seq_lens, double scale, int64_t num_heads, int64_t torch_block) {
+  const size_t n = input_norms.size();
+  STD_TORCH_CHECK(n > 0 && post_norms.size() == n && weights.size() == 4 * n && bits.size() == 4 * n &&
+                      k_caches.size() == n && v_caches.size() == n,
+                  "decode_layers: per layer two norms, four weights and their bits, a K and a V cache");
+  std::optional<Tensor> residual;
+  for (size_t i = 0; i < n; i++) {
+    auto [out, r] = decode_layer(h, residual, input_norms[i], post_norms[i], eps, weights[4 * i], bits[4 * i],
+                                 weights[4 * i + 1], bits[4 * i + 1], weights[4 * i + 2], bits[4 * i + 2],
+                                 weights[4 * i + 3], bits[4 * i + 3], positions, cos_sin, k_caches[i], v_caches[i],
+                                 slots, block_tables, seq_lens, scale, num_heads, torch_block);
+    h = out;
+    residual = r;
+  }
+  return {h, *residual};
+}
+
 bool supported() { return cpu_supports_avx2_fma(); }
 
 }  // namespace
@@ -241,11 +269,15 @@ STABLE_TORCH_LIBRARY(phaseserve_decode_layer_f32, m) {
         "int qkv_bits, Tensor o, int o_bits, Tensor gate_up, int gate_up_bits, Tensor down, int down_bits, "
         "Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "Tensor block_tables, Tensor seq_lens, float scale, int num_heads, int torch_block) -> (Tensor, Tensor)");
+  m.def("decode_layers(Tensor h, Tensor[] input_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
+        "int[] bits, Tensor positions, Tensor cos_sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, "
+        "Tensor block_tables, Tensor seq_lens, float scale, int num_heads, int torch_block) -> (Tensor, Tensor)");
   m.def("supported() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_decode_layer_f32, CPU, m) {
   m.impl("decode_layer", TORCH_BOX(&decode_layer));
+  m.impl("decode_layers", TORCH_BOX(&decode_layers));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_decode_layer_f32, CompositeExplicitAutograd, m) {
