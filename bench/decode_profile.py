@@ -1,6 +1,8 @@
 """Where a batch-1 decode step's time goes: the step, its forward pass, and the forward's parts run alone in the
 step's order (the quantized linears, the lm_head, the layer ops, rotary + KV write, attention), then the forward
-with its ops stubbed out (what is left: the Python around them).
+with its ops stubbed out (what is left: the Python around them). Where the model runs a decode step's layers in
+one native call (kernels.DecodeLayers), the step and the forward are timed that way and with the layers op by op
+(the path before it), rounds alternating, and the layers in one call alone.
 
     python -m bench.decode_profile [--model smollm2] [--dtype float32] [--activation-quant int8] [--threads 1]
                                    [--rounds 4]
