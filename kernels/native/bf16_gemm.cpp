@@ -1,25 +1,31 @@
 // y = x @ W^T (+ bias) for a bf16 W, bf16 activations, for CPUs with AVX512-BF16: the linears of a bf16
-// model, at every row count (decode steps of a few rows, prefill chunks of hundreds).
+// model, at every row count (decode steps of a few rows, prefill chunks of hundreds). Two multiplies over
+// one layout: AMX tiles where the CPU has AMX-BF16 (Sapphire Rapids and later; the AMX section below), else
+// vdpbf16ps (Zen 4). A CPU runs one of them at every row count, never both: their sums round differently in
+// a few outputs, and one numerics wants a row's bits the same whatever the rows beside it.
 //
 // Built against torch's stable ABI (torch/csrc/stable): a few seconds to compile, no ATen headers.
-// Registered as torch.ops.phaseserve_bf16_gemm.{bf16_linear, supported}.
+// Registered as torch.ops.phaseserve_bf16_gemm.{bf16_linear, supported, amx}.
 //
 // Layout (kernels/native_bf16.py packs it once at load, a pure reshuffle): output rows in groups of 16,
 // for each group its k-pairs in order, each one zmm of bf16 pairs (lane i = output 16g + i, k and k + 1),
 // zero-padded to whole groups and pairs: [groups, K / 2, 32]. A group is one contiguous stream of
 // 32 K bytes. A k-pair multiplies a broadcast pair of activations (vdpbf16ps), so each accumulator
-// holds 16 outputs and needs no horizontal sum.
+// holds 16 outputs and needs no horizontal sum; 16 consecutive k-pairs of a group are one AMX B tile.
 //
-// Work: the groups are cut into chunks of ~256 KB; a chunk (taken by one thread) runs every row tile
-// (up to 24 accumulators: 4 groups x up to 6 rows, or 2 groups x up to 12 rows) over its groups, so its
-// weights come from DRAM once and from L2 for the other row tiles. Every tile prefetches its groups'
-// streams 32 lines ahead into L1; with several row tiles, the tiles of a chunk also prefetch the *next*
-// chunk into L2, spread evenly over them: DRAM keeps streaming while the later row tiles run from cache
-// (else memory and compute add up instead of overlapping: 16 rows took ~1.4x as long without it).
+// Work (both multiplies): the groups are cut into chunks of ~256 KB; a chunk (taken by one thread) runs
+// every row tile over its groups, so its weights come from DRAM once and from L2 for the other row tiles.
+// vdpbf16ps: up to 24 accumulators, 4 groups x up to 6 rows, or 2 groups x up to 12 rows (AMX: 2 groups x
+// up to 32 rows in four C tiles). Every tile prefetches its groups' streams ahead into L1; with several row
+// tiles, the tiles of a chunk also prefetch the *next* chunk into L2, spread evenly over them: DRAM keeps
+// streaming while the later row tiles run from cache (else memory and compute add up instead of
+// overlapping: 16 rows took ~1.4x as long without it).
 //
-// Every output sums its k-pairs in order 0, 1, ... in one fp32 accumulator, then adds the bias and rounds
-// to bf16 once; no tile shape, row count or thread count changes that order, so a row's result does not
-// depend on the rows beside it or on the threads (batch invariance).
+// Every output sums its k-pairs in order 0, 1, ... in one fp32 accumulator (AMX: tdpbf16ps's own order
+// within a k-tile of 16 pairs, the k-tiles in order, the partial one last), then adds the bias and rounds
+// to bf16 once; no tile shape, row count or thread count changes that order (threads split groups and row
+// blocks, never K), so a row's result does not depend on the rows beside it or on the threads (batch
+// invariance).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
