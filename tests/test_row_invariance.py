@@ -82,13 +82,14 @@ def test_bf16_linear():
 def test_bf16_linear_each_multiply(amx):
     """bf16_gemm.cpp's two multiplies, each forced through its amx argument: vdpbf16ps (CPUs without AMX)
     and AMX tiles (what a CPU with AMX-BF16 runs at every row count). K odd and not a multiple of 32 (a
-    partial k-tile), N not a multiple of 16 (a partial group and an odd group count), and enough groups for
-    three chunks, which 2 threads split; with a bias."""
+    partial k-tile), N not a multiple of 16 (a partial group and an odd group count), enough groups for
+    several chunks, which 2 threads split, and K wide enough that the longest calls' activations pass 1 MB
+    (AMX's larger chunks from 225 rows on); with a bias."""
     ops = load_or_skip("bf16_gemm")
     if amx:
         amx_or_skip(ops)
     g = torch.Generator().manual_seed(9)
-    n, k = 790, 333
+    n, k = 790, 2333
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     packed = kernels.pack_bf16_linear(w)

@@ -183,6 +183,7 @@ AVX512_BF16 void gemm(const Packed& W, const Rows& R, int64_t T) {
 constexpr int64_t KT = 16;                    // k-pairs per k-tile (64 bytes of an A row)
 constexpr int64_t BTILE = KT * 2 * GROUP;     // bf16 of one B tile (1 KB)
 constexpr int64_t AMX_NEAR_LINES = 64;        // how far ahead (k-pair lines) a B stream is prefetched
+constexpr int64_t AMX_BIG_ROWS_BYTES = 1 << 20;  // activations past this take larger chunks
 
 #define AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -370,8 +371,10 @@ AMX_BF16 void amx_chunk(Tiles& tiles, const Packed& W, int64_t c0, int64_t c1, i
 
 AMX_BF16 void amx_gemm(const Packed& W, const Rows& R, int64_t T) {
   const int64_t group_bytes = W.kpairs * LINE;
-  // whole pairs of groups per chunk, ~CHUNK_BYTES of weights
-  const int64_t chunk = 2 * std::max<int64_t>(1, CHUNK_BYTES / (2 * group_bytes));
+  // whole pairs of groups per chunk, ~CHUNK_BYTES of weights; where the activations outgrow L2 beside
+  // them, each chunk reads them all again from L3, so larger chunks (4x) read them fewer times
+  const int64_t chunk_bytes = T * R.K * 2 > AMX_BIG_ROWS_BYTES ? 4 * CHUNK_BYTES : CHUNK_BYTES;
+  const int64_t chunk = 2 * std::max<int64_t>(1, chunk_bytes / (2 * group_bytes));
   const int64_t chunks = (W.groups + chunk - 1) / chunk;
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     Tiles tiles;  // this thread's tile configuration, released when its share is done
