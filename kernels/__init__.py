@@ -5,7 +5,8 @@ Callers import the ops from here and never choose an implementation themselves. 
 (kernels/native) run on CPU for attention (decode and prefill chunks), a layer's elementwise work
 (rms_norm, silu_and_mul, rotary_and_write_kv) and the greedy argmax: in bf16 where the CPU has AVX512-BF16
 (decode_attention.cpp, extend_attention.cpp, layer_ops.cpp), in float32 where it has AVX2 + FMA
-(attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp) and matmuls
+(attention_f32.cpp, layer_ops_f32.cpp); and for bf16 linears (kernels/native/bf16_gemm.cpp, on AMX tiles
+where the CPU has AMX-BF16) and matmuls
 with quantized weights (bf16 activations on AVX512-BF16: quant_gemm.cpp; float32 on AVX2 + FMA:
 quant_gemm_f32.cpp, or with the activations quantized to int8 in the op, where a model asks for it:
 quant_gemm_i8.cpp). kernels/cpu_isa.py says what the CPU runs (PHASESERVE_CPU_ISA caps it); set
@@ -479,7 +480,10 @@ _bf16_gemm_choice: dict[None, object | None] = {}  # the loaded native ops or No
 def _native_bf16_gemm():
     if None in _bf16_gemm_choice:  # the hot path: every bf16 linear
         return _bf16_gemm_choice[None]
-    return _choose(_bf16_gemm_choice, None, "bf16_gemm", None, "CPU bf16 linear", "torch (oneDNN)")
+    ops = _choose(_bf16_gemm_choice, None, "bf16_gemm", None, "CPU bf16 linear", "torch (oneDNN)")
+    if ops is not None:  # the op's multiply, the same at every row count: AMX tiles where the CPU has them
+        log.info("CPU bf16 linear multiply", multiply="AMX tiles" if ops.amx() else "vdpbf16ps")
+    return ops
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> PackedBf16Weight | None:
@@ -495,7 +499,8 @@ def pack_bf16_linear(weight: torch.Tensor) -> PackedBf16Weight | None:
 
 def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] bf16 @ W.T + bias for W from pack_bf16_linear: [T, out] bf16. Each output sums its inputs
-    in one fixed order, so a row's result does not depend on the other rows or the thread count."""
+    in one fixed order (AMX tiles where the CPU has AMX-BF16, vdpbf16ps elsewhere, at every row count), so a
+    row's result does not depend on the other rows or the thread count."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"bf16_linear: takes bfloat16 activations, got {x.dtype}")
     if x.stride(-1) != 1:

@@ -221,9 +221,9 @@ SETTINGS: list[Setting] = [
             "chunks deep in a long prompt are smaller; K default: each worker's estimate from its model's "
             "shape; 0 = off (every token costs 1)", ("scheduler", "up")),
     Setting("long_prefill_threshold", "PHASESERVE_LONG_PREFILL_THRESHOLD", 256, int,
-            "prompts longer than this many tokens are long: their prefill chunks take at most this many units "
-            "of a step's budget together, so streams decoding beside a long prompt stall less while short "
-            "prompts still fill the budget; 0 = no cap", ("scheduler", "up")),
+            "prompts longer than this many tokens are long: in a step with decodes their prefill chunks take at "
+            "most this many units of its budget together, so streams decoding beside a long prompt stall less "
+            "while short prompts still fill the budget (a step with no decode is not capped); 0 = no cap", ("scheduler", "up")),
     Setting("kv_transport", "PHASESERVE_KV_TRANSPORT", "auto", str,
             "how a prefill worker's KV reaches a decode worker: auto (shared memory when both run on one host, "
             "else Redis), shm, redis", ("scheduler", "up"), ("auto", "shm", "redis")),

@@ -100,9 +100,15 @@ class StepBudget:
         return self.cap_left
 
     @property
+    def long_cap_left(self) -> float:
+        """What long prefills' chunks may still take. The cap keeps a long prompt from stalling the streams
+        decoding beside it; in a step with no decode there is none, and it would only cost the prompt's TTFT."""
+        return self.long_left if self.decode_units else math.inf
+
+    @property
     def held_by_target(self) -> bool:
         """The ITL target, not max_num_batched_tokens or the long cap, is what limits long prefills now."""
-        return self.target_left < min(self.cap_left, self.long_left)
+        return self.target_left < min(self.cap_left, self.long_cap_left)
 
     @property
     def predicted_s(self) -> float:
@@ -130,7 +136,7 @@ class StepBudget:
             return max_chunk_tokens(start, min(budget, target_left), self.horizon)
         if not self.is_long(prefill_len):
             return max_chunk_tokens(start, budget, self.horizon)
-        n = max_chunk_tokens(start, min(budget, self.long_left, target_left), self.horizon)
+        n = max_chunk_tokens(start, min(budget, self.long_cap_left, target_left), self.horizon)
         # the step's first long chunk always moves, and so does an overdue one (behind others overdue too, it
         # shows progress every step while they take the long cap in turn)
         if n == 0 and (overdue or self.long_left == self.long_threshold):

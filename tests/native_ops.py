@@ -1,6 +1,7 @@
 """Loading a native op in its tests. Where this CPU runs the op's level (kernels/cpu_isa.py) the op must load:
 a silent fallback to torch fails the test. Below that level the op's tests are skipped, saying why: the op
-never runs there. Also: torch_threads, for the tests that compare thread counts."""
+never runs there (likewise bf16_gemm's AMX path: amx_or_skip). Also: torch_threads, for the tests that
+compare thread counts."""
 
 import contextlib
 
@@ -13,6 +14,24 @@ from kernels import cpu_isa, native
 def cpu_has_avx512_bf16() -> bool:
     """True where this process may run the bf16 ops (the CPU has AVX512-BF16 and PHASESERVE_CPU_ISA allows it)."""
     return cpu_isa.supports("avx512-bf16")
+
+
+def cpu_has_amx_bf16() -> bool:
+    """True where the CPU reports AMX tiles with bf16 dot products (/proc/cpuinfo: amx_tile, amx_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"amx_tile", "amx_bf16"} <= set(flags)
+
+
+def amx_or_skip(ops) -> None:
+    """Skip, saying why, on a CPU without AMX-BF16 (bf16_gemm's AMX path never runs there); where the CPU has
+    it, the op must run it: a silent fallback to vdpbf16ps fails the test."""
+    if not cpu_has_amx_bf16():
+        pytest.skip("this CPU lacks AMX-BF16 (amx_tile, amx_bf16): bf16_gemm's AMX path never runs here")
+    assert ops.amx(), "the CPU has AMX-BF16 but bf16_gemm does not run it (did Linux refuse the tile state?)"
 
 
 def load_or_skip(name: str):

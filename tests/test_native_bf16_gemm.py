@@ -1,8 +1,10 @@
 """The native bf16 GEMM (kernels/native/bf16_gemm.cpp) behind workers/linear.py's Linear for bf16 weights:
 its results against an fp32 computation, its batch and thread invariance, its packing, its errors, and the
-dispatch that chooses it.
+dispatch that chooses it. Its two multiplies (vdpbf16ps; AMX tiles, which a CPU with AMX-BF16 runs) are
+each forced through the op's amx argument; the AMX ones skip, saying why, on a CPU without AMX.
 
-Tolerance: the op multiplies bf16 pairs exactly, sums them in one fp32 accumulator in k order, adds the bias
+Tolerance: the op multiplies bf16 pairs exactly, sums them in one fp32 accumulator in k order (AMX: in its
+tdpbf16ps's order within each k-tile of 16 pairs, the k-tiles in order), adds the bias
 and rounds once to bf16; the reference sums in fp32 in another order (x.float() @ w.float().T + b) and
 rounds once. The two fp32 sums differ by at most K * 2^-24 * sum_k |x_k w_k| (sequential fp32 summation),
 and each rounding to bf16 moves a value by at most half a bf16 step (2^-8 relative): asserted as
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 import kernels
 import kernels.native as native
 from kernels.native_bf16 import PackedBf16Weight, pack
-from native_ops import load_or_skip
+from native_ops import amx_or_skip, cpu_has_amx_bf16, load_or_skip
 from workers.linear import Linear
 
 # the 200M llama's four linears (qkv, o, gate_up, down), SmolLM2-like widths, and odd ones: N not a multiple
@@ -32,6 +34,14 @@ MAX_ROWS = 40
 @pytest.fixture(scope="module")
 def ops():
     return load_or_skip("bf16_gemm")
+
+
+@pytest.fixture(params=[pytest.param(0, id="vdpbf16ps"), pytest.param(1, id="amx")])
+def multiply(request, ops):
+    """The op's amx argument forcing one multiply: 0 vdpbf16ps, 1 AMX tiles (skipped where the CPU lacks AMX)."""
+    if request.param:
+        amx_or_skip(ops)
+    return request.param
 
 
 def _case(n: int, k: int, rows: int = MAX_ROWS, seed: int = 0):
@@ -68,14 +78,31 @@ def test_this_machine_never_falls_back_silently(monkeypatch):
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_native_matches_fp32_for_every_row_count(ops, n, k, with_bias):
+def test_native_matches_fp32_for_every_row_count(ops, multiply, n, k, with_bias):
     x, w, b = _case(n, k)
     b = b if with_bias else None
     packed = pack(w)
-    full = kernels.bf16_linear(x, packed, b)
+
+    def linear(a):
+        return ops.bf16_linear(a, packed.data, b, n, multiply)
+
+    full = linear(x)
     _assert_close_to_fp32(full, x, w, b)
-    for rows in range(1, MAX_ROWS):  # every tile plan and remainder: 1-6 rows one tile, 7+ tiles of up to 12
-        assert torch.equal(kernels.bf16_linear(x[:rows], packed, b), full[:rows]), rows
+    # every tile plan and remainder: vdpbf16ps 1-6 rows one tile, 7+ tiles of up to 12; AMX a block of
+    # one A tile up to 16 rows, two to 32, then blocks of 32 and a partial one
+    for rows in range(1, MAX_ROWS):
+        assert torch.equal(linear(x[:rows]), full[:rows]), rows
+
+
+def test_dispatch_runs_amx_where_the_cpu_has_it(ops):
+    """kernels.bf16_linear runs AMX tiles at every row count on a CPU with AMX-BF16, vdpbf16ps elsewhere: one
+    arithmetic per machine (the two round differently in a few outputs)."""
+    assert ops.amx() == cpu_has_amx_bf16()
+    x, w, b = _case(1040, 576)
+    packed = pack(w)
+    here = int(ops.amx())
+    for rows in (1, 5, 16, 17, 33, MAX_ROWS):
+        assert torch.equal(kernels.bf16_linear(x[:rows], packed, b), ops.bf16_linear(x[:rows], packed.data, b, 1040, here))
 
 
 def test_linear_uses_native_for_bf16_and_keeps_onednn_for_fp32(ops):
@@ -91,20 +118,24 @@ def test_linear_uses_native_for_bf16_and_keeps_onednn_for_fp32(ops):
 
 
 @pytest.mark.parametrize("n,k", [(5632, 1024), (1024, 2816), (100, 77)])
-def test_native_is_batch_and_thread_invariant(ops, n, k):
+def test_native_is_batch_and_thread_invariant(ops, multiply, n, k):
     """A row's result is bit-identical alone, in a batch of 16 or 40 (other tile plans) and with 1 or 2
     threads: each output's sum runs in k order whatever the tiles and threads."""
     x, w, b = _case(n, k)
     packed = pack(w)
+
+    def linear(a):
+        return ops.bf16_linear(a, packed.data, b, n, multiply)
+
     threads = torch.get_num_threads()
     try:
         results = {}
         for t in (1, 2):
             torch.set_num_threads(t)
-            results[t] = kernels.bf16_linear(x, packed, b)
+            results[t] = linear(x)
         torch.set_num_threads(1)
-        batch16 = kernels.bf16_linear(x[:16], packed, b)
-        alone = torch.cat([kernels.bf16_linear(x[i:i + 1], packed, b) for i in range(MAX_ROWS)])
+        batch16 = linear(x[:16])
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(MAX_ROWS)])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[1], results[2])
@@ -142,6 +173,11 @@ def test_native_rejects_bad_input_with_clear_errors(ops):
         ops.bf16_linear(x[0], packed.data, None, 32)
     with pytest.raises(RuntimeError, match="do not fit"):
         ops.bf16_linear(x, packed.data, None, 48)
+    with pytest.raises(RuntimeError, match="amx must be -1"):
+        ops.bf16_linear(x, packed.data, None, 32, 2)
+    if not ops.amx():
+        with pytest.raises(RuntimeError, match="amx=1 on a CPU without AMX-BF16"):
+            ops.bf16_linear(x, packed.data, None, 32, 1)
 
 
 def test_native_off_switch_keeps_onednn(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import cpu_isa, native
 from kernels.quant import quantize
-from native_ops import load_or_skip, torch_threads
+from native_ops import amx_or_skip, load_or_skip, torch_threads
 from workers.linear import Linear
 
 MAX_ROWS = 300
@@ -76,6 +76,25 @@ def test_bf16_linear():
     assert packed is not None
     x = torch.randn(MAX_ROWS, 192, generator=g).bfloat16()
     _assert_row_invariant(lambda a: kernels.bf16_linear(a, packed, b), x)
+
+
+@pytest.mark.parametrize("amx", [pytest.param(0, id="vdpbf16ps"), pytest.param(1, id="amx")])
+def test_bf16_linear_each_multiply(amx):
+    """bf16_gemm.cpp's two multiplies, each forced through its amx argument: vdpbf16ps (CPUs without AMX)
+    and AMX tiles (what a CPU with AMX-BF16 runs at every row count). K odd and not a multiple of 32 (a
+    partial k-tile), N not a multiple of 16 (a partial group and an odd group count), enough groups for
+    several chunks, which 2 threads split, and K wide enough that the longest calls' activations pass 1 MB
+    (AMX's larger chunks from 225 rows on); with a bias."""
+    ops = load_or_skip("bf16_gemm")
+    if amx:
+        amx_or_skip(ops)
+    g = torch.Generator().manual_seed(9)
+    n, k = 790, 2333
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = kernels.pack_bf16_linear(w)
+    x = torch.randn(MAX_ROWS, k, generator=g).bfloat16()
+    _assert_row_invariant(lambda a: ops.bf16_linear(a, packed.data, b, n, amx), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -906,6 +906,31 @@ def test_long_prompts_share_the_cap_while_short_prompts_fill_the_budget(depth, h
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("horizon", [0, 980])
+def test_the_long_cap_applies_only_beside_decodes(horizon):
+    """The cap protects streams decoding beside a long prompt: alone, the prompt's chunks take the whole
+    budget (smaller chunks would only cost its TTFT); once a stream decodes beside it, they take at most T."""
+    T = 128
+    cfg = SchedulerConfig(num_blocks=512, block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                          attention_horizon=horizon, long_prefill_threshold=T)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    long, stream = make_req("long", 3000, max_tokens=2), make_req("d", 8, max_tokens=200)
+    alone, beside = [], []
+
+    def on_plan(idx, plan):
+        cost = sum(chunk_cost(c.start_pos, c.num_tokens, horizon) for c in plan.chunks if c.seq_id == "long"
+                   and c.start_pos + c.num_tokens <= 3000)
+        if cost:
+            (beside if any(c.seq_id == "d" and c.start_pos >= 8 for c in plan.chunks) else alone).append(cost)
+
+    drive(sched, worker, arrivals={0: [long], 3: [stream]}, on_plan=on_plan)
+    assert len(alone) >= 3 and len(beside) >= 3
+    assert all(c > 512 - chunk_cost(3000, 1, horizon) for c in alone[:3]), "alone it fills the budget"
+    assert all(c <= T for c in beside) and max(beside) > T - chunk_cost(3000, 1, horizon)
+    assert_reference(worker, [long, stream], cfg.max_model_len)
+    assert_idle(sched)
+
+
 def test_a_long_prompt_moves_every_plan_even_when_one_token_costs_more_than_the_cap():
     # T = 2 units; from position 8 on a token costs 1 + (p + 1) / 8 > 2: the step's first long chunk still
     # gets one token, so the prompt progresses every plan beside the decodes and finishes

@@ -1,9 +1,9 @@
 """A linear layer whose weight is laid out once, at load, for the device's fastest GEMM.
 
 bf16 on a CPU with AVX512-BF16: the native GEMM (kernels/native/bf16_gemm.cpp, weight packed in its layout
-by kernels.pack_bf16_linear), at every row count: decode steps read the weights once at near DRAM speed
-and run the multiply-adds under the stream; prefill runs as fast as oneDNN (docs/model-runner.md). Its rows
-do not depend on each other or on the thread count.
+by kernels.pack_bf16_linear; AMX tiles where the CPU has AMX-BF16), at every row count: decode steps read
+the weights once at near DRAM speed and run the multiply-adds under the stream; prefill runs as fast as
+oneDNN or faster (docs/model-runner.md). Its rows do not depend on each other or on the thread count.
 float32 on an AVX2 CPU (no AVX512-BF16) with a weight of bf16 values (a bf16 checkpoint served in float32):
 the weight kept as bf16 for the native op (kernels/native/quant_gemm_f32.cpp, bf16_linear): decode reads half
 the bytes of float32, the products are unchanged.
