@@ -196,8 +196,8 @@ std::tuple<Tensor, Tensor> decode_layer(Tensor h, std::optional<Tensor> residual
   int64_t r1s = h.stride(0);
   if (residual.has_value()) {
     float* r = grown(S.r1, T * hidden);
-    norm_rows(hp, h.stride(0), residual->const_data_ptr<float>(), residual->stride(0), input_norm.const_data_ptr<float>(),
-              r, x, T, hidden, eps_f);
+    norm_rows(hp, h.stride(0), residual->const_data_ptr<float>(), residual->stride(0),
+              input_norm.const_data_ptr<float>(), r, x, T, hidden, eps_f);
     r1 = r, r1s = hidden;
   } else {
     norm_rows(hp, h.stride(0), nullptr, 0, input_norm.const_data_ptr<float>(), x, x, T, hidden, eps_f);
@@ -229,7 +229,8 @@ std::tuple<Tensor, Tensor> decode_layer(Tensor h, std::optional<Tensor> residual
   float* act = grown(S.act, T * inter);
   const int64_t vector_end = torch_block == 0 ? 0 : inter / torch_block * torch_block;
   torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / inter), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) f32_rows::silu_and_mul_row(gu + i * 2 * inter, act + i * inter, inter, vector_end);
+    for (int64_t i = begin; i < end; i++)
+      f32_rows::silu_and_mul_row(gu + i * 2 * inter, act + i * inter, inter, vector_end);
   });
   i8::linear(Wd, static_cast<int>(down_bits), act, inter, T, S.X, out.mutable_data_ptr<float>(), hidden);
   return {out, r2};

@@ -88,7 +88,8 @@ AVX2_FMA inline void quantize_block(const float* x, int8_t* dst, float* d, float
   *s = *d * static_cast<float>(_mm_cvtsi128_si32(t));
 }
 
-AVX2_FMA inline void quantize_rows(const float* x, int64_t ldx, int64_t T, int64_t nblocks, int8_t* q, float* d, float* s) {
+AVX2_FMA inline void quantize_rows(const float* x, int64_t ldx, int64_t T, int64_t nblocks, int8_t* q, float* d,
+                                   float* s) {
   torch::stable::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
       for (int64_t b = 0; b < nblocks; b++)
