@@ -1,6 +1,8 @@
 """Where a batch-1 decode step's time goes: the step, its forward pass, and the forward's parts run alone in the
 step's order (the quantized linears, the lm_head, the layer ops, rotary + KV write, attention), then the forward
-with its ops stubbed out (what is left: the Python around them).
+with its ops stubbed out (what is left: the Python around them). Where the model runs a decode step's layers in
+one native call (kernels.DecodeLayers), the step and the forward are timed that way and with the layers op by op
+(the path before it), rounds alternating, and the layers in one call alone.
 
     python -m bench.decode_profile [--model smollm2] [--dtype float32] [--activation-quant int8] [--threads 1]
                                    [--rounds 4]
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
 
     inp, _ = r._inputs(chunk())
     g = inp.groups[0]
+    # whether decode steps run each layer in one native call (kernels.decode_layer) here
+    one_call = m._decode_in_one_call(inp, torch.empty(1, 1, dtype=m.dtype), r.kv)
     dt = m.dtype
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     x_h, x_i, x_2i = torch.randn(1, hidden, dtype=dt), torch.randn(1, inter, dtype=dt), torch.randn(1, 2 * inter, dtype=dt)
@@ -86,8 +90,29 @@ def main(argv: list[str] | None = None) -> None:
             kernels.paged_attention(q_only, r.kv.k[i], r.kv.v[i], g.block_tables, g.seq_lens, g.query_start_loc,
                                     layer.scale, g.max_query_len)
 
-    parts = {"step (runner.execute)": lambda: qb._exec(chunks=chunk()),
-             "forward": lambda: m.forward(inp, r.kv, fp32=False),
+    def op_by_op(fn):  # fn with the model's layers run one op at a time (the path before decode_layer)
+        def run():
+            m._layer_in_one_call = False
+            try:
+                fn()
+            finally:
+                m._layer_in_one_call = one_call
+        return run
+
+    def one_call_layers():
+        for i, layer in enumerate(layers):
+            layer.decode(x_h, res, inp, m.cos_sin_cache, r.kv.k[i], r.kv.v[i])
+
+    step = lambda: qb._exec(chunks=chunk())  # noqa: E731
+    forward = lambda: m.forward(inp, r.kv, fp32=False)  # noqa: E731
+    parts = {f"step (runner.execute){', each layer in one call' if one_call else ''}": step,
+             **({"step, layers op by op": op_by_op(step)} if one_call else {}),
+             f"forward{', each layer in one call' if one_call else ''}": forward,
+             **({"forward, layers op by op": op_by_op(forward),
+                 "every layer in one call (DecodeLayers)": lambda: m._decode_layers(
+                     x_h, inp.positions, m.cos_sin_cache, r.kv.k, r.kv.v, inp.slot_mapping, g.block_tables,
+                     g.seq_lens),
+                 "layers in one call each (decode_layer) x layers": one_call_layers} if one_call else {}),
              f"{4 * len(layers)} layer linears": linears, "lm_head": lambda: m.lm_head(x_h),
              "layer ops (2 rms_norm, silu_and_mul) x layers": layer_ops, "rotary + KV write x layers": rotary,
              "attention x layers": attention}
@@ -108,14 +133,19 @@ def main(argv: list[str] | None = None) -> None:
             layer.qkv, layer.o = stub((1, qkv.shape[1])), stub((1, hidden))
             layer.gate_up, layer.down = stub((1, 2 * inter)), stub((1, hidden))
         m.lm_head = stub((1, r.vocab_size))
-        saved = {n: getattr(kernels, n) for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul")}
+        saved = {n: getattr(kernels, n)
+                 for n in ("rms_norm", "rotary_and_write_kv", "paged_attention", "silu_and_mul")}
         try:
+            m._decode_layers = lambda *a: (x_h, res)
             kernels.rms_norm = lambda *a: (x_h, res)
             kernels.rotary_and_write_kv = lambda pos, q, k, *a: (q, k)
             kernels.paged_attention = lambda q, *a: q
             kernels.silu_and_mul = lambda x: x_i
-            times["forward, every op stubbed (Python)"] = min(best(lambda: m.forward(inp, r.kv, fp32=False))
-                                                              for _ in range(args.rounds))
+            stubbed = lambda: m.forward(inp, r.kv, fp32=False)  # noqa: E731
+            times["forward, every op stubbed (Python)"] = min(best(stubbed) for _ in range(args.rounds))
+            if one_call:
+                times["forward, every op stubbed, layers op by op"] = min(best(op_by_op(stubbed))
+                                                                          for _ in range(args.rounds))
         finally:
             for n, f in saved.items():
                 setattr(kernels, n, f)
@@ -125,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| part | ms | / floor |\n| --- | --: | --: |")
     for name, t in times.items():
         print(f"| {name} | {t * 1e3:.3f} | {t / floor:.2f}x |")
+    for name in [n for n in times if n.startswith("step")]:
+        print(f"{name}: {times[name] / floor:.2f}x the floor at {bw / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
         "argmax", "sample", "pack_quantized", "quant_linear", "int8_activations_available", "pack_bf16_linear", "bf16_linear",
-        "pack_bf16_weight_f32", "bf16_weight_linear_f32")
+        "pack_bf16_weight_f32", "bf16_weight_linear_f32", "decode_layer_available", "decode_layer", "DecodeLayers")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
@@ -100,7 +100,12 @@ def _torch_vector_floats() -> int:
     """Floats per step of torch's vectorized CPU loops (two vectors of the capability its kernels run at): its
     fp32 silu computes exp with Sleef inside those steps and with the C library's expf past the last whole
     one, and layer_ops_f32's silu_and_mul does the same to stay bit-identical."""
-    return {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
+    if not _vector_floats:  # asked once: decode_layer passes it every layer
+        _vector_floats.append({"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0))
+    return _vector_floats[0]
+
+
+_vector_floats: list[int] = []
 
 
 class _LayerOps:
@@ -279,6 +284,70 @@ def _cpu_paged_attention(
 
 
 paged_attention.__doc__ = reference.paged_attention.__doc__
+
+
+_decode_layer_choice: dict[None, object | None] = {}  # decode_layer_f32's ops, or None; decided on first use
+
+
+def _native_decode_layer_ops():
+    if None in _decode_layer_choice:  # the hot path: every decode step
+        return _decode_layer_choice[None]
+    return _choose(_decode_layer_choice, None, "decode_layer_f32", None,
+                   "CPU decode layers in one call (float32, int8 activations)", "the layer's ops one by one",
+                   wrap=lambda ops: (ops.decode_layer.default, ops.decode_layers.default))
+
+
+def _native_decode_layer():
+    ops = _native_decode_layer_ops()
+    return None if ops is None else ops[0]
+
+
+def decode_layer_available(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """True when decode_layer runs on this CPU for a model of these shapes: float32 activations, weights packed
+    for int8 activations (kernels/native_quant_i8.py), the float32 attention's head shapes."""
+    return (int8_activations_available(torch.float32)
+            and _unsupported_native_attention(torch.float32, num_heads, num_kv_heads, head_dim) is None
+            and _native_layer_ops(torch.float32) is not None and _native_decode_layer() is not None)
+
+
+def decode_layer(h: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                 eps: float, qkv: PackedQuantI8Weight, o: PackedQuantI8Weight, gate_up: PackedQuantI8Weight,
+                 down: PackedQuantI8Weight, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_heads: int):
+    """One decoder layer of a decode step (one query per sequence; float32, bias-free linears packed for int8
+    activations) in one native call (kernels/native/decode_layer_f32.cpp): add_rms_norm, the qkv linear,
+    rotary_and_write_kv, paged_attention, the o linear, add_rms_norm, gate_up, silu_and_mul, down, with the
+    bits of those ops run one by one. Returns (h, residual) as the layer's forward does. Only where
+    decode_layer_available."""
+    return _native_decode_layer()(h, residual, input_norm, post_norm, eps, qkv.data, qkv.bits, o.data, o.bits,
+                                  gate_up.data, gate_up.bits, down.data, down.bits, positions, cos_sin_cache,
+                                  k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, num_heads,
+                                  _torch_vector_floats())
+
+
+class DecodeLayers:
+    """Every decoder layer of a decode step in one native call (decode_layers: decode_layer for each layer in
+    turn, the first without a residual), its per-model arguments gathered once. `layers`: per layer
+    (input_norm, post_norm, (qkv, o, gate_up, down)), the weights as decode_layer takes them. Only where
+    decode_layer_available."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor, tuple]], eps: float, scale: float,
+                 num_heads: int):
+        self.input_norms = [norm for norm, _, _ in layers]
+        self.post_norms = [norm for _, norm, _ in layers]
+        self.weights = [w.data for _, _, ws in layers for w in ws]
+        self.bits = [w.bits for _, _, ws in layers for w in ws]
+        self.eps, self.scale, self.num_heads = eps, scale, num_heads
+        self.op = _native_decode_layer_ops()[1]
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (h, residual)."""
+        return self.op(h, self.input_norms, self.post_norms, self.eps, self.weights, self.bits, positions,
+                       cos_sin_cache, k_caches, v_caches, slot_mapping, block_tables, seq_lens, self.scale,
+                       self.num_heads, _torch_vector_floats())
 
 
 

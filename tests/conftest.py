@@ -66,5 +66,6 @@ def fresh_dispatch(monkeypatch):
     from kernels import native
 
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice"):
+    for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice",
+                  "_decode_layer_choice"):
         monkeypatch.setattr(kernels, cache, {})

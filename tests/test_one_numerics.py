@@ -157,7 +157,7 @@ def _paths(tokens: list[int], other: list[int], bs: int) -> tuple[list[Path], di
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, level, model, quantization):
+def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, monkeypatch, level, model, quantization):
     dtype = LEVELS[level][0]
     kind, overrides = MODELS[model]
     path = make_model(tmp_path_factory.mktemp("one_numerics"), kind, dtype=dtype, **overrides)
@@ -176,6 +176,9 @@ def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, level, mo
     ran = kernels.native.implementations(("attention", "layer_ops"), getattr(torch, dtype))
     assert all(v == f"native {level}" for v in ran.values()), ran  # the level's native ops, no torch fallback
 
+    one_call = []  # decode steps whose layers ran in one native call (kernels.DecodeLayers), counted
+    decode_layers = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda *a: one_call.append(1) or decode_layers(*a))
     for threads in (1, 2):
         with torch_threads(threads):
             paths, seq_of = _paths(tokens, other, bs)
@@ -190,3 +193,5 @@ def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, level, mo
         assert computed["prefix-reused"] == list(range(PREFIX, LENGTH))  # the cached prefix was not recomputed
         assert computed["recompute"] == list(range(LENGTH))
         assert all(computed[p.seq_id] == list(range(len(p.tokens))) for p in paths if p.num_cached == 0)
+    # float32 with int4 weights packed for int8 activations, no biases (llama): its decode steps took that path
+    assert bool(one_call) == (level == "avx2" and quantization == "int4" and model == "llama")

@@ -15,6 +15,7 @@ import structlog
 import torch
 
 import kernels
+from kernels.native_quant_i8 import PackedQuantI8Weight
 from workers.kv_cache import KVCache
 from workers.loader import ModelConfig, ModelLoadError
 from workers.quantization import Quantization, embed
@@ -128,6 +129,23 @@ class DecoderLayer:
         h = self.down(kernels.silu_and_mul(self.gate_up(x)))
         return h, residual
 
+    def takes_decode_layer(self) -> bool:
+        """True when kernels.decode_layer can run this layer: float32 norms, and every linear bias-free and packed
+        for int8 activations (kernels/native_quant_i8.py)."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        return (all(isinstance(getattr(lin, "weight", None), PackedQuantI8Weight) and lin.bias is None
+                    for lin in linears)
+                and self.input_norm.dtype == self.post_attn_norm.dtype == torch.float32)
+
+    def decode(self, h, residual, inp: StepInputs, cos_sin, k_cache, v_cache):
+        """forward for a decode step (one attention group of one query per sequence) in one native call: the
+        same bits (kernels.decode_layer)."""
+        g = inp.groups[0]
+        return kernels.decode_layer(h, residual, self.input_norm, self.post_attn_norm, self.cfg.rms_norm_eps,
+                                    self.qkv.weight, self.o.weight, self.gate_up.weight, self.down.weight,
+                                    inp.positions, cos_sin, k_cache, v_cache, inp.slot_mapping, g.block_tables,
+                                    g.seq_lens, self.scale, self.cfg.num_heads)
+
 
 class LlamaFamilyModel:
     """Embedding -> N pre-norm decoder layers -> final norm -> lm_head (on the sampled rows only).
@@ -167,15 +185,44 @@ class LlamaFamilyModel:
         if unused:
             log.warning("checkpoint tensors not used by the model", count=len(unused), first=unused[:5])
         self.cos_sin_cache = build_cos_sin_cache(cfg, max_positions, self.device)
+        # whether decode steps run every layer in one call (kernels.DecodeLayers): decided on the first decode
+        self._layer_in_one_call: bool | None = None
+        self._decode_layers: kernels.DecodeLayers | None = None
+
+    def _decode_in_one_call(self, inp: StepInputs, h: torch.Tensor, kv: KVCache) -> bool:
+        """True for a decode step (one attention group, one query per sequence) of a model whose layers all take
+        kernels.decode_layer here."""
+        groups = inp.groups
+        if len(groups) != 1 or groups[0].max_query_len != 1 or groups[0].seq_lens.shape[0] != h.shape[0]:
+            return False
+        if self._layer_in_one_call is None:
+            cfg = self.cfg
+            self._layer_in_one_call = (
+                h.device.type == "cpu" and h.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+                and self.cos_sin_cache.dtype == torch.float32
+                and all(layer.takes_decode_layer() for layer in self.layers)
+                and kernels.decode_layer_available(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+            if self._layer_in_one_call:
+                layers = self.layers
+                self._decode_layers = kernels.DecodeLayers(
+                    [(lay.input_norm, lay.post_attn_norm, (lay.qkv.weight, lay.o.weight, lay.gate_up.weight,
+                                                           lay.down.weight)) for lay in layers],
+                    cfg.rms_norm_eps, layers[0].scale, cfg.num_heads)
+        return self._layer_in_one_call
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, kv: KVCache, *, fp32: bool = True) -> torch.Tensor:
         """Logits [R, vocab] for the rows in `inp.logits_indices`: in fp32, or with fp32=False as the lm_head
         gives them (the activations' dtype; the sampler upcasts only what it needs, a greedy batch nothing)."""
         h = embed(self.embed, inp.input_ids, self.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
+        if self._decode_in_one_call(inp, h, kv):  # every layer in one native call: the same bits
+            g = inp.groups[0]
+            h, residual = self._decode_layers(h, inp.positions, self.cos_sin_cache, kv.k, kv.v, inp.slot_mapping,
+                                              g.block_tables, g.seq_lens)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.forward(h, residual, inp, self.cos_sin_cache, kv.k[i], kv.v[i])
         # only the rows that sample need the final norm and the (large) lm_head GEMM; when every row
         # samples (a decode step) the indices are 0..T-1 and need no gather
         rows = inp.logits_indices

@@ -41,6 +41,7 @@ OP_FILES = {
     "attention_f32": ("avx2", "attention"),
     "bf16_gemm": ("avx512-bf16", "linear"),
     "decode_attention": ("avx512-bf16", "attention"),
+    "decode_layer_f32": ("avx2", "layer_ops"),  # a decode step's whole layer: the float32 ops above in one call
     "extend_attention": ("avx512-bf16", "attention"),
     "layer_ops": ("avx512-bf16", "layer_ops"),
     "layer_ops_f32": ("avx2", "layer_ops"),

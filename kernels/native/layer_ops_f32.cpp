@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "layer_ops_f32.h"
 #include "row_tensors.h"
 
 #include <algorithm>
@@ -40,6 +41,7 @@ namespace {
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
+using namespace f32_rows;
 
 constexpr int64_t ELEMS_PER_THREAD = 32768;  // below this much work a call stays on the calling thread
 
@@ -49,32 +51,6 @@ void check_rows(const Tensor& t, const char* name, const char* op) {
 }
 
 // ------------------------------------------------------------------------------------------------ rms norm
-
-// One row: h = x + r (when r), then out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). sq: n floats of scratch.
-AVX2_FMA void rms_norm_row(const float* x, const float* r, const float* w, float* h_out, float* out, int64_t n,
-                           float eps, float* sq) {
-  const float* h = r != nullptr ? h_out : x;
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) {
-    __m256 v = _mm256_loadu_ps(x + c);
-    if (r != nullptr) {
-      v = _mm256_add_ps(v, _mm256_loadu_ps(r + c));
-      _mm256_storeu_ps(h_out + c, v);
-    }
-    _mm256_storeu_ps(sq + c, _mm256_mul_ps(v, v));
-  }
-  for (; c < n; c++) {
-    const float v = r != nullptr ? (h_out[c] = x[c] + r[c]) : x[c];
-    sq[c] = v * v;
-  }
-  // torch: sum(h^2).div_(n).add_(eps), then rsqrt as 1 / sqrt
-  const float mean = torch_order_sum(sq, n) / static_cast<float>(n);
-  const float inv = 1.0f / std::sqrt(mean + eps);
-  const __m256 iv = _mm256_set1_ps(inv);
-  for (c = 0; c + 8 <= n; c += 8)
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(h + c), iv)));
-  for (; c < n; c++) out[c] = w[c] * (h[c] * inv);
-}
 
 std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
   STD_TORCH_CHECK(cpu_supports_avx2_fma(), "add_rms_norm: this CPU lacks AVX2 and FMA");
@@ -117,19 +93,6 @@ std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor weight
 
 // ------------------------------------------------------------------------------------------------ silu * up
 
-// One row: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)); exp as torch's loop computes it (see the top).
-AVX2_FMA void silu_and_mul_row(const float* x, float* out, int64_t inter, int64_t vector_end) {
-  const float* up = x + inter;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  int64_t c = 0;
-  for (; c < vector_end; c += 8) {
-    const __m256 g = _mm256_loadu_ps(x + c);
-    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, sleef_expf(_mm256_xor_ps(g, sign))));
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(s, _mm256_loadu_ps(up + c)));
-  }
-  for (; c < inter; c++) out[c] = x[c] / (1.0f + std::exp(-x[c])) * up[c];
-}
-
 // torch_block: floats per step of torch's vectorized loop (32 for its AVX512 kernels, 16 for AVX2; 0: torch
 // computes every exp with the C library's expf).
 Tensor silu_and_mul(Tensor x, int64_t torch_block) {
@@ -154,31 +117,6 @@ Tensor silu_and_mul(Tensor x, int64_t torch_block) {
 }
 
 // ------------------------------------------------------------------------------------------------ rotary + KV
-
-// Rotates the first 2 * half features of each of the token's heads in place: (x1, x2) -> (x1 c - x2 s,
-// x2 c + x1 s), each product rounded on its own, as the reference does.
-AVX2_FMA inline void rotate_heads(float* base, int64_t sh, int64_t heads, const float* cos, const float* sin,
-                                  int64_t half) {
-  for (int64_t h = 0; h < heads; h++) {
-    float* x = base + h * sh;
-    int64_t c = 0;
-    for (; c + 8 <= half; c += 8) {
-      const __m256 x1 = _mm256_loadu_ps(x + c), x2 = _mm256_loadu_ps(x + half + c);
-      const __m256 cv = _mm256_loadu_ps(cos + c), sv = _mm256_loadu_ps(sin + c);
-      _mm256_storeu_ps(x + c, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
-      _mm256_storeu_ps(x + half + c, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
-    }
-    for (; c < half; c++) {
-      const float x1 = x[c], x2 = x[half + c];
-      x[c] = x1 * cos[c] - x2 * sin[c];
-      x[half + c] = x2 * cos[c] + x1 * sin[c];
-    }
-  }
-}
-
-inline void copy_heads(float* dst, const float* src, int64_t src_sh, int64_t heads, int64_t d) {
-  for (int64_t h = 0; h < heads; h++) std::copy(src + h * src_sh, src + h * src_sh + d, dst + h * d);
-}
 
 bool is_f32_heads(const Tensor& t) {
   return t.is_cpu() && t.scalar_type() == ScalarType::Float && t.dim() == 3 && t.stride(2) == 1;
@@ -208,16 +146,8 @@ void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, cons
   const int64_t per_token = (H + 2 * KVH) * D;
   torch::stable::parallel_for(0, T, std::max<int64_t>(1, ELEMS_PER_THREAD / per_token), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      const float* cos = cs + static_cast<int64_t>(pos[t]) * cs_stride;
-      const float* sin = cos + half;
-      rotate_heads(qp + t * qst, qsh, H, cos, sin, half);
-      float* kt = kp + t * kst;
-      rotate_heads(kt, ksh, KVH, cos, sin, half);
-      const int64_t s = slot[t];
-      if (s >= 0) {
-        copy_heads(kc + s * KVH * D, kt, ksh, KVH, D);
-        copy_heads(vc + s * KVH * D, vp + t * vst, vsh, KVH, D);
-      }
+      rotate_and_store_token(qp + t * qst, qsh, H, kp + t * kst, ksh, vp + t * vst, vsh, KVH, D,
+                             cs + static_cast<int64_t>(pos[t]) * cs_stride, half, slot[t], kc, vc);
     }
   });
 }
