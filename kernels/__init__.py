@@ -15,6 +15,8 @@ PHASESERVE_NATIVE=0 to run torch everywhere.
 
 from __future__ import annotations
 
+import functools
+
 import structlog
 import torch
 
@@ -96,16 +98,12 @@ def _choose(choices: dict, key, source: str | None, why_not: str | None, event: 
     return choices[key]
 
 
+@functools.cache  # asked once: decode_layer passes it every layer
 def _torch_vector_floats() -> int:
     """Floats per step of torch's vectorized CPU loops (two vectors of the capability its kernels run at): its
     fp32 silu computes exp with Sleef inside those steps and with the C library's expf past the last whole
     one, and layer_ops_f32's silu_and_mul does the same to stay bit-identical."""
-    if not _vector_floats:  # asked once: decode_layer passes it every layer
-        _vector_floats.append({"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0))
-    return _vector_floats[0]
-
-
-_vector_floats: list[int] = []
+    return {"AVX512": 32, "AVX2": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 class _LayerOps:

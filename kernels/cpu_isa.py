@@ -34,18 +34,23 @@ def level_of_flags(flags: set[str]) -> str:
 
 
 @functools.cache
-def detected() -> str:
-    """The level this CPU reports (Linux on x86-64; ``baseline`` elsewhere)."""
+def flags() -> frozenset[str]:
+    """The feature flags this CPU reports in /proc/cpuinfo (Linux on x86-64; none elsewhere)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return "baseline"
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return level_of_flags(set(line.split(":", 1)[1].split()))
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return "baseline"
+    return frozenset()
+
+
+def detected() -> str:
+    """The level this CPU reports (Linux on x86-64; ``baseline`` elsewhere)."""
+    return level_of_flags(flags())
 
 
 def cap() -> str | None:

@@ -18,12 +18,7 @@ def cpu_has_avx512_bf16() -> bool:
 
 def cpu_has_amx_bf16() -> bool:
     """True where the CPU reports AMX tiles with bf16 dot products (/proc/cpuinfo: amx_tile, amx_bf16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"amx_tile", "amx_bf16"} <= set(flags)
+    return {"amx_tile", "amx_bf16"} <= cpu_isa.flags()
 
 
 def amx_or_skip(ops) -> None:
