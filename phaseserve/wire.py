@@ -541,6 +541,12 @@ class StepPlan(Message):
 # gateway answers 400 (context_length_exceeded) with `error` as the message. Any other error (error_kind
 # None) is a failure while serving: 500.
 ERROR_REJECTED = "rejected"
+# The worker's grammar engine refused the sequence's grammar, or could not prepare it within the worker's
+# --grammar-prepare-timeout: the request's own input (400, or an error event once streaming).
+ERROR_GRAMMAR = "grammar"
+# The scheduler dead-lettered the sequence: it was running on --quarantine-after workers that failed
+# (docs/architecture.md, "Poison requests"). Not retried by clients (422): it may take the next worker down.
+ERROR_QUARANTINED = "quarantined"
 
 
 @dataclass
@@ -617,6 +623,10 @@ class StepResult(Message):
     # token masks the step computed for constrained sequences: counts per bucket of phaseserve.grammar's
     # MASK_BUCKETS_S (the last: slower than all), then the sum of their seconds
     grammar_masks: list[float] = sent_if_set(default_factory=list)
+    # sequences whose sampling chunk sat out this step, their preparation (a grammar matcher) not ready:
+    # seq id -> the position the worker holds it at (its next chunk must start there). Nothing of theirs
+    # ran or was sampled; the scheduler plans them again from there (docs/architecture.md, "Poison requests")
+    deferred: dict[str, int] = sent_if_set(default_factory=dict)
 
 
 @dataclass

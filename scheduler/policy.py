@@ -61,6 +61,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         self._num_preemptions = 0
         self._num_resyncs = 0
+        self._num_sat_out = 0  # steps a sequence sat out, its preparation on the worker not ready
         self._prefill_marks: dict[str, int] = {}  # seq id -> positions computed at the last quiet_progress
         self._num_finished = 0
         self._num_cancelled = 0
@@ -123,12 +124,15 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
 
     def quiet_progress(self) -> list[SubmitRequest]:
         """The sequences moving on without a token to show for it since the last call: waiting (queued, or
-        preempted) and prefilling with more positions computed than then (a long prompt's chunks; a chunk
-        is planned only once the results of the plans before it came back, so a stuck worker stops this)."""
+        preempted), prefilling with more positions computed than then (a long prompt's chunks; a chunk
+        is planned only once the results of the plans before it came back, so a stuck worker stops this),
+        and those the worker is still preparing (they sit out steps; its budget bounds that)."""
         marks, self._prefill_marks = self._prefill_marks, {}
         moving = [s.request for s in self._waiting]
         for seq in self._running:
-            if seq.is_prefilling:
+            if seq.sat_out:
+                moving.append(seq.request)
+            elif seq.is_prefilling:
                 self._prefill_marks[seq.seq_id] = seq.num_computed_tokens
                 if seq.num_computed_tokens > marks.get(seq.seq_id, -1):
                     moving.append(seq.request)
@@ -430,6 +434,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": self._num_preemptions,
             "num_resyncs": self._num_resyncs,
+            "num_sat_out": self._num_sat_out,
             "num_finished": self._num_finished,
             "num_cancelled": self._num_cancelled,
             "num_steps": self._next_step_id,
