@@ -79,6 +79,12 @@ def invalid_api_key(given: bool) -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
+def quarantined(message: str) -> APIError:
+    """A request the scheduler dead-lettered after workers failed with it: 422, which clients do not retry
+    (a retry could take the next workers down)."""
+    return APIError(422, message, "invalid_request_error", None, "request_quarantined")
+
+
 def gateway_timeout(message: str) -> APIError:
     return APIError(504, message, "server_error", None, "timeout")
 

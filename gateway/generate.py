@@ -25,8 +25,8 @@ from gateway.auth import CLIENT_KEY
 from gateway.best_of import best_of
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
-                            unavailable)
+                            internal_error, model_not_found, quarantined, resume_not_found, stream_in_use,
+                            too_many_requests, unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
@@ -36,7 +36,7 @@ from gateway.structured import requested_grammar
 from gateway.tools import HermesParser, StreamingToolParser, plan_tools
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -204,6 +204,10 @@ class Generation:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
         if out.error_kind == ERROR_REJECTED:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
+        if out.error_kind == ERROR_GRAMMAR:  # the worker's grammar engine refused or could not prepare it
+            return bad_request(out.error or "The grammar could not be enforced.", code="invalid_grammar")
+        if out.error_kind == ERROR_QUARANTINED:
+            return quarantined(out.error or "request quarantined")
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
         if out.error_kind == ERROR_SHUTDOWN:

@@ -116,6 +116,12 @@ class GatewayMetrics:
         self.spec_rate_at = Gauge("phaseserve_spec_decode_acceptance_rate_per_position", "Kept / verified "
                                   "draft tokens at each position of a run (1 = the first draft)", ["position"],
                                   registry=r)
+        # poison requests (docs/architecture.md, "Poison requests"), cumulative as the scheduler reports them
+        self.quarantined = Gauge("phaseserve_requests_quarantined", "Requests failed because they were running "
+                                 "on --quarantine-after workers that died or overran a step: dead-lettered, not "
+                                 "moved again (cumulative, scheduler)", registry=r)
+        self.sat_out = Gauge("phaseserve_num_steps_sat_out", "Steps a sequence sat out because the worker was still "
+                             "preparing it (building its grammar matcher; cumulative, scheduler)", registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         # info gauges (always 1), one series per live worker: what it computes with, from its heartbeat
         self.worker_info = Gauge("phaseserve_worker_info", "A live worker: its role, host, activations' dtype "
@@ -164,6 +170,8 @@ class GatewayMetrics:
         self.spec_rate_at.clear()
         for j, (d, a) in enumerate(zip(stats.get("drafted_at", []), stats.get("accepted_at", []))):
             self.spec_rate_at.labels(str(j + 1)).set(a / d if d else 0.0)
+        self.quarantined.set(stats.get("num_quarantined", 0))
+        self.sat_out.set(stats.get("num_sat_out", 0))
         self.stats_age.set(stats.get("updated_at", 0))
         self.grammar_masks.counts = stats.get("grammar_masks") or []
 

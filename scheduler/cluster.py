@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import (
-    ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
+    ERROR_QUARANTINED, ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
     WorkerInfo,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts
+from scheduler.quarantine import STRIKES_FIELD, Quarantine
 from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
@@ -41,6 +42,8 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
+# a policy's counters kept when its worker goes away (the cluster's stats are since the scheduler started)
+RETIRED_COUNTERS = (*PREFIX_COUNTERS, "num_sat_out")
 
 
 def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
@@ -141,7 +144,7 @@ class HandoffCounters:
 class Cluster:
     """The live workers and the requests they own; every decision the scheduler makes between them."""
 
-    def __init__(self, keys: Keys, limits: PolicyLimits, drain_timeout: float = 30.0):
+    def __init__(self, keys: Keys, limits: PolicyLimits, drain_timeout: float = 30.0, quarantine_after: int = 2):
         self.keys = keys
         self.limits = limits
         self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
@@ -149,8 +152,9 @@ class Cluster:
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
         self.retired_preemptions = 0  # preemptions counted by policies of workers that went away
-        # prefix cache counters of policies of workers that went away (their caches went with them)
-        self.retired_prefix_counts = {k: 0 for k in PREFIX_COUNTERS}
+        # counters of policies of workers that went away (prefix caches went with them)
+        self.retired_counts = {k: 0 for k in RETIRED_COUNTERS}
+        self.quarantine = Quarantine(quarantine_after)  # strikes of sequences present at worker failures
         self.recent_prompts = RecentPrompts()
         self.ops: list[tuple] = []  # Redis writes decided, sent with the service's next turn
         self.outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
@@ -163,14 +167,16 @@ class Cluster:
 
     # ------------------------------------------------------------------ workers
 
-    def gone_workers(self, live: dict[str, WorkerInfo]) -> None:
-        """Retire every worker whose heartbeat lapsed, or that started a new life."""
+    def gone_workers(self, live: dict[str, WorkerInfo], blameless: bool = False) -> None:
+        """Retire every worker whose heartbeat lapsed, or that started a new life. `blameless`: the scheduler
+        could not reach Redis just before (heartbeats lapsed with the outage): no strike for anyone."""
         for wid in list(self.workers):
             info = live.get(wid)
             if info is None or info.started_at != self.workers[wid].info.started_at:
                 # a new started_at: a new process, or a model that moved again after stalling past the step
                 # deadline (its relay starts a new life); the old life's plans are void either way
-                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)")
+                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)",
+                                   blameless)
 
     def add_worker(self, info: WorkerInfo, epoch: int) -> WorkerSlot:
         """A worker joined (its stream already fenced by the service): a policy of its own for its blocks."""
@@ -208,19 +214,32 @@ class Cluster:
         if self.parked and self.workers:
             self.place_parked()
 
-    def retire_worker(self, wid: str, why: str) -> None:
+    def retire_worker(self, wid: str, why: str, blameless: bool = False) -> None:
+        """The worker is gone: its sequences are recomputed elsewhere, but one that was running on it gets a
+        strike (unless the worker left on purpose, or `blameless`), and is failed at the quarantine's limit
+        (scheduler/quarantine.py)."""
         slot = self.workers.pop(wid)
         self.retired_preemptions += slot.policy.num_preemptions
         pstats = slot.policy.stats()
-        for k in PREFIX_COUNTERS:
-            self.retired_prefix_counts[k] += pstats[k]
+        for k in RETIRED_COUNTERS:
+            self.retired_counts[k] += pstats[k]
+        suspects = set() if blameless or slot.draining else slot.policy.running_ids()
         moved = slot.policy.take_all()
         if slot.drained and not moved:
             log.info("worker left after draining", worker_id=wid)
         else:
-            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
+            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved),
+                        sequences_struck=len(suspects))
         for req, output_ids in moved:
-            self.owner.pop(req.request_id, None)
+            rid = req.request_id
+            self.owner.pop(rid, None)
+            if rid in suspects:
+                if self.quarantine.strike(rid):
+                    log.error("request quarantined", request_id=rid, worker_id=wid,
+                              failures=self.quarantine.max_failures)
+                    self.fail_request(req, self.quarantine.message(), ERROR_QUARANTINED)
+                    continue
+                self.ops.append(("hset", self.keys.request_record(rid), STRIKES_FIELD, self.quarantine.count(rid)))
             self.parked.append((req, output_ids))
         self.stats_dirty = True
         if self.workers:
@@ -339,6 +358,7 @@ class Cluster:
         self.tell_error(req.request_id, req.gateway_id, message, error_kind)
         self.ops.append(("delete", self.keys.request_record(req.request_id)))
         self.outputs_written.pop(req.request_id, None)
+        self.quarantine.forget(req.request_id)
 
     def tell_error(self, rid: str, gateway_id: str, message: str, error_kind: str | None = None) -> None:
         """An error event for a request's client: published, and in its token log, so a gateway that missed
@@ -363,6 +383,7 @@ class Cluster:
             cancelled = len(self.parked) < before
         self.ops.append(("delete", self.keys.request_record(rid)))
         self.outputs_written.pop(rid, None)
+        self.quarantine.forget(rid)
         self.stats_dirty = True
         log.info("request cancelled", request_id=rid, reason=reason, found=cancelled)
 
@@ -524,6 +545,7 @@ class Cluster:
         for rid in finished:
             self.owner.pop(rid, None)
             self.outputs_written.pop(rid, None)
+            self.quarantine.forget(rid)
             self.ops.append(("delete", self.keys.request_record(rid)))
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
@@ -601,12 +623,14 @@ class Cluster:
             **self.prefix_cache_stats(),
             **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
             "grammar_masks": self.grammar_masks,
+            "num_sat_out": sum(p.num_sat_out for p in policies) + self.retired_counts["num_sat_out"],
+            "num_quarantined": self.quarantine.num_quarantined,
         }
 
     def prefix_cache_stats(self) -> dict:
         """Prefix cache counters (tokens queried and found, blocks evicted) since this scheduler took the
         lease, and the blocks cached now."""
         per_policy = [s.policy.stats() for s in self.workers.values()]
-        out = {k: sum(p[k] for p in per_policy) + self.retired_prefix_counts[k] for k in PREFIX_COUNTERS}
+        out = {k: sum(p[k] for p in per_policy) + self.retired_counts[k] for k in PREFIX_COUNTERS}
         out["kv_blocks_cached"] = sum(p["num_cached_blocks"] for p in per_policy)
         return out

@@ -122,6 +122,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._inflight.clear()
         return [(s.request, list(s.output_ids)) for s in seqs]
 
+    def running_ids(self) -> set[str]:
+        """The sequences holding blocks on the worker (prefilling or decoding): those in its steps."""
+        return {s.seq_id for s in self._running}
+
     def quiet_progress(self) -> list[SubmitRequest]:
         """The sequences moving on without a token to show for it since the last call: waiting (queued, or
         preempted), prefilling with more positions computed than then (a long prompt's chunks; a chunk
@@ -409,6 +413,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
     @property
     def num_used_blocks(self) -> int:
         return self.block_manager.num_used_blocks
+
+    @property
+    def num_sat_out(self) -> int:
+        return self._num_sat_out
 
     @property
     def num_preemptions(self) -> int:

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("worker", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
-    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl"):
+    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl", "grammar_prepare_timeout"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve worker: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.drain_timeout >= 0:
@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
                              kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None,
                              quantization=args.quantization, activation_quant=args.activation_quant,
-                             speculative=args.speculative_config)
+                             speculative=args.speculative_config,
+                             grammar_prepare_timeout=args.grammar_prepare_timeout)
     except KeyboardInterrupt:
         log.info("stopped during model load")
         return 0
