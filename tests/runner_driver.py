@@ -8,6 +8,7 @@ bump allocator that reserves each sequence's worst case up front.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from phaseserve.params import SamplingParams
@@ -62,6 +63,8 @@ def run(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | 
         for c in chunks:  # a chunk that sat out (its grammar still being prepared) is planned again
             s = next(s for s in seqs if s.seq_id == c.seq_id)
             s.computed = result.deferred.get(c.seq_id, s.computed + c.num_tokens)
+        if len(result.deferred) == len(chunks):
+            time.sleep(0.002)  # nothing ran: every sequence waits for its grammar
         by_id = {s.seq_id: s for s in seqs}
         for ev in result.events:
             s = by_id[ev.seq_id]

@@ -25,7 +25,7 @@ from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
-from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
+from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
                              WorkerInfo, peek_kind)
 from gateway import protocol as P
 from text_model_factory import make_text_model
@@ -256,6 +256,33 @@ async def test_a_scheduler_rejection_is_400_with_its_message_in_or_out_of_a_stre
     assert events[-1]["error"]["message"] == message
 
 
+async def test_a_grammar_the_worker_refuses_is_400_and_a_quarantined_request_422_in_or_out_of_a_stream(gw):
+    """A worker's grammar failure is the request's input (400); a quarantined request is not retried by clients
+    (422: openai raises UnprocessableEntityError, which it never retries)."""
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    answers = [(ERROR_GRAMMAR, "grammar: the worker could not prepare this request's grammar within 10 s"),
+               (ERROR_QUARANTINED, "request quarantined: it was running on 2 workers that failed")] * 2
+
+    async def scheduler():
+        for kind, message in answers:
+            sub = await reader.next()
+            await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, message, kind))
+
+    task = asyncio.create_task(scheduler())
+    for (kind, message), (status, code) in zip(answers, [(400, "invalid_grammar"), (422, "request_quarantined")]):
+        got, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+        assert got == status and body["error"]["message"] == message
+        assert_openai_error(body, "invalid_request_error", None, code)
+    for kind, message in answers[2:]:
+        async with gw.http.post(gw.url + "/v1/completions", json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True}) as r:
+            events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        assert events[-1]["error"]["code"] == {ERROR_GRAMMAR: "invalid_grammar",
+                                               ERROR_QUARANTINED: "request_quarantined"}[kind]
+    await task
+
+
 async def test_no_worker_is_503_and_health_follows_heartbeats(gw):
     status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "hi"})
     assert status == 503
@@ -297,10 +324,11 @@ async def test_models_openapi_and_metrics(gw):
     assert "temperature" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
     await gw.redis.set(gw.keys.scheduler_stats(), __import__("msgpack").packb(
         {"num_waiting": 3, "num_running": 2, "kv_blocks_used": 25, "kv_blocks_total": 100, "num_preemptions": 1,
-         "updated_at": 1.0}))
+         "num_quarantined": 2, "num_sat_out": 7, "updated_at": 1.0}))
     async with gw.http.get(gw.url + "/metrics") as r:
         text = await r.text()
     assert "phaseserve_num_requests_waiting 3.0" in text and "phaseserve_kv_cache_usage_ratio 0.25" in text
+    assert "phaseserve_requests_quarantined 2.0" in text and "phaseserve_num_steps_sat_out 7.0" in text
     assert "phaseserve_workers_alive 1.0" in text and "phaseserve_time_to_first_token_seconds_bucket" in text
 
 
