@@ -325,7 +325,7 @@ async def send_poison(session: aiohttp.ClientSession, url: str, model: str, opti
     """A `guided_choice` of `options` options through the API; -> its outcome: the status and the error's
     code and message (or the text), and how long it took."""
     body = {"model": model, "prompt": "Pick one:", "max_tokens": 8, "temperature": 0.0,
-            "guided_choice": [f"option number {i}" for i in range(options)]}
+            "guided_choice": [str(i) for i in range(options)]}  # 60,000: ~530 KB, the issue's
     t = time.monotonic()
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:

@@ -36,7 +36,8 @@ from gateway.structured import requested_grammar
 from gateway.tools import HermesParser, StreamingToolParser, plan_tools
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent,
+                             WorkerInfo)
 
 log = structlog.get_logger("gateway")
 

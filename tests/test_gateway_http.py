@@ -25,8 +25,8 @@ from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
-from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
-                             WorkerInfo, peek_kind)
+from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys,
+                             SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind)
 from gateway import protocol as P
 from text_model_factory import make_text_model
 

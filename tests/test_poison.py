@@ -93,7 +93,7 @@ def test_a_preparation_past_its_budget_fails_that_sequence_alone(tokenizer):
 
 
 def poison_request(prompt: list[int]) -> SubmitRequest:
-    spec = grammar.choice([f"option number {i}" for i in range(POISON_OPTIONS)])
+    spec = grammar.choice([str(i) for i in range(POISON_OPTIONS)])
     return SubmitRequest("poison", "gw", prompt, SamplingParams(max_tokens=8, temperature=0.0),
                          arrival_time=time.time(), grammar=spec)
 

@@ -245,7 +245,8 @@ class ModelRunner:
             bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
             num_computed=s.num_cached, cached_tokens=s.cached_tokens,
             unchecked_cached=s.num_cached if s.cached_tokens else 0,
-            matcher=Preparation(self._grammar_threads, functools.partial(self._matcher, s.grammar, list(s.output_ids)),
+            matcher=Preparation(self._grammar_threads,
+                                functools.partial(self._matcher, s.grammar, list(s.output_ids)),
                                 self.grammar_prepare_timeout) if s.grammar else None,
         )
 
