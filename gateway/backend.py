@@ -40,7 +40,7 @@ import structlog
 
 from gateway.slow_client import SlowClient
 from phaseserve import token_log
-from phaseserve.redis_client import blocking_pool_async, redacted
+from phaseserve.redis_client import connect_async, redacted
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenEvent,
                              WireError, WorkerInfo, channel_message)
 
@@ -159,7 +159,8 @@ class RequestStream:
 
 class Backend:
     def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5,
-                 max_connections: int = 64, pool_timeout: float = 30.0, delivery: DeliveryConfig | None = None):
+                 max_connections: int = 64, pool_timeout: float = 30.0, delivery: DeliveryConfig | None = None,
+                 wait_replicas: int = 0, wait_timeout_s: float = 0.5):
         self.redis_url = redis_url
         self.keys = keys
         self.gateway_id = gateway_id
@@ -170,14 +171,16 @@ class Backend:
         # instead of opening one each (a burst of streams would hit Redis's 'Too many connections' and answer
         # 503). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
         # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
-        # timeouts (-> 503). from_url honours a password
-        # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
-        # its own connection.
-        pool = blocking_pool_async(redis_url, max(1, max_connections), pool_timeout,
-                                   socket_connect_timeout=2.0, socket_timeout=5.0)
-        self.redis = aioredis.Redis(connection_pool=pool)
-        self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
-        self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
+        # timeouts (-> 503). The subscriber and the follower block on reads: each has its own connection, and
+        # its loop reconnects (to a new primary after a failover) and resubscribes.
+        self.redis = connect_async(redis_url, None, keys.prefix,
+                                   max_connections=max(1, max_connections), pool_timeout=pool_timeout,
+                                   socket_timeout=5.0)
+        self._sub_redis = connect_async(redis_url, None, keys.prefix, retries=0, socket_timeout=None)
+        self._follow_redis = connect_async(redis_url, None, keys.prefix, retries=0, socket_timeout=10.0)
+        # an accepted request must survive a failover: its submit is on this many replicas before the client
+        # is answered (docs/redis.md); 0: no WAIT
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, max(1, int(wait_timeout_s * 1000))
         self._routes: dict[str, RequestStream] = {}
         self._streams: set[RequestStream] = set()
         self._fill_wanted: set[RequestStream] = set()
@@ -464,11 +467,17 @@ class Backend:
             token = self._take_leases(pipe, [r.request_id for r in requests])
             for r in requests:
                 pipe.xadd(self.keys.requests, {FIELD: r.to_wire()})
+            if self.wait_replicas:  # same connection: WAIT covers the writes above
+                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
             try:
-                await pipe.execute()
+                replies = await pipe.execute()
             except BaseException:
                 self.drop_leases([r.request_id for r in requests])
                 raise
+        if self.wait_replicas and replies[-1] < self.wait_replicas:
+            log.warning("an accepted request reached fewer replicas than --redis-wait-replicas in time; a failover "
+                        "now could lose it", replicas=replies[-1], wanted=self.wait_replicas,
+                        request_ids=[r.request_id for r in requests])
         return token
 
     async def resumable(self, seq_ids: list[str]) -> bool:

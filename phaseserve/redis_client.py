@@ -10,8 +10,9 @@ Sentinel: redis-py's Sentinel pool asks the sentinels for the primary's address 
 and a primary that was demoted under a connection (READONLY) drops it; the next command reconnects to
 the new primary. Cluster: a stack's keys all hash to one slot (redis_url.key_prefix_for), so a stack
 talks to one node, the primary owning that slot. The same pool finds it, with redis-py's RedisCluster
-asked for the slot's owner instead of a sentinel for the primary; a MOVED reply (the slot moved, or
-its primary failed over) drops the connection the same way. The commands then go over an ordinary
+asked for the slot's owner instead of a sentinel for the primary. A reply saying the server is no
+longer the primary (READONLY, MOVED, a blocked read cut by a demotion) drops the connection, as a
+connection error that every service's loop already rides out. The commands then go over an ordinary
 client: RedisCluster's own pipelines refuse PUBLISH, MGET and EVALSHA and split a pipeline per node,
 and the services' one-round-trip pipelines rely on those (docs/redis.md, "Redis Cluster").
 """
@@ -100,24 +101,36 @@ class AsyncSlotOwner(SlotOwner):
             await cluster.aclose()
 
 
-class SlotOwnerConnection(redis.sentinel.SentinelManagedConnection):
-    """A connection to a slot's owner: a MOVED reply drops it, and the next command finds the new owner."""
+def _primary_moved(e: redis.ResponseError) -> bool:
+    """A reply saying this server stopped being the primary under the connection: MOVED (a cluster slot moved,
+    or its primary failed over), or a blocked read cut when the server became a replica."""
+    return isinstance(e, MovedError) or (str(e).startswith("UNBLOCKED") and "state changed" in str(e))
+
+
+class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the pool's manager names (redis-py's handles READONLY): a reply that says
+    the primary moved drops it too, as a connection error every service loop already rides out, and the
+    next command finds the new primary."""
 
     def read_response(self, *args, **kwargs):
         try:
             return super().read_response(*args, **kwargs)
-        except MovedError as e:
+        except redis.ResponseError as e:
+            if not _primary_moved(e):
+                raise
             self.disconnect()
-            raise redis.ConnectionError(f"the stack's slot moved: {e}") from e
+            raise redis.ConnectionError(f"the primary moved: {e}") from e
 
 
-class AsyncSlotOwnerConnection(aiosentinel.SentinelManagedConnection):
+class AsyncPrimaryConnection(aiosentinel.SentinelManagedConnection):
     async def read_response(self, *args, **kwargs):
         try:
             return await super().read_response(*args, **kwargs)
-        except MovedError as e:
+        except redis.ResponseError as e:
+            if not _primary_moved(e):
+                raise
             await self.disconnect()
-            raise redis.ConnectionError(f"the stack's slot moved: {e}") from e
+            raise redis.ConnectionError(f"the primary moved: {e}") from e
 
 
 class BoundedSentinelPool(aiosentinel.SentinelConnectionPool):
@@ -165,9 +178,10 @@ def connect(url: str, name: str | None = None, key_prefix: str | None = None, **
         return redis.Redis.from_url(url, **kw)
     if target.kind == "sentinel":
         sentinel = redis.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target))
-        return sentinel.master_for(target.service, db=target.db, **_node_auth(target), **kw)
+        return sentinel.master_for(target.service, db=target.db, connection_class=PrimaryConnection,
+                                   **_node_auth(target), **kw)
     pool = redis.sentinel.SentinelConnectionPool(_slot_key(key_prefix), SlotOwner(target),
-                                                 connection_class=SlotOwnerConnection, **_node_auth(target), **kw)
+                                                 connection_class=PrimaryConnection, **_node_auth(target), **kw)
     return redis.Redis(connection_pool=pool)
 
 
@@ -192,8 +206,8 @@ def connect_async(url: str, name: str | None = None, key_prefix: str | None = No
     if target.kind == "sentinel":
         sentinel = aiosentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target))
         return sentinel.master_for(target.service, connection_pool_class=pool_class, db=target.db,
-                                   **_node_auth(target), **kw)
-    pool = pool_class(_slot_key(key_prefix), AsyncSlotOwner(target), connection_class=AsyncSlotOwnerConnection,
+                                   connection_class=AsyncPrimaryConnection, **_node_auth(target), **kw)
+    pool = pool_class(_slot_key(key_prefix), AsyncSlotOwner(target), connection_class=AsyncPrimaryConnection,
                       **_node_auth(target), **kw)
     return aioredis.Redis(connection_pool=pool)
 

@@ -124,3 +124,11 @@ def key_prefix_for(url: str | None, prefix: str) -> str:
     if url and parse(url).kind == "cluster" and not _HASH_TAG.search(prefix):
         return "{" + prefix + "}"
     return prefix
+
+
+def wait_replicas(url: str | None, setting: int | None) -> int:
+    """Replicas a gateway's submit WAITs for: the setting when given, else 1 behind Sentinel (a primary
+    that fails over has a replica to fail over to) and 0 elsewhere, so a single Redis pays nothing."""
+    if setting is not None:
+        return max(0, setting)
+    return 1 if url and parse(url).kind == "sentinel" else 0
