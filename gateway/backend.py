@@ -181,6 +181,9 @@ class Backend:
         # an accepted request must survive a failover: its submit is on this many replicas before the client
         # is answered (docs/redis.md); 0: no WAIT
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, max(1, int(wait_timeout_s * 1000))
+        # replicas the primary had at the last look (the lease loop's): a WAIT waits for no more than are
+        # there, so a primary left alone by a failover does not cost every submit the timeout
+        self.connected_replicas: int | None = None
         self._routes: dict[str, RequestStream] = {}
         self._streams: set[RequestStream] = set()
         self._fill_wanted: set[RequestStream] = set()
@@ -385,7 +388,8 @@ class Backend:
     # ---------------------------------------------------------------- client leases
 
     async def _lease_loop(self) -> None:
-        """Every third of the lease TTL: the gateway heartbeat and the lease of every sequence served here."""
+        """Every third of the lease TTL: the gateway heartbeat and the lease of every sequence served here (and,
+        when submits WAIT, how many replicas the primary has)."""
         ttl_ms = max(1, int(self.delivery.lease_ttl_s * 1000))
         while True:
             try:
@@ -393,7 +397,11 @@ class Backend:
                     pipe.set(self.keys.gateway_heartbeat(self.gateway_id), self.info.to_wire(), px=ttl_ms)
                     for seq_id, token in self._leases.items():
                         pipe.set(self.keys.client_lease(seq_id), token, px=ttl_ms)
-                    await pipe.execute()
+                    if self.wait_replicas:
+                        pipe.info("replication")
+                    replies = await pipe.execute()
+                if self.wait_replicas:
+                    self.connected_replicas = int(replies[-1].get("connected_slaves", 0))
             except asyncio.CancelledError:
                 raise
             except _REDIS_ERRORS as e:
@@ -467,18 +475,25 @@ class Backend:
             token = self._take_leases(pipe, [r.request_id for r in requests])
             for r in requests:
                 pipe.xadd(self.keys.requests, {FIELD: r.to_wire()})
-            if self.wait_replicas:  # same connection: WAIT covers the writes above
-                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            wanted = self.replicas_to_wait_for()
+            if wanted:  # same connection: WAIT covers the writes above
+                pipe.wait(wanted, self.wait_timeout_ms)
             try:
                 replies = await pipe.execute()
             except BaseException:
                 self.drop_leases([r.request_id for r in requests])
                 raise
-        if self.wait_replicas and replies[-1] < self.wait_replicas:
+        if wanted and replies[-1] < wanted:
             log.warning("an accepted request reached fewer replicas than --redis-wait-replicas in time; a failover "
-                        "now could lose it", replicas=replies[-1], wanted=self.wait_replicas,
+                        "now could lose it", replicas=replies[-1], wanted=wanted,
                         request_ids=[r.request_id for r in requests])
         return token
+
+    def replicas_to_wait_for(self) -> int:
+        """--redis-wait-replicas, but no more than the primary had connected at the last look."""
+        if self.connected_replicas is None:
+            return self.wait_replicas
+        return min(self.wait_replicas, self.connected_replicas)
 
     async def resumable(self, seq_ids: list[str]) -> bool:
         """Whether these sequences can be resumed: the scheduler still has them, or their token logs are alive."""

@@ -7,12 +7,13 @@ use, on free loopback ports, with generated passwords.
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 from urllib.parse import quote
 
 import redis
 
-from phaseserve.redis_server import EmbeddedRedis, RedisServerError
+from phaseserve.redis_server import EmbeddedRedis, RedisServerError, free_port
 
 SERVICE = "mymaster"
 
@@ -154,6 +155,24 @@ class SentinelSet:
         self.stop()
 
 
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this, for the other nodes
+
+
+def cluster_port(host: str = "127.0.0.1") -> int:
+    """A free port whose cluster bus port (+10000, at most 65535) is free too."""
+    for _ in range(200):
+        port = free_port(host)
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RedisServerError("no free port pair for a cluster node")
+
+
 class ClusterSet:
     """A Redis Cluster of `primaries` primaries (no replicas), slots split evenly, joined by hand (CLUSTER
     MEET, ADDSLOTS): no redis-cli needed."""
@@ -169,7 +188,8 @@ class ClusterSet:
     def start(self, timeout: float = 20.0) -> "ClusterSet":
         try:
             for _ in range(self.num_primaries):
-                node = EmbeddedRedis(requirepass=self.password, admin_commands=True, cpus=self.cpus)
+                node = EmbeddedRedis(port=cluster_port(), requirepass=self.password, admin_commands=True,
+                                     cpus=self.cpus)
                 node.extra_config = ["cluster-enabled yes", "cluster-node-timeout 2000", f"masterauth {self.password}",
                                      "cluster-config-file nodes.conf"]
                 self.nodes.append(node.start())
