@@ -68,6 +68,9 @@ def parse(url: str) -> RedisTarget:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in (SENTINEL_SCHEME, CLUSTER_SCHEME):
+        if "+" in scheme:  # rediss+sentinel, a typo: refused here, not by the first connect
+            raise RedisUrlError(f"unknown scheme {scheme}:// (known: redis, rediss, unix, {SENTINEL_SCHEME}, "
+                                f"{CLUSTER_SCHEME}; TLS to sentinels or cluster nodes is not supported yet)")
         return RedisTarget("single", url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":") if userinfo else ("", "", "")

@@ -44,6 +44,7 @@ def test_a_cluster_url_names_its_seed_nodes():
     ("redis+sentinel:///m", "at least one host"),
     ("redis+cluster://h1:7000/1", "database 0 only"),
     ("redis+cluster://h1:7000?x=1", "takes no parameters"),
+    ("rediss+sentinel://h1:26379/m", "unknown scheme rediss+sentinel://"),
 ])
 def test_what_is_wrong_with_a_url_is_said(url, says):
     with pytest.raises(RedisUrlError, match=says.replace("+", r"\+").replace("?", r"\?")):
