@@ -109,26 +109,60 @@ def _primary_moved(e: redis.ResponseError) -> bool:
 
 class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
     """A connection to the primary the pool's manager names (redis-py's handles READONLY): a reply that says
-    the primary moved drops it too, as a connection error every service loop already rides out, and the
-    next command finds the new primary."""
+    the primary moved drops it too, as a connection error every service loop already rides out. After any
+    connection error the next connect asks the manager again: redis-py's retries inside one command
+    reconnect through connect_check_health, to the address the connection had, not through the Sentinel
+    connection's connect(), which asks."""
+
+    stale = False  # the address may be the old primary's: ask again before connecting
+
+    def connect_check_health(self, *args, **kwargs):
+        if self._sock is None and self.stale:
+            self.stale = False
+            self.host, self.port = self.connection_pool.get_master_address()
+        try:
+            return super().connect_check_health(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.stale = True
+            raise
 
     def read_response(self, *args, **kwargs):
         try:
             return super().read_response(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.stale = True
+            raise
         except redis.ResponseError as e:
             if not _primary_moved(e):
                 raise
+            self.stale = True
             self.disconnect()
             raise redis.ConnectionError(f"the primary moved: {e}") from e
 
 
 class AsyncPrimaryConnection(aiosentinel.SentinelManagedConnection):
+    stale = False
+
+    async def connect_check_health(self, *args, **kwargs):
+        if not self.is_connected and self.stale:
+            self.stale = False
+            self.host, self.port = await self.connection_pool.get_master_address()
+        try:
+            return await super().connect_check_health(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.stale = True
+            raise
+
     async def read_response(self, *args, **kwargs):
         try:
             return await super().read_response(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.stale = True
+            raise
         except redis.ResponseError as e:
             if not _primary_moved(e):
                 raise
+            self.stale = True
             await self.disconnect()
             raise redis.ConnectionError(f"the primary moved: {e}") from e
 

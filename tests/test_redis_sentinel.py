@@ -75,8 +75,9 @@ def _failover(sentinels: SentinelSet) -> None:
         old_client.close()
 
 
-def test_a_blocked_read_on_a_demoted_primary_becomes_a_connection_error_and_the_next_command_finds_the_new_one(
-        sentinels):
+def test_a_blocked_read_on_a_demoted_primary_moves_to_the_new_one(sentinels):
+    """The demotion cuts the read (UNBLOCKED); the client takes that for a lost connection, asks the sentinels
+    again and reads on from the new primary, where the entry written after the failover is."""
     client = connect(sentinels.url, name="test-relay")
     client.xgroup_create("s", "g", id="$", mkstream=True)
     old = sentinels.primary()
@@ -84,7 +85,7 @@ def test_a_blocked_read_on_a_demoted_primary_becomes_a_connection_error_and_the_
 
     def blocked_read():
         try:
-            outcome.append(client.xreadgroup("g", "c", {"s": ">"}, block=20_000))
+            outcome.append(client.xreadgroup("g", "c", {"s": ">"}, block=30_000))
         except Exception as e:  # noqa: BLE001 -- what it raises is the point
             outcome.append(e)
 
@@ -92,21 +93,18 @@ def test_a_blocked_read_on_a_demoted_primary_becomes_a_connection_error_and_the_
     reader.start()
     time.sleep(0.3)
     _failover(sentinels)
-    reader.join(25)
-    assert outcome and isinstance(outcome[0], redis.ConnectionError), outcome
-    # the old primary is a replica now, still up: a write through the same client reaches the new primary
     new = sentinels.primary()
     assert (new.host, new.port) != (old.host, old.port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.xadd("s", {"m": b"after"})
-            break
-        except redis.ConnectionError:  # the demoted one may still be named for a moment
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-    assert sentinels.node_client(new).xlen("s") == 1
-    assert client.xreadgroup("g", "c", {"s": ">"}, block=1000)  # the group came over with the data
+    writer = sentinels.node_client(new)
+    writer.xadd("s", {"m": b"after"})
+    reader.join(25)
+    assert not reader.is_alive()
+    # the group came over with the data; a read cut as a connection error is also fine (loops retry it)
+    if not isinstance(outcome[0], redis.ConnectionError):
+        assert outcome[0] and outcome[0][0][1][0][1] == {b"m": b"after"}, outcome
+    client.xadd("s", {"m": b"through the same client"})
+    assert writer.xlen("s") == 2
+    writer.close()
     client.close()
 
 
