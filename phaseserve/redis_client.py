@@ -6,9 +6,9 @@ for the service loops that wait for Redis to come back. A command still failing 
 ConnectionError / TimeoutError; each service's loop catches those, waits and resumes, so an outage of any
 length (a restart, a failover) stops work, never a process.
 
-Sentinel: redis-py's Sentinel pool asks the sentinels for the primary's address on every (re)connect,
-and a primary that was demoted under a connection (READONLY) drops it; the next command reconnects to
-the new primary. Cluster: a stack's keys all hash to one slot (redis_url.key_prefix_for), so a stack
+Sentinel: redis-py's Sentinel pool asks the sentinels for the primary's address on every connect, and
+after a connection error a retry asks again (`PrimaryConnection`), so commands reach the new primary as
+soon as the sentinels name it. Cluster: a stack's keys all hash to one slot (redis_url.key_prefix_for), so a stack
 talks to one node, the primary owning that slot. The same pool finds it, with redis-py's RedisCluster
 asked for the slot's owner instead of a sentinel for the primary. A reply saying the server is no
 longer the primary (READONLY, MOVED, a blocked read cut by a demotion) drops the connection, as a
