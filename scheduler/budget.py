@@ -173,6 +173,7 @@ class StepDraft:
     head: Sequence | None = None  # the first startable waiting sequence
     head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
     past_itl_patience: bool = False  # a chunk of a prompt the ITL target held back for its patience, beside decodes
+    held_back: set[Sequence] = field(default_factory=set)  # preempted for another tenant's head: not this step
 
     @property
     def is_empty(self) -> bool:
