@@ -76,10 +76,14 @@ def most_over_share(usage: dict[str, float], among: Iterable[str]) -> str | None
 
 
 def fair_order(items: list[T], tenant_of: Callable[[T], str], vtime: dict[str, float],
-               weight: dict[str, float], tokens_of: Callable[[T], int]) -> list[T]:
+               weight: dict[str, float], tokens_of: Callable[[T], int],
+               tiebreak: dict[str, float] | None = None) -> list[T]:
     """`items` interleaved by weighted fair queueing: repeatedly the next item (in the given order) of the
-    tenant least advanced in virtual time, counting what the items already taken would charge it. Within a
-    tenant the given order (priority, arrival) is kept; with one tenant the order is unchanged."""
+    tenant least advanced in virtual time, counting what the items already taken would charge it; on a tie,
+    the tenant with the least `tiebreak` (what it holds over its share: a tenant just arrived, whose virtual
+    time starts level with the busy ones', goes before one that holds the worker). Within a tenant the given
+    order (priority, arrival) is kept; with one tenant the order is unchanged."""
+    tiebreak = tiebreak or {}
     queues: dict[str, list[T]] = {}
     for item in items:
         queues.setdefault(tenant_of(item), []).append(item)
@@ -89,7 +93,8 @@ def fair_order(items: list[T], tenant_of: Callable[[T], str], vtime: dict[str, f
     heads = {t: 0 for t in queues}
     out: list[T] = []
     while len(out) < len(items):
-        t = min((t for t in queues if heads[t] < len(queues[t])), key=lambda t: (projected[t], t))
+        t = min((t for t in queues if heads[t] < len(queues[t])),
+                key=lambda t: (projected[t], tiebreak.get(t, 0.0), t))
         item = queues[t][heads[t]]
         heads[t] += 1
         out.append(item)
@@ -97,11 +102,23 @@ def fair_order(items: list[T], tenant_of: Callable[[T], str], vtime: dict[str, f
     return out
 
 
-def shares_in_turn(weights: list[float]) -> Callable[[int, float], float]:
-    """allowance(i, left): what the i-th of tenants served in turn may take of the `left` the ones before it
-    left over: its weighted part of it among itself and those after it, and all of it for the last (what
-    one does not use goes to those after it)."""
-    def allowance(i: int, left: float) -> float:
-        rest = sum(weights[i:])
-        return left if rest <= 0 or i == len(weights) - 1 else left * weights[i] / rest
-    return allowance
+def weighted_split(budget: float, demands: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """Max-min fair shares of `budget` by weight (water-filling): a tenant that wants less than its weighted
+    part gets what it wants, and what it leaves is split among the others by weight. So nothing is held back
+    from a tenant with work while the budget has room (work-conserving), and a tenant with more work than its
+    part gets no more than it."""
+    caps: dict[str, float] = {}
+    active = {t for t, d in demands.items() if d > 0}
+    left = budget
+    while active:
+        wsum = sum(weights.get(t, 1.0) for t in active)
+        part = {t: left * weights.get(t, 1.0) / wsum for t in active}
+        content = [t for t in active if demands[t] <= part[t]]
+        if not content:
+            caps.update(part)
+            break
+        for t in content:
+            caps[t] = demands[t]
+            left -= demands[t]
+            active.discard(t)
+    return caps

@@ -19,7 +19,7 @@ from phaseserve.wire import KVSend, ScheduledChunk, StepPlan, SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
-from scheduler.fair_share import TenantShares, fair_order, most_over_share, shares_in_turn
+from scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
 from scheduler.handoffs import HandoffBookkeeping
 from scheduler.prefix_caching import PrefixCacheBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
@@ -234,6 +234,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         """The starvation rule: if the head of the waiting queue can be admitted now, reserve it
         min(its prefill's cost, max(half of what decodes left, one token's cost))."""
         step.head = next((s for s in self._admission_order(step) if self._startable(s)), None)
+        if self.shares.is_shared:
+            self._split_prefill_budget(step, budget)
         head = step.head
         step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if step.head_admitted:
@@ -248,19 +250,14 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         bm = self.block_manager
         allow = budget.left - budget.head_reserve
         # short first: under a tight ITL target a long prompt would otherwise take a short one's room
-        prefilling = sorted((s for s in self._running if s.is_prefilling and s not in step.scheduled),
-                            key=lambda s: budget.is_long(s.num_prefill_computed))
-        turns = self._tenant_turns(prefilling)  # tenants: each takes its weighted part of what is left in turn
-        tenant_allow, tenant = math.inf, None
-        for seq in prefilling:
-            if turns is not None and seq.tenant != tenant:
-                tenant = seq.tenant
-                tenant_allow = turns[1](turns[0].index(tenant), allow)
+        prefilling = [s for s in self._running if s.is_prefilling and s not in step.scheduled]
+        for seq in sorted(prefilling, key=lambda s: budget.is_long(s.num_prefill_computed)):
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
             overdue = self._overdue(seq)
             n = min(seq.num_prefill_remaining, room,
-                    budget.chunk_tokens(seq.num_prefill_computed, start, min(allow, tenant_allow), overdue))
+                    budget.chunk_tokens(seq.num_prefill_computed, start, min(allow, self._tenant_allow(step, seq, budget)),
+                                        overdue))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
@@ -268,7 +265,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             self._plan_prefill(step, seq, n)
             cost = budget.charge_prefill(seq.num_prefill_computed, start, n)
             allow -= cost
-            tenant_allow -= cost
+            step.spend_tenant(seq, cost)
             step.past_itl_patience |= overdue and budget.targets(seq.num_prefill_computed)
 
     def _admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
@@ -282,8 +279,11 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 break
             cached = 0 if seq.on_worker else len(self.cached_prefix(seq)) * self.config.block_size
             if chunking:
-                n = min(need - cached, budget.chunk_tokens(need - cached, cached, budget.left))
+                n = min(need - cached, budget.chunk_tokens(need - cached, cached,
+                                                           min(budget.left, step.tenant_left(seq))))
                 if n <= 0:
+                    if step.tenant_left(seq) <= 0:
+                        continue  # its tenant used its part of this step; another tenant's may still start
                     if seq is not step.head or not step.head_admitted:
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
@@ -304,7 +304,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 step.starts.append(seq.seq_start(seq.num_computed_tokens, seq.num_cached_tokens))
                 seq.on_worker = True
             self._plan_prefill(step, seq, n)
-            budget.charge_prefill(need - cached, cached, n)
+            step.spend_tenant(seq, budget.charge_prefill(need - cached, cached, n))
 
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
@@ -383,18 +383,32 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         if not self.shares.is_shared:
             return list(self._waiting)
         waiting = [s for s in self._waiting if s not in step.held_back]
-        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _prefill_tokens)
+        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _prefill_tokens,
+                          self._tenant_usage())
 
-    def _tenant_turns(self, prefilling: list[Sequence]):
-        """Reorder `prefilling` in place by tenant turns (the tenant least advanced in virtual time first; its
-        own sequences in their order) and return (tenants in turn, allowance(i, left)); None with one tenant."""
-        if not self.shares.is_shared:
-            return None
-        tenants = sorted({s.tenant for s in prefilling}, key=lambda t: (self.shares.vtime.get(t, 0.0), t))
-        if len(tenants) < 2:
-            return None
-        prefilling.sort(key=lambda s: tenants.index(s.tenant))  # stable: short first within a tenant
-        return tenants, shares_in_turn([self.shares.weight.get(t, 1.0) for t in tenants])
+    def _tenant_allow(self, step: StepDraft, seq: Sequence, budget: StepBudget) -> float:
+        """What a partial prefill of `seq`'s tenant may take: its tenant's room, less the head's reserve when
+        the head of the queue is the same tenant's (the head's start is kept within its tenant's part)."""
+        left = step.tenant_left(seq)
+        if step.head is not None and step.head_admitted and step.head.tenant == seq.tenant:
+            left -= budget.head_reserve
+        return left
+
+    def _split_prefill_budget(self, step: StepDraft, budget: StepBudget) -> None:
+        """What each tenant's prefill chunks may take of what decodes left this step: max-min fair shares by
+        weight of the cost of what each has to prefill (its partial prefills' rest, its startable waiting
+        prompts'), so a tenant with little to do gets all of it and the rest is split by weight."""
+        horizon = budget.horizon
+        demand: dict[str, float] = {}
+        for s in self._running:
+            if s.is_prefilling and s not in step.scheduled:
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(s.num_computed_tokens,
+                                                                          s.num_prefill_remaining, horizon)
+        for s in self._waiting:
+            if s not in step.held_back and self._startable(s):
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, _prefill_tokens(s), horizon)
+        if len(demand) > 1:
+            step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
 
     def _tenant_usage(self, extra: Sequence | None = None, extra_blocks: int = 0) -> dict[str, float]:
         """Each busy tenant's holding over its weighted share: the larger of its KV blocks' and its
