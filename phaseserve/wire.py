@@ -103,6 +103,11 @@ class Keys:
         resume token (gateway/sse_ids.py), shared by the stack's gateways."""
         return f"{self.prefix}:resume-secret"
 
+    def key_usage(self, key_name: str) -> str:
+        """Hash: one API key's usage so far (requests, prompt, cached and completion tokens), added to by every
+        gateway as its requests end; read by GET /v1/usage (docs/tenants.md)."""
+        return f"{self.prefix}:usage:{key_name}"
+
     def gateway_heartbeat(self, gateway_id: str) -> str:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
