@@ -85,9 +85,12 @@ class Quotas:
 
     def spend(self, who: str, lim: Limits, tokens: int) -> None:
         if lim.tokens_per_minute is not None and tokens > 0:
-            # a cost above the limit would never be let in; counted as the whole minute
-            self._window.hit(RateLimitItemPerMinute(lim.tokens_per_minute), who,
-                             cost=min(tokens, lim.tokens_per_minute))
+            # the window refuses a hit past its limit (and counts none of it): what fits is counted, so a
+            # request's completion that goes past the limit fills the minute
+            item = RateLimitItemPerMinute(lim.tokens_per_minute)
+            cost = min(tokens, self._window.get_window_stats(item, who).remaining)
+            if cost > 0:
+                self._window.hit(item, who, cost=cost)
 
     def current(self, key: ApiKey) -> dict:
         """What `key` and its tenant hold on this gateway now (for /v1/usage)."""
