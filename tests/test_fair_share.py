@@ -216,3 +216,35 @@ def test_prefix_blocks_are_shared_within_a_cache_scope_only():
     assert sched.num_cached_tokens(prompt, scope_seed("b", "")) == 192  # b1 ran: b's own copy now
     assert sched.num_cached_tokens(prompt, scope_seed("d", "")) == 0
     assert sched.num_cached_tokens(prompt) == 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_load_of_three_tenants_keeps_every_invariant_and_matches_reference(depth, chunked, caching):
+    """Random prompts, weights, priorities, salts and arrivals of three tenants on a small pool (preemptions,
+    fair-share ones among them): every plan passes the policy's checks (budget, blocks, decodes first) and
+    every stream is the unscheduled reference's."""
+    import random
+
+    rng = random.Random(11 + depth)
+    cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=6, max_num_batched_tokens=128,
+                          max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=100,
+                          long_prefill_threshold=48, enable_prefix_caching=caching)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5}
+    arrivals: dict[int, list] = {}
+    reqs = []
+    for i in range(45):
+        t = rng.choice("aab c".replace(" ", "c"))
+        r = tenant_req(f"{t}{i}", rng.randint(1, 200), t, weights[t], max_tokens=rng.randint(1, 30),
+                       priority=rng.choice([0, 0, 1]), salt=rng.choice(["", "", "s"]),
+                       prompt_of=f"p{rng.randint(0, 6)}")  # shared prompts: hits within a scope only
+        reqs.append(r)
+        arrivals.setdefault(rng.randint(0, 120), []).append(r)
+    drive(sched, worker, depth=depth, arrivals=arrivals)
+    st = sched.stats()
+    assert st["num_preemptions"] > 0 and st["num_finished"] == 45 and st["num_resyncs"] == 0
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+    assert not sched.shares.active and not sched.shares.vtime
