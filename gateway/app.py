@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-import asyncio
-
 from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
@@ -98,8 +97,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
-    app.router.add_get("/v1/usage", usage)  # a model id may hold "/" (org/name)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
+    app.router.add_get("/v1/usage", usage)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
