@@ -79,6 +79,8 @@ class GatewayMetrics:
         self.kv_used = Gauge("phaseserve_kv_blocks_used", "KV-cache blocks allocated (scheduler)", registry=r)
         self.kv_total = Gauge("phaseserve_kv_blocks_total", "KV-cache blocks in all (scheduler)", registry=r)
         self.kv_usage = Gauge("phaseserve_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total", registry=r)
+        self.fair_share_preemptions = Gauge("phaseserve_num_fair_share_preemptions", "Of those, made for a "
+                                            "tenant under its share (live workers', scheduler)", registry=r)
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
                                  "(cumulative, as reported by the scheduler)", registry=r)
         # prefill -> decode handoffs (phase workers), cumulative as the scheduler reports them
@@ -170,6 +172,7 @@ class GatewayMetrics:
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
         self.preemptions.set(stats.get("num_preemptions", 0))
+        self.fair_share_preemptions.set(stats.get("num_fair_share_preemptions", 0))
         for key, gauge in self.handoffs.items():
             gauge.set(stats.get(key, 0))
         for key, gauge in self.prefix_cache.items():

@@ -596,6 +596,7 @@ class Cluster:
             "kv_blocks_used": sum(p.num_used_blocks for p in policies),
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
+            "num_fair_share_preemptions": sum(p.num_fair_share_preemptions for p in policies),  # live workers'
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),

@@ -515,6 +515,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         return self._num_preemptions
 
     @property
+    def num_fair_share_preemptions(self) -> int:
+        return self._num_fair_share_preemptions
+
+    @property
     def num_steps_held_by_itl_target(self) -> int:
         return self._num_steps_held_by_itl_target
 
