@@ -172,7 +172,8 @@ def parse_keys_file(text: str) -> dict[bytes, ApiKey]:
             raise KeysFileError(f"{where} ({name}): the same key as {keys[d].name!r}")
         tenant = tenants[tenant_name]
         priority = _priority(raw.get("priority"), where)
-        if priority and tenant.priority and not (tenant.priority[0] <= priority[0] and priority[1] <= tenant.priority[1]):
+        lo, hi = tenant.priority or (priority or (0, 0))
+        if priority and not (lo <= priority[0] and priority[1] <= hi):
             raise KeysFileError(f"{where} ({name}).priority must lie within its tenant's {list(tenant.priority)}")
         keys[d] = ApiKey(name, tenant, _limits(raw.get("limits"), where), priority)
     if not keys:

@@ -255,9 +255,9 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
             overdue = self._overdue(seq)
+            mine = min(allow, self._tenant_allow(step, seq, budget))  # `allow` with one tenant
             n = min(seq.num_prefill_remaining, room,
-                    budget.chunk_tokens(seq.num_prefill_computed, start, min(allow, self._tenant_allow(step, seq, budget)),
-                                        overdue))
+                    budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
