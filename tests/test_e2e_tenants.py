@@ -213,3 +213,39 @@ def test_the_keys_file_is_reloaded_without_a_restart(stack):
     with client(stack, "newbie") as c:
         assert c.models.list().data
     assert "api keys file not reloaded" in stack.logs()
+
+
+def test_a_high_priority_request_overtakes_a_full_queue_of_low_ones(e2e_model, tmp_path):
+    """Two sequence slots, a queue of low-priority streams behind them, then one high-priority request of
+    the same tenant: its first token comes before any of the low ones queued ahead of it starts (the
+    policy's own test says: within one scheduling round of a slot freeing, tests/test_fair_share.py)."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump(keys_file()))
+    with running_stack(e2e_model, tmp_path, api_keys_file=str(path), max_num_seqs=2) as stack:
+        first_token: dict[str, float] = {}
+
+        def stream(name: str, priority: int, tokens: int) -> None:
+            with client(stack, "alice") as c:
+                for chunk in c.completions.create(model=stack.model, prompt=f"Story {name}:", max_tokens=tokens,
+                                                  temperature=0.0, stream=True,
+                                                  extra_body={"ignore_eos": True, "priority": priority}):
+                    if chunk.choices and chunk.choices[0].text:
+                        first_token.setdefault(name, time.perf_counter())
+
+        lows = [threading.Thread(target=stream, args=(f"low{i}", 10, 48)) for i in range(8)]
+        for t in lows:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(first_token) < 2:  # the two slots are taken; six wait
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        sent = time.perf_counter()
+        waiting = {f"low{i}" for i in range(8)} - set(first_token)
+        high = threading.Thread(target=stream, args=("high", 0, 4))
+        high.start()
+        high.join(timeout=120)
+        for t in lows:
+            t.join(timeout=300)
+        assert len(waiting) >= 4, waiting
+        assert all(first_token["high"] < first_token[name] for name in waiting), (
+            first_token["high"] - sent, sorted(first_token[n] - sent for n in waiting))
