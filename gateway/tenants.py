@@ -2,7 +2,7 @@
 the file changes. docs/tenants.md describes the file; this module reads it.
 
 A key is kept only as its SHA-256 digest: the file may hold a key in clear (`key:`) or its digest
-(`sha256:`), and neither a clear key nor its digest is ever logged. A request's key is looked up by its
+(`sha256:`), and neither a clear key nor its digest is ever logged. The file's shape is a pydantic schema. A request's key is looked up by its
 digest, so the time taken says nothing about how much of any key matched.
 """
 
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import structlog
 import yaml
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictInt, ValidationError,
+                      model_validator)
 
 log = structlog.get_logger("gateway.tenants")
 
@@ -26,18 +28,62 @@ class KeysFileError(ValueError):
     """A keys file that cannot be used as it is (the message says where)."""
 
 
-@dataclass(frozen=True)
-class Limits:
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Count = Annotated[StrictInt, Field(ge=1)]
+Priority = tuple[StrictInt, StrictInt]  # [lowest, highest] `priority` a key may send
+
+
+class Limits(_Strict):
     """A tenant's (or a key's own) limits; None: none."""
 
-    max_concurrent_requests: int | None = None
-    tokens_per_minute: int | None = None
-    max_queued_prompt_tokens: int | None = None
-
-    FIELDS = ("max_concurrent_requests", "tokens_per_minute", "max_queued_prompt_tokens")
+    max_concurrent_requests: Count | None = None
+    tokens_per_minute: Count | None = None
+    max_queued_prompt_tokens: Count | None = None
 
     def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self.FIELDS}
+        return self.model_dump()
+
+
+def _ordered(priority: Priority | None) -> Priority | None:
+    if priority is not None and priority[0] > priority[1]:
+        raise ValueError("must be [lowest, highest] with lowest <= highest")
+    return priority
+
+
+class TenantSpec(_Strict):
+    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    priority: Annotated[Priority | None, AfterValidator(_ordered)] = None
+    limits: Limits = Limits()
+    share_prefix_cache_with: Annotated[str, Field(min_length=1)] | None = None
+
+
+class KeySpec(_Strict):
+    name: Annotated[str, Field(min_length=1, description="names the key in usage and metrics; not secret")]
+    key: SecretStr | None = None  # in clear (SecretStr: never in a repr or an error message)
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
+    tenant: str
+    limits: Limits = Limits()
+    priority: Annotated[Priority | None, AfterValidator(_ordered)] = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> "KeySpec":
+        if (self.key is None) == (self.sha256 is None):
+            raise ValueError("needs exactly one of `key` (the key) and `sha256` (its hex digest)")
+        if self.key is not None and not self.key.get_secret_value().strip():
+            raise ValueError("`key` is empty")
+        return self
+
+    @property
+    def digest(self) -> bytes:
+        return digest(self.key.get_secret_value().strip()) if self.key is not None else bytes.fromhex(self.sha256)
+
+
+class KeysFileSpec(_Strict):
+    tenants: dict[Annotated[str, Field(min_length=1)], TenantSpec | None]
+    keys: Annotated[list[KeySpec], Field(min_length=1)]
 
 
 @dataclass(frozen=True)
@@ -76,108 +122,48 @@ def digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
-def _int_or_none(value, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise KeysFileError(f"{where} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _limits(raw, where: str) -> Limits:
-    if raw is None:
-        return Limits()
-    if not isinstance(raw, dict):
-        raise KeysFileError(f"{where}.limits must be a mapping")
-    unknown = set(raw) - set(Limits.FIELDS)
-    if unknown:
-        raise KeysFileError(f"{where}.limits: unknown {sorted(unknown)} (known: {list(Limits.FIELDS)})")
-    return Limits(**{f: _int_or_none(raw.get(f), f"{where}.limits.{f}") for f in Limits.FIELDS})
-
-
-def _priority(raw, where: str) -> tuple[int, int] | None:
-    if raw is None:
-        return None
-    if (not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                              for v in raw) or raw[0] > raw[1]):
-        raise KeysFileError(f"{where}.priority must be [lowest, highest] (integers, lowest <= highest), got {raw!r}")
-    return raw[0], raw[1]
-
-
-def _check_keys(raw: dict, known: set[str], where: str) -> None:
-    unknown = set(raw) - known
-    if unknown:
-        raise KeysFileError(f"{where}: unknown {sorted(unknown)} (known: {sorted(known)})")
+def _errors(e: ValidationError) -> str:
+    """The schema's complaints, where and what, never the values (a key must not reach a log)."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'the file'}: {err['msg']}" for err in e.errors())
 
 
 def parse_keys_file(text: str) -> dict[bytes, ApiKey]:
-    """The keys of a keys file's text (YAML, which JSON also is), by digest."""
+    """The keys of a keys file's text (YAML, which JSON also is), by digest. The shape is checked by the
+    schema above (pydantic); what spans entries (a key's tenant, names and keys used once, a key's priority
+    range within its tenant's) here."""
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise KeysFileError(f"not YAML or JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise KeysFileError("the file must be a mapping with `tenants` and `keys`")
-    _check_keys(doc, {"tenants", "keys"}, "the file")
+        doc = KeysFileSpec.model_validate(yaml.safe_load(text))
+    except yaml.YAMLError as e:  # where and what only: PyYAML's own message quotes the line, a key perhaps
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise KeysFileError(f"not YAML or JSON{at}: {getattr(e, 'problem', None) or 'unreadable'}") from None
+    except ValidationError as e:
+        raise KeysFileError(_errors(e)) from None
     tenants: dict[str, Tenant] = {}
-    for name, raw in (doc.get("tenants") or {}).items():
-        where = f"tenants.{name}"
-        if not isinstance(name, str) or not name:
-            raise KeysFileError("a tenant's name must be a non-empty string")
-        raw = raw or {}
-        if not isinstance(raw, dict):
-            raise KeysFileError(f"{where} must be a mapping")
-        _check_keys(raw, {"weight", "priority", "limits", "share_prefix_cache_with"}, where)
-        weight = raw.get("weight", 1)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
-            raise KeysFileError(f"{where}.weight must be a number > 0, got {weight!r}")
-        group = raw.get("share_prefix_cache_with")
-        if group is not None and (not isinstance(group, str) or not group):
-            raise KeysFileError(f"{where}.share_prefix_cache_with must be a group name (a string)")
+    for name, spec in doc.tenants.items():
+        spec = spec or TenantSpec()
         # a group's scope cannot be a tenant's own name: a tenant outside the group would share with it
-        scope = f"group:{group}" if group else f"tenant:{name}"
-        tenants[name] = Tenant(name, float(weight), _priority(raw.get("priority"), where),
-                               _limits(raw.get("limits"), where), scope)
+        group = spec.share_prefix_cache_with
+        tenants[name] = Tenant(name, spec.weight, spec.priority, spec.limits,
+                               f"group:{group}" if group else f"tenant:{name}")
     keys: dict[bytes, ApiKey] = {}
     names: set[str] = set()
-    for i, raw in enumerate(doc.get("keys") or []):
-        where = f"keys[{i}]"
-        if not isinstance(raw, dict):
-            raise KeysFileError(f"{where} must be a mapping")
-        _check_keys(raw, {"name", "key", "sha256", "tenant", "limits", "priority"}, where)
-        name = raw.get("name")
-        if not isinstance(name, str) or not name:
-            raise KeysFileError(f"{where}.name must be a non-empty string (it names the key in usage and metrics)")
-        if name in names:
-            raise KeysFileError(f"{where}: the name {name!r} is used twice")
-        names.add(name)
-        if ("key" in raw) == ("sha256" in raw):
-            raise KeysFileError(f"{where} ({name}) needs exactly one of `key` (the key) and `sha256` (its hex digest)")
-        if "key" in raw:
-            if not isinstance(raw["key"], str) or not raw["key"].strip():
-                raise KeysFileError(f"{where} ({name}).key must be a non-empty string")
-            d = digest(raw["key"].strip())
-        else:
-            try:
-                d = bytes.fromhex(str(raw["sha256"]))
-            except ValueError:
-                d = b""
-            if len(d) != 32:
-                raise KeysFileError(f"{where} ({name}).sha256 must be 64 hex digits")
-        tenant_name = raw.get("tenant")
-        if tenant_name not in tenants:
-            raise KeysFileError(f"{where} ({name}).tenant must name one of `tenants` ({sorted(tenants)}), "
-                                f"got {tenant_name!r}")
+    for i, spec in enumerate(doc.keys):
+        where = f"keys.{i} ({spec.name})"
+        if spec.name in names:
+            raise KeysFileError(f"{where}: the name is used twice")
+        names.add(spec.name)
+        tenant = tenants.get(spec.tenant)
+        if tenant is None:
+            raise KeysFileError(f"{where}: tenant must name one of `tenants` ({sorted(tenants)}), "
+                                f"got {spec.tenant!r}")
+        d = spec.digest
         if d in keys:
-            raise KeysFileError(f"{where} ({name}): the same key as {keys[d].name!r}")
-        tenant = tenants[tenant_name]
-        priority = _priority(raw.get("priority"), where)
-        lo, hi = tenant.priority or (priority or (0, 0))
-        if priority and not (lo <= priority[0] and priority[1] <= hi):
-            raise KeysFileError(f"{where} ({name}).priority must lie within its tenant's {list(tenant.priority)}")
-        keys[d] = ApiKey(name, tenant, _limits(raw.get("limits"), where), priority)
-    if not keys:
-        raise KeysFileError("the file names no key")
+            raise KeysFileError(f"{where}: the same key as {keys[d].name!r}")
+        lo, hi = tenant.priority or (spec.priority or (0, 0))
+        if spec.priority and not (lo <= spec.priority[0] and spec.priority[1] <= hi):
+            raise KeysFileError(f"{where}: priority must lie within its tenant's {[lo, hi]}")
+        keys[d] = ApiKey(spec.name, tenant, spec.limits, spec.priority)
     return keys
 
 
