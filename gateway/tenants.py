@@ -94,10 +94,6 @@ class Tenant:
     limits: Limits = field(default_factory=Limits)
     cache_scope: str = ""  # the scope its prefix blocks are named in: its name, or its share group's
 
-    @property
-    def is_default(self) -> bool:
-        return self.name == DEFAULT_TENANT
-
 
 @dataclass(frozen=True)
 class ApiKey:
