@@ -544,6 +544,25 @@ class Backend:
                 pipe.delete(self.keys.client_lease(s))
             await pipe.execute()
 
+    # ---------------------------------------------------------------- usage per key
+
+    def add_usage(self, key_name: str, counts: dict[str, int]) -> None:
+        """Add a finished request's counts to its key's usage (in the background: the response is sent)."""
+        self._spawn(self._add_usage(key_name, counts))
+
+    async def _add_usage(self, key_name: str, counts: dict[str, int]) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name, n in counts.items():
+                    pipe.hincrby(self.keys.key_usage(key_name), name, n)
+                await pipe.execute()
+        except _REDIS_ERRORS as e:
+            log.warning("usage not recorded", error=str(e))
+
+    async def usage(self, key_name: str) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.keys.key_usage(key_name))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
     def cancel_soon(self, seq_ids: list[str], reason: str = "abort") -> None:
         """Cancel from a context that may itself be cancelled (a client that went away)."""
         self.drop_leases(seq_ids)

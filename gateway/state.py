@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_encoder import PromptEncoder
+from gateway.quotas import Quotas
 from gateway.structured import GrammarChecker
 from gateway.tools import PARSERS
 from phaseserve import redis_url
@@ -51,6 +52,7 @@ class Gateway:
         self.in_flight = 0
         self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens
         self.queued_prompt_tokens = 0  # prompt tokens (x n) of requests waiting for their first token
+        self.quotas = Quotas(settings.retry_after)  # each tenant's and key's limits (docs/tenants.md)
         self.created = int(time.time())
 
     async def check_grammar(self, spec: GrammarSpec, param: str) -> None:

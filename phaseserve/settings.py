@@ -147,6 +147,13 @@ SETTINGS: list[Setting] = [
             "stay open; default: no key needed", ("gateway", "up"), secret=True),
     Setting("api_key_file", "PHASESERVE_API_KEY_FILE", None, str,
             "a file of API keys, one a line (added to --api-key)", ("gateway", "up")),
+    Setting("api_keys_file", "PHASESERVE_API_KEYS_FILE", None, str,
+            "API keys as tenants: a YAML or JSON file naming each key's tenant, and each tenant's weight, "
+            "priority range, limits and prefix-cache sharing (docs/tenants.md); reloaded when it changes; "
+            "added to --api-key", ("gateway", "up")),
+    Setting("api_keys_reload_interval", "PHASESERVE_API_KEYS_RELOAD_INTERVAL", 1.0, float,
+            "seconds between looks at --api-keys-file for changes (a file that does not parse is logged and "
+            "the keys before it stay)", ("gateway", "up")),
     Setting("token_silence_timeout", "PHASESERVE_TOKEN_SILENCE_TIMEOUT", 1.0, float,
             "seconds without a token on the channel after which a running request's tokens are re-read from "
             "its durable token log (pub/sub may drop messages)", ("gateway", "up")),
