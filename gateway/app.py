@@ -12,6 +12,7 @@ from gateway.auth import auth_middleware, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
 from gateway.metrics import CONTENT_TYPE
+from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
 from gateway.openapi import openapi_document
 from gateway.state import GATEWAY, Gateway
 from gateway.tokenize_routes import detokenize, tokenize
@@ -83,6 +84,10 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app[OPENAPI] = openapi_document()
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
     app.router.add_post("/tokenize", tokenize)

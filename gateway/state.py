@@ -13,6 +13,8 @@ from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_encoder import PromptEncoder
 from gateway.structured import GrammarChecker
+from gateway.reasoning import reasoning_format
+from gateway.responses_store import ResponseStore
 from gateway.tools import PARSERS
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.model_files import read_json
@@ -33,6 +35,7 @@ class Gateway:
         self.prompts = PromptEncoder(self.tokenizer)
         self.grammars = GrammarChecker(self.tokenizer)
         self.tool_parser = PARSERS[settings.tool_call_parser]()
+        self.reasoning = reasoning_format(settings.reasoning_parser)
         config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
@@ -43,6 +46,7 @@ class Gateway:
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
+        self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl)
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
