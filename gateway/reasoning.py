@@ -51,7 +51,9 @@ def reasoning_format(name: str | None) -> ReasoningFormat | None:
     return FORMATS.get(name or "none")
 
 
-_BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
+# before: the output may still open the thinking; closed: just after the end tag (the blank space a model
+# writes between thinking and answer are dropped, however they are cut into pieces)
+_BEFORE, _INSIDE, _CLOSED, _AFTER = "before", "inside", "closed", "after"
 
 
 class ReasoningSplitter:
@@ -81,13 +83,17 @@ class ReasoningSplitter:
                 i = self.held.find(self.fmt.end)
                 if i >= 0:
                     reasoning += self.held[:i]
-                    self.held = self.held[i + len(self.fmt.end):].lstrip("\n")
-                    self.state = _AFTER
+                    self.held = self.held[i + len(self.fmt.end):]
+                    self.state = _CLOSED
                     continue
                 keep = partial_suffix(self.held, self.fmt.end)
                 reasoning += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
                 break
+            elif self.state == _CLOSED:
+                self.held = self.held.lstrip()
+                if self.held:
+                    self.state = _AFTER
             else:
                 content += self.held
                 self.held = ""

@@ -130,6 +130,9 @@ class ResponsesRequest(StrictModel):
     background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # extensions, as in chat completions
+    seed: int | None = Field(None, ge=P.INT64_MIN, le=P.INT64_MAX)
+    logit_bias: P.LogitBias | None = None
 
     def input_items(self) -> list[dict]:
         """This request's input as items (a string is one user message)."""
@@ -196,7 +199,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> P.ChatCompletio
         # with an output type forces its first tool call with the format set)
         "response_format": None if forced and req.tools else _response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
-        "user": req.user,
+        "user": req.user, "seed": req.seed, "logit_bias": req.logit_bias,
     }
     try:
         return P.parse_body(P.ChatCompletionRequest, json.dumps({k: v for k, v in body.items() if v is not None}))
