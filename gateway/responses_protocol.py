@@ -133,6 +133,7 @@ class ResponsesRequest(StrictModel):
     # extensions, as in chat completions
     seed: int | None = Field(None, ge=P.INT64_MIN, le=P.INT64_MAX)
     logit_bias: P.LogitBias | None = None
+    ignore_eos: bool = False
 
     def input_items(self) -> list[dict]:
         """This request's input as items (a string is one user message)."""
@@ -200,6 +201,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> P.ChatCompletio
         "response_format": None if forced and req.tools else _response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         "user": req.user, "seed": req.seed, "logit_bias": req.logit_bias,
+        "ignore_eos": req.ignore_eos or None,
     }
     try:
         return P.parse_body(P.ChatCompletionRequest, json.dumps({k: v for k, v in body.items() if v is not None}))

@@ -166,6 +166,26 @@ def test_a_three_turn_conversation_crosses_gateways_and_a_restart(client, served
     assert counted == turn3.usage.input_tokens
 
 
+def test_a_running_response_is_read_and_cancelled_from_another_gateway(client, served, second_gateway):
+    stream = client.responses.create(model=served.model, input="Count to a thousand.", max_output_tokens=2000,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    events = iter(stream)
+    response_id = next(events).response.id
+    for ev in events:
+        if ev.type == "response.output_text.delta":
+            break
+    with _client(second_gateway.start()) as there:
+        assert there.responses.retrieve(response_id).status == "in_progress"
+        assert there.responses.cancel(response_id).status == "cancelled"
+    rest = list(events)
+    assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"
+    assert rest[-1].response.usage.output_tokens < 2000
+    assert client.responses.retrieve(response_id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as e:  # it has ended
+        client.responses.cancel(response_id)
+    assert e.value.body["param"] == "response_id"
+
+
 def test_a_function_tool_round_trip(client, served):
     first = client.responses.create(model=served.model, input="What is the weather in Paris?", tools=[WEATHER],
                                     tool_choice="required", temperature=1.0, max_output_tokens=60)
@@ -222,7 +242,8 @@ def test_bad_requests_are_openai_errors_naming_the_field(client, served):
 
 
 def test_the_agents_sdk_runs_an_agent_with_a_function_tool(served):
-    agents = pytest.importorskip("agents", reason="the openai-agents package (the test extras) is not installed")
+    import agents  # the OpenAI Agents SDK (openai-agents, in the test extras)
+
     agents.set_tracing_disabled(True)
     seen = []
 
