@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 from aiohttp import web
@@ -102,6 +103,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))
         yield
+        if gw.background_tasks:  # ended by end_open_requests: let them store their failure while Redis is open
+            await asyncio.wait(gw.background_tasks, timeout=5.0)
         await gw.backend.close()
         gw.prompts.close()
         gw.grammars.close()

@@ -13,6 +13,7 @@ prefix cache serves it (`usage.input_tokens_details.cached_tokens`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import structlog
@@ -108,17 +109,48 @@ class ResponseRun:
         await self._store()  # in progress: readable (and cancellable) from any gateway while it runs
         return await (self._stream() if self.req.stream else self._whole())
 
-    async def _whole(self) -> web.Response:
+    async def _collect(self) -> APIError | None:
+        """Read the whole output into the response and store it; -> the failure, if it failed."""
         async for _, d in self.gen.deltas():
             if d.error:
                 self._failed(d)
                 await self._store()
-                raise self.gen.failure(d)
+                return self.gen.failure(d)
             self._feed(d)
         self._finish()
         await self._store()
+        return None
+
+    async def _whole(self) -> web.Response:
+        failure = await self._collect()
+        if failure is not None:
+            raise failure
         return web.json_response(self.response, headers={"X-Request-Id": self.gen.request_id},
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def start_background(self) -> dict:
+        """Store the response in progress, generate it in a task of this gateway, and answer at once; the
+        client polls GET (any gateway) and may cancel it."""
+        self.response["background"] = True
+        await self._store()
+        task = asyncio.get_running_loop().create_task(self._background())
+        self.gw.background_tasks.add(task)
+        task.add_done_callback(self.gw.background_tasks.discard)
+        return json.loads(json.dumps(self.response))
+
+    async def _background(self) -> None:
+        async def collect() -> web.Response:
+            await self._collect()
+            return web.Response()
+
+        try:
+            await self.gen.run(collect)
+        except APIError as e:  # refused before it ran (no worker, too many requests...): stored as failed
+            self.builder.finish("failed", None, error={"code": "server_error" if e.status >= 500
+                                                       else "invalid_prompt", "message": e.message})
+            await self._store()
+        except Exception:
+            log.exception("background response failed")
 
     async def _stream(self) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -172,10 +204,11 @@ class ResponseRun:
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(ResponsesRequest, await request.read())
-    if req.background:
-        raise bad_request("'background' responses are not supported by this server; send the request without "
-                          "it (a stored response can still be read with GET and cancelled while it runs)",
-                          "background")
+    if req.background and not req.store:
+        raise bad_request("'background' responses are stored: 'store' must not be false with it", "background")
+    if req.background and req.stream:
+        raise bad_request("'background' responses are not streamed by this server: poll GET /v1/responses/{id}",
+                          "stream")
     owner = _owner(request)
     history: list[dict] = []
     if req.previous_response_id is not None:
@@ -190,6 +223,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         plan = await plan_chat(gw, chat, [m.model_dump(exclude_none=True) for m in chat.messages])
         gen = Generation(request, gw, chat, "chat", [Prompt(plan.prompt_ids)], plan=plan)
         run = ResponseRun(request, gw, req, gen, items, owner)
+        if req.background:
+            return web.json_response(await run.start_background())
         return await gen.run(run.respond)
     except APIError as e:
         raise responses_error(e) from None

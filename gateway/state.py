@@ -46,6 +46,7 @@ class Gateway:
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
+        self.background_tasks: set = set()  # background responses generating here (kept referenced)
         self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl)
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests

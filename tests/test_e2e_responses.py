@@ -186,6 +186,19 @@ def test_a_running_response_is_read_and_cancelled_from_another_gateway(client, s
     assert e.value.body["param"] == "response_id"
 
 
+def test_a_background_response_is_polled_to_its_end_and_one_is_cancelled(client, served):
+    started = client.responses.create(model=served.model, input="Say hello.", max_output_tokens=12, temperature=0,
+                                      background=True)
+    assert started.background and started.status == "in_progress" and not started.output
+    done = wait_for(lambda: (r := client.responses.retrieve(started.id)).status != "in_progress" and r, 60.0, 0.2)
+    assert done.status in ("completed", "incomplete") and done.output_text and done.usage.output_tokens <= 12
+    long = client.responses.create(model=served.model, input="Count to a thousand.", max_output_tokens=2000,
+                                   temperature=0, background=True, extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    ended = wait_for(lambda: (r := client.responses.retrieve(long.id)).usage is not None and r, 60.0, 0.2)
+    assert ended.status == "cancelled" and ended.usage.output_tokens < 2000
+
+
 def test_a_function_tool_round_trip(client, served):
     first = client.responses.create(model=served.model, input="What is the weather in Paris?", tools=[WEATHER],
                                     tool_choice="required", temperature=1.0, max_output_tokens=60)
