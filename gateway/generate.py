@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway import protocol as P
 from gateway.auth import CLIENT_KEY
 from gateway.best_of import best_of
+from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
@@ -31,11 +32,10 @@ from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
+from gateway.reasoning import ReasoningFormat
 from gateway.state import GATEWAY, Gateway
 from gateway.structured import requested_grammar
 from gateway.tools import HermesParser, plan_tools
-from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
-from gateway.reasoning import ReasoningFormat
 from phaseserve import grammar
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
@@ -141,8 +141,7 @@ class Generation:
         self.request = request
         # what the output must follow (checked by the engine already)
         self.grammar = plan.grammar if plan is not None else grammar
-        self.tool_parser = plan.tool_parser if plan is not None else None  # chat with tools: calls parsed out
-        self.plan = plan
+        self.plan = plan  # chat: how the output is read back (tool calls, reasoning)
         self.gw = gw
         self.req = req
         self.kind = kind
@@ -177,7 +176,7 @@ class Generation:
         self.stream: RequestStream | None = None
         self._queued: dict[str, bool] = {}  # sequences whose prompt counts in gw.queued_prompt_tokens
         self._lease_token: str | None = None
-        self.client_gone = False  # the client went away: its stream may be resumed, so cancel after a grace
+        self._client_gone = False  # the client went away: its stream may be resumed, so cancel after a grace
 
     # ------------------------------------------------------------------ admission
 
@@ -318,7 +317,7 @@ class Generation:
                 return await respond()
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
-            self.client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
+            self._client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
             raise
         finally:
             gw.in_flight -= 1
@@ -340,7 +339,7 @@ class Generation:
             self.gw.backend.release_leases(finished, self._lease_token)
         else:
             self.gw.backend.drop_leases(finished, self._lease_token)
-        if unfinished and self.resumable and self.client_gone and self._lease_token:
+        if unfinished and self.resumable and self._client_gone and self._lease_token:
             # the client may come back with Last-Event-ID, here or on another gateway: give it the grace
             self.gw.backend.cancel_after_grace(unfinished, self._lease_token)
         elif unfinished:  # handler failed, a client that cannot resume, or a whole response: free the blocks now
@@ -547,7 +546,7 @@ class Generation:
             if self.stream.overflowed:  # or was dropped, blocked in a write, for its pile of events
                 log.info("slow client dropped", reason=f"more than {self.stream.max_events} events waited")
             else:
-                self.client_gone = True
+                self._client_gone = True
                 log.info("client disconnected")
         except APIError as e:  # headers are sent: the error goes in the stream
             await self._try_send_error(send, e)
