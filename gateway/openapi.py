@@ -22,8 +22,8 @@ def _sse(description: str) -> dict:
 
 
 def openapi_document() -> dict:
-    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
-                                                              TokenizeRequest, DetokenizeRequest)],
+    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
     schemas["Error"] = {
@@ -64,7 +64,9 @@ def openapi_document() -> dict:
         "info": {"title": "phaseserve gateway", "version": __version__,
                  "description": "OpenAI-compatible completions and chat completions, with structured outputs "
                                 "(`response_format`, vLLM's `structured_outputs` / `guided_*`) and tool calls "
-                                "(`tools`, `tool_choice`) enforced while sampling."},
+                                "(`tools`, `tool_choice`) enforced while sampling; the Responses API with conversations "
+                                "stored in Redis; a reasoning model's thinking as `reasoning_content` "
+                                "(--reasoning-parser)."},
         "paths": {
             "/v1/completions": generation("Create a text completion", "CompletionRequest"),
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),

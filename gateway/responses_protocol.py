@@ -206,8 +206,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> P.ChatCompletio
     }
     try:
         return P.parse_body(P.ChatCompletionRequest, json.dumps({k: v for k, v in body.items() if v is not None}))
-    except APIError as e:  # a conversation the chat path cannot take (e.g. a message with no content)
-        raise bad_request(e.message.replace("'messages", "'input"), "input") from None
+    except APIError as e:  # what only the chat request checks (e.g. logit_bias's ids), named as sent here
+        raise responses_error(e) from None
 
 
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
