@@ -16,6 +16,7 @@ from gateway.structured import GrammarChecker
 from gateway.reasoning import reasoning_format
 from gateway.responses_store import ResponseStore
 from gateway.tools import PARSERS
+from phaseserve import redis_url
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.model_files import read_json
 from phaseserve.settings import resolve_model
@@ -43,6 +44,8 @@ class Gateway:
         self.backend = Backend(settings.redis_url, self.keys, self.gateway_id,
                                max_connections=settings.redis_max_connections,
                                pool_timeout=settings.redis_pool_timeout,
+                               wait_replicas=redis_url.wait_replicas(settings.redis_url, settings.redis_wait_replicas),
+                               wait_timeout_s=settings.redis_wait_timeout,
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))

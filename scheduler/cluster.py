@@ -347,6 +347,13 @@ class Cluster:
         self.ops.append(("error", self.keys.gateway_channel(gateway_id),
                          TokenBatch(-1, "scheduler", [event]).to_wire(), event.to_list()))
 
+    def request_of(self, request_id: str) -> SubmitRequest | None:
+        """A known request as admitted (placed or parked), or None."""
+        wid = self.owner.get(request_id)
+        if wid is not None and wid in self.workers:
+            return self.workers[wid].policy.request_of(request_id)
+        return next((r for r, _ in self.parked if r.request_id == request_id), None)
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
 
