@@ -18,15 +18,24 @@ from phaseserve.wire import Keys
 
 
 class ResponseStore:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float, replicas=lambda: 0,
+                 wait_timeout_ms: int = 500):
         self.redis = redis
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.replicas = replicas  # -> replicas a save waits for (--redis-wait-replicas; docs/redis.md)
+        self.wait_timeout_ms = wait_timeout_ms
 
     async def save(self, response: dict, conversation: list[dict], owner: str) -> None:
+        """Store (or replace) a response. Nothing rebuilds one that a failover loses, so the save WAITs for
+        the replicas the submit waits for (a conversation would otherwise answer 404 on its next turn)."""
         record = {"owner": owner, "response": response, "conversation": conversation}
-        await self.redis.set(self.keys.response(response["id"]), json.dumps(record, ensure_ascii=False),
-                             px=self.ttl_ms)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.response(response["id"]), json.dumps(record, ensure_ascii=False), px=self.ttl_ms)
+            wanted = self.replicas()
+            if wanted:
+                pipe.wait(wanted, self.wait_timeout_ms)
+            await pipe.execute()
 
     async def load(self, response_id: str, owner: str) -> dict | None:
         """The record ({owner, response, conversation}), or None: unknown, expired, or another key's."""

@@ -50,7 +50,8 @@ class Gateway:
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
         self.background_tasks: set = set()  # background responses generating here (kept referenced)
-        self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl)
+        self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl,
+                                       self.backend.replicas_to_wait_for, self.backend.wait_timeout_ms)
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
