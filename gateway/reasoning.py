@@ -43,7 +43,6 @@ class ReasoningFormat:
 
 
 FORMATS = {"deepseek_r1": ReasoningFormat("deepseek_r1"), "qwen3": ReasoningFormat("qwen3")}
-PARSER_NAMES = ("none", *FORMATS)
 
 
 def reasoning_format(name: str | None) -> ReasoningFormat | None:

@@ -63,6 +63,9 @@ def test_whether_the_prompt_opened_the_thinking():
     assert not R1.opened_by("<|assistant|>\n")
     assert not R1.opened_by("<think>a</think>\n")
     assert reasoning_format("none") is None and reasoning_format("qwen3").end == "</think>"
+    # the flag offers exactly the formats there are
+    flag = next(s for s in settings.SETTINGS if s.name == "reasoning_parser")
+    assert flag.choices == ("none", *FORMATS)
 
 
 def test_reasoning_then_a_tool_call_read_streamed_and_whole_agree():
