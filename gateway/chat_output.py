@@ -31,10 +31,6 @@ class ChatOutputReader:
     def num_calls(self) -> int:
         return self.calls.num_calls if self.calls is not None else 0
 
-    @property
-    def reasoned(self) -> bool:
-        return self.splitter is not None and self.splitter.reasoned
-
     def feed(self, text: str, final: bool = False) -> OutputPiece:
         piece = OutputPiece()
         content = text

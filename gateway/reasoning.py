@@ -51,7 +51,7 @@ def reasoning_format(name: str | None) -> ReasoningFormat | None:
 
 
 # before: the output may still open the thinking; closed: just after the end tag (the blank space a model
-# writes between thinking and answer are dropped, however they are cut into pieces)
+# writes between thinking and answer is dropped, however they are cut into pieces)
 _BEFORE, _INSIDE, _CLOSED, _AFTER = "before", "inside", "closed", "after"
 
 
@@ -102,8 +102,4 @@ class ReasoningSplitter:
         """The output ended: what is held back is reasoning if the thinking was open, else content."""
         rest, self.held = self.held, ""
         return (rest, "") if self.state == _INSIDE else ("", rest)
-
-    @property
-    def inside(self) -> bool:
-        return self.state == _INSIDE
 
