@@ -70,15 +70,20 @@ async def _completion_prompt(gw: Gateway, prompt: str | list[int], echo: bool, m
     return Prompt(list(prompt), gw.tokenizer.decode(prompt) if echo else "")
 
 
+def _client(request: web.Request) -> bytes | str | None:
+    """Who sent the request, for the fair share of the grammar checks: its API key, else its address."""
+    return request.get(CLIENT_KEY) or request.remote
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
     _check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
-    spec, param = requested_grammar(req)
+    spec, param = requested_grammar(req, gw.grammars.budgets)
     if spec is not None:
-        await gw.check_grammar(spec, param)
+        await gw.check_grammar(spec, param, _client(request))
     return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
 
 
@@ -88,13 +93,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = plan_tools(req, messages, gw.tool_parser, gw.tokenizer.chat_templates.get("default", ""))
-    spec, param = requested_grammar(req)
+    spec, param = requested_grammar(req, gw.grammars.budgets)
     if tools.grammar is not None:
         if spec is not None:
             raise bad_request(f"'tool_choice' forces a tool call; it cannot be combined with '{param}'", param)
         spec, param = tools.grammar, "tool_choice" if req.tool_choice is not None else "tools"
     if spec is not None:
-        await gw.check_grammar(spec, param)
+        await gw.check_grammar(spec, param, _client(request))
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
         prompt_ids = await gw.prompts.encode_chat(tools.messages, req.add_generation_prompt,

@@ -15,12 +15,10 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from gateway.errors import bad_request, model_not_found
+from gateway.limits import MAX_DETOKENIZE_TOKENS
 from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
 from gateway.state import GATEWAY, Gateway
 from phaseserve.models.tokenizer import ChatTemplateError
-
-# a detokenize request's ids: as many as a long context holds, and no more (the body cap bounds it too)
-MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
 class TokenizeRequest(StrictModel):
