@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import auth_middleware, load_api_keys
-from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
+from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
@@ -80,7 +80,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
-    app[OPENAPI] = openapi_document()
+    app[BODY_TIMEOUT] = settings.body_timeout
+    app[OPENAPI] = openapi_document(gw.grammars.budgets)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)

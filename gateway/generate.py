@@ -25,8 +25,8 @@ from gateway.auth import CLIENT_KEY
 from gateway.best_of import best_of
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
-                            unavailable)
+                            internal_error, model_not_found, read_body, resume_not_found, stream_in_use,
+                            too_many_requests, unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
@@ -77,7 +77,7 @@ def _client(request: web.Request) -> bytes | str | None:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = P.parse_body(P.CompletionRequest, await request.read())
+    req = P.parse_body(P.CompletionRequest, await read_body(request))
     _check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
@@ -89,7 +89,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = P.parse_body(P.ChatCompletionRequest, await request.read())
+    req = P.parse_body(P.ChatCompletionRequest, await read_body(request))
     _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = plan_tools(req, messages, gw.tool_parser, gw.tokenizer.chat_templates.get("default", ""))
