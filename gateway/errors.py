@@ -141,12 +141,14 @@ async def error_middleware(request: web.Request, handler):
     request_id = uuid.uuid4().hex
     request[REQUEST_ID] = request_id
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    closing = False
     try:
         response = await handler(request)
     except APIError as e:
         if e.status >= 500:
             log.warning("request failed", status=e.status, error=e.message)
         response = e.response()
+        closing = e.close_connection
     except web.HTTPException as e:
         if e.status < 400:  # redirects and the like are not errors
             raise
@@ -159,4 +161,8 @@ async def error_middleware(request: web.Request, handler):
         response = internal_error().response()
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
+    if closing:  # the answer, then the connection closes: aiohttp would linger reading the unread rest for seconds
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()
     return response

@@ -36,7 +36,7 @@ from gateway.structured import requested_grammar
 from gateway.tools import HermesParser, StreamingToolParser, plan_tools
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -84,7 +84,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     spec, param = requested_grammar(req, gw.grammars.budgets)
     if spec is not None:
         await gw.check_grammar(spec, param, _client(request))
-    return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec, grammar_param=param).run()
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -107,7 +107,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                                   max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec,
+    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec, grammar_param=param,
                             tool_parser=tools.parser).run()
 
 
@@ -116,9 +116,10 @@ class Generation:
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
                  kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
-                 tool_parser: HermesParser | None = None):
+                 tool_parser: HermesParser | None = None, grammar_param: str | None = None):
         self.request = request
         self.grammar = grammar  # what the output must follow (checked by the engine already)
+        self.grammar_param = grammar_param  # the field that asked for it
         self.tool_parser = tool_parser  # chat with tools: calls are parsed out of the output
         self.gw = gw
         self.req = req
@@ -209,6 +210,9 @@ class Generation:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
         if out.error_kind == ERROR_REJECTED:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
+        if out.error_kind == ERROR_GRAMMAR:
+            return bad_request(f"The output constraint of '{self.grammar_param}' failed while generating: "
+                               f"{out.error}", self.grammar_param)
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
         if out.error_kind == ERROR_SHUTDOWN:
@@ -415,7 +419,7 @@ class Generation:
                 break  # answered 400 whatever its other choices do (they are cancelled)
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
-            raise self._failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
+            raise self._failure(next((o for o in failed if o.error_kind in (ERROR_REJECTED, ERROR_GRAMMAR)), failed[0]))
         model = self.gw.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)

@@ -156,9 +156,14 @@ class GrammarChecker:
         self._pool = ThreadPoolExecutor(max_workers=budgets.threads, thread_name_prefix="grammar")
         self._free_threads: asyncio.Semaphore | None = None  # made on the loop, at the first check
         self._busy: dict[Any, asyncio.Event] = {}  # client -> set when its proof has returned
+        # the engine's index of the vocabulary, built now rather than inside the first request's time budget
+        self._pool.submit(self._engine_tokenizer)
+
+    def _engine_tokenizer(self):
+        return grammar.engine_tokenizer(self._tokenizer_json, self._vocab_size, self._eos)
 
     def _prove(self, spec: GrammarSpec) -> float:
-        return grammar.check(spec, grammar.engine_tokenizer(self._tokenizer_json, self._vocab_size, self._eos))
+        return grammar.check(spec, self._engine_tokenizer())
 
     async def check(self, spec: GrammarSpec, param: str, client: Any = None) -> float:
         """Seconds the proof took; an APIError naming `param` when the grammar is over a budget or the engine

@@ -541,6 +541,10 @@ class StepPlan(Message):
 # gateway answers 400 (context_length_exceeded) with `error` as the message. Any other error (error_kind
 # None) is a failure while serving: 500.
 ERROR_REJECTED = "rejected"
+# ... or the sequence's grammar failed at a later token (the engine refused a mask or a token the gateway's
+# proof did not reach): the request's grammar was bad input, a 400 naming its field (an error event in a
+# stream), never a 500.
+ERROR_GRAMMAR = "grammar"
 
 
 @dataclass
@@ -549,7 +553,7 @@ class TokenEvent(Row):
 
     `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
     `finish_reason` is "stop", "length", "abort" or "error" on the last event of a sequence.
-    `error_kind` says what an "error" was (ERROR_REJECTED, or None: a serving failure).
+    `error_kind` says what an "error" was (ERROR_REJECTED, ERROR_GRAMMAR, or None: a serving failure).
     `cached_tokens` (on a sequence's first token): prompt positions its prefill found in the prefix cache.
     """
 
