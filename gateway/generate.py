@@ -419,7 +419,8 @@ class Generation:
                 break  # answered 400 whatever its other choices do (they are cancelled)
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
-            raise self._failure(next((o for o in failed if o.error_kind in (ERROR_REJECTED, ERROR_GRAMMAR)), failed[0]))
+            bad_input = (o for o in failed if o.error_kind in (ERROR_REJECTED, ERROR_GRAMMAR))
+            raise self._failure(next(bad_input, failed[0]))
         model = self.gw.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)

@@ -44,7 +44,8 @@ def _with_grammar_budgets(request: dict, budgets: GrammarBudgets) -> None:
         props[name]["description"] = props[name].get("description", "a JSON schema") + schema_note
 
 
-def openapi_document(budgets: GrammarBudgets = GrammarBudgets()) -> dict:
+def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
+    budgets = budgets or GrammarBudgets.defaults()
     _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
                                                               TokenizeRequest, DetokenizeRequest)],
                                  ref_template=_REF)

@@ -26,6 +26,7 @@ from typing import Any
 from gateway.errors import bad_request, too_many_requests, unavailable
 from phaseserve import grammar
 from phaseserve.models.tokenizer import Tokenizer
+from phaseserve.settings import BY_NAME
 from phaseserve.wire import GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -34,19 +35,25 @@ STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class GrammarBudgets:
-    """What a gateway proves a grammar within (settings: --max-grammar-choices, ...)."""
+    """What a gateway proves a grammar within (the settings named in SETTINGS, in order)."""
 
-    max_choices: int = 10000
-    max_grammar_bytes: int = 64 << 10  # a client's regex or Lark grammar, a choice's options together
-    max_schema_bytes: int = 256 << 10  # a JSON schema, a forced tool call's grammar
-    check_timeout: float = 5.0
-    threads: int = 2
-    queue_timeout: float = 10.0
+    max_choices: int
+    max_grammar_bytes: int  # a client's regex or Lark grammar, a choice's options together
+    max_schema_bytes: int  # a JSON schema, a forced tool call's grammar
+    check_timeout: float
+    threads: int
+    queue_timeout: float
+
+    SETTINGS = ("max_grammar_choices", "max_grammar_bytes", "max_schema_bytes", "grammar_check_timeout",
+                "grammar_check_threads", "grammar_queue_timeout")
 
     @classmethod
-    def from_settings(cls, settings) -> "GrammarBudgets":
-        return cls(settings.max_grammar_choices, settings.max_grammar_bytes, settings.max_schema_bytes,
-                   settings.grammar_check_timeout, settings.grammar_check_threads, settings.grammar_queue_timeout)
+    def from_settings(cls, values) -> "GrammarBudgets":
+        return cls(*(getattr(values, name) for name in cls.SETTINGS))
+
+    @classmethod
+    def defaults(cls) -> "GrammarBudgets":
+        return cls(*(BY_NAME[name].type(BY_NAME[name].default) for name in cls.SETTINGS))
 
     def max_bytes(self, spec: GrammarSpec, param: str) -> int:
         forced_call = param in ("tools", "tool_choice")  # the tools' parameters are JSON schemas
@@ -145,10 +152,9 @@ def requested_grammar(req, budgets: GrammarBudgets) -> tuple[GrammarSpec | None,
 
 
 class GrammarChecker:
-    """Proves grammars the way a worker will run them, on a few threads shared fairly between clients (the
-    engine's tokenizer is built on first use)."""
+    """Proves grammars the way a worker will run them, on a few threads shared fairly between clients."""
 
-    def __init__(self, tokenizer: Tokenizer, budgets: GrammarBudgets = GrammarBudgets()):
+    def __init__(self, tokenizer: Tokenizer, budgets: GrammarBudgets):
         self.budgets = budgets
         self._tokenizer_json = os.path.join(tokenizer.path, "tokenizer.json")
         self._vocab_size = tokenizer.vocab_size

@@ -13,13 +13,16 @@ def test_the_settings_page_is_the_settings_table():
 
 
 def test_the_request_limits_are_one_table_in_the_docs_and_the_openapi_document():
+    from dataclasses import replace
+
     from gateway import limits
     from gateway.openapi import openapi_document
     from gateway.structured import GrammarBudgets
 
     page = (ROOT / "docs" / "settings.md").read_text()
     assert limits.markdown_table() in page, "docs/settings.md's Request limits are stale: paste limits.markdown_table()"
-    schemas = openapi_document(GrammarBudgets(max_choices=7, max_grammar_bytes=99))["components"]["schemas"]
+    budgets = replace(GrammarBudgets.defaults(), max_choices=7, max_grammar_bytes=99)
+    schemas = openapi_document(budgets)["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["maxItems"] == limits.MAX_MESSAGES
     assert {"type": "array", "maxItems": limits.MAX_TOOLS}.items() <= chat["tools"]["anyOf"][0].items()

@@ -220,7 +220,7 @@ def _chat(**fields) -> P.ChatCompletionRequest:
     ({"structured_outputs": {"json_object": True}}, "json_schema"),
 ])
 def test_requested_grammar_reads_every_form(fields, kind):
-    spec, param = requested_grammar(_chat(**fields), GrammarBudgets())
+    spec, param = requested_grammar(_chat(**fields), GrammarBudgets.defaults())
     assert spec.kind == kind and param == next(iter(fields))
 
 
@@ -230,12 +230,12 @@ def test_requested_grammar_reads_every_form(fields, kind):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-    ({"guided_choice": ["x"] * (GrammarBudgets().max_choices + 1)}, "guided_choice"),  # over the budgets
+    ({"guided_choice": ["x"] * (GrammarBudgets.defaults().max_choices + 1)}, "guided_choice"),  # over budget
     ({"structured_outputs": {"choice": ["x" * 70_000]}}, "structured_outputs"),
 ])
 def test_requested_grammar_refuses_malformed_forms(fields, param):
     with pytest.raises(APIError) as e:
-        requested_grammar(_chat(**fields), GrammarBudgets())
+        requested_grammar(_chat(**fields), GrammarBudgets.defaults())
     assert e.value.status == 400 and e.value.param == param
 
 
