@@ -4,8 +4,11 @@ parts (which grammar a request asks for; tool calls in and out)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -14,7 +17,7 @@ import torch
 from bench.grammar_schemas import NESTED
 from gateway import protocol as P
 from gateway.errors import APIError
-from gateway.structured import GrammarBudgets, requested_grammar
+from gateway.structured import GrammarBudgets, GrammarChecker, requested_grammar
 from gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar, settings
 from phaseserve.models.tokenizer import Tokenizer
@@ -97,6 +100,37 @@ def test_a_schema_may_not_set_the_engines_options(engine_tokenizer, tokenizer):
     assert e.value.param == "tools" and "x-guidance" in e.value.message
     m = grammar.GrammarMatcher(grammar.json_schema({"type": "object"}), engine_tokenizer)
     assert m.accepted_prefix(tokenizer.encode('{ "a": 1}', add_special_tokens=False)) == 1  # compact: no space
+
+
+async def test_the_checker_has_a_time_budget_and_one_proof_per_client(tokenizer):
+    """A proof past its time budget is its request's 400 at once; its client's next grammar waits for the engine
+    to return (429 past the queue budget) instead of taking a second thread; another client's is proved
+    meanwhile; and the client's slot frees up once the engine returns."""
+    budgets = replace(GrammarBudgets.defaults(), check_timeout=0.05, threads=2, queue_timeout=0.2)
+    checker = GrammarChecker(tokenizer, budgets)
+    slow = GrammarSpec("regex", "a{1000000000}")  # the engine spends its lexer fuel on it before it refuses
+    quick = grammar.json_schema({"type": "object"})
+    try:
+        await checker.check(quick, "response_format", "warm-up")  # the engine's tokenizer is built
+        first = asyncio.create_task(checker.check(slow, "guided_regex", "attacker"))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(checker.check(slow, "guided_regex", "attacker"))
+        assert await asyncio.wait_for(checker.check(quick, "response_format", "victim"), 5) >= 0
+        with pytest.raises(APIError) as e:
+            await first
+        assert e.value.status == 400 and "longer than 0.05 s" in e.value.message and e.value.param == "guided_regex"
+        with pytest.raises(APIError) as e:
+            await second
+        assert e.value.status == 429
+        deadline = time.monotonic() + 30
+        while True:  # the attacker's slot is back once the engine has given up on its regex
+            try:
+                await checker.check(quick, "response_format", "attacker")
+                break
+            except APIError as e:
+                assert e.status == 429 and time.monotonic() < deadline
+    finally:
+        checker.close()
 
 
 def test_tools_are_bounded_and_their_names_checked_once_each():
