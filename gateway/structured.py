@@ -55,9 +55,14 @@ class GrammarBudgets:
     def defaults(cls) -> "GrammarBudgets":
         return cls(*(BY_NAME[name].type(BY_NAME[name].default) for name in cls.SETTINGS))
 
-    def max_bytes(self, spec: GrammarSpec, param: str) -> int:
+    def check_size(self, spec: GrammarSpec, param: str) -> None:
+        """A 400 naming `param` when the spec is over its size budget (before anything compiles it)."""
         forced_call = param in ("tools", "tool_choice")  # the tools' parameters are JSON schemas
-        return self.max_schema_bytes if spec.kind == "json_schema" or forced_call else self.max_grammar_bytes
+        limit = self.max_schema_bytes if spec.kind == "json_schema" or forced_call else self.max_grammar_bytes
+        size = len(spec.source.encode())
+        if size > limit:
+            raise bad_request(f"The {_WHAT[spec.kind]} of '{param}' is {size} bytes; this server takes at most "
+                              f"{limit}", param)
 
 
 def _schema(value: Any, param: str) -> GrammarSpec:
@@ -127,7 +132,7 @@ def _structured_outputs(so: dict, budgets: GrammarBudgets) -> GrammarSpec | None
 
 def requested_grammar(req, budgets: GrammarBudgets) -> tuple[GrammarSpec | None, str | None]:
     """(the grammar the request's output must follow, the field that asked for it); (None, None): free text.
-    More than one constraint is a 400, and so is a choice with more options than the budgets allow."""
+    More than one constraint is a 400, and so is one over the size budgets."""
     forms: list[tuple[GrammarSpec, str]] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -148,7 +153,10 @@ def requested_grammar(req, budgets: GrammarBudgets) -> tuple[GrammarSpec | None,
     if len(forms) > 1:
         raise bad_request(f"One output constraint at a time; the request has {', '.join(p for _, p in forms)}",
                           forms[1][1])
-    return forms[0] if forms else (None, None)
+    if not forms:
+        return None, None
+    budgets.check_size(*forms[0])
+    return forms[0]
 
 
 class GrammarChecker:
@@ -172,13 +180,9 @@ class GrammarChecker:
         return grammar.check(spec, self._engine_tokenizer())
 
     async def check(self, spec: GrammarSpec, param: str, client: Any = None) -> float:
-        """Seconds the proof took; an APIError naming `param` when the grammar is over a budget or the engine
-        refuses it (400), or when no slot frees up in time (429: the client's own proof still runs; 503)."""
-        size = len(spec.source.encode())
-        limit = self.budgets.max_bytes(spec, param)
-        if size > limit:
-            raise bad_request(f"The {_WHAT[spec.kind]} of '{param}' is {size} bytes; this server takes at most "
-                              f"{limit}", param)
+        """Seconds the proof took; an APIError naming `param` when the engine refuses the grammar or takes
+        longer than the time budget (400), or when no slot frees up in time (429: the client's own proof still
+        runs; 503). The size budgets are the caller's to check first (GrammarBudgets.check_size)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.budgets.queue_timeout
         done = await self._client_slot(client, deadline)

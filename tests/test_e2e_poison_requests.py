@@ -249,7 +249,7 @@ def test_slow_clients_are_disconnected_within_the_timeouts(stack):
     bound = TIMEOUT_S + 4.0  # the timeout, and a loaded machine's margin
     with ThreadPoolExecutor(2) as pool:
         headers = pool.submit(_trickle, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-Slow: 1\r\n",
-                              300, port, bound + 4)
+                              400, port, bound + 4)
         body = pool.submit(_trickle, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                                       f"{VICTIM}\r\nContent-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
                                       ).encode(), b" ", 100, port, bound + 4)
