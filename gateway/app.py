@@ -11,10 +11,12 @@ from gateway import protocol as P
 from gateway.auth import auth_middleware, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
+from gateway.live_view import LIVE_VIEW, LiveView, stack_events
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.state import GATEWAY, Gateway
 from gateway.tokenize_routes import detokenize, tokenize
+from gateway.ui import add_ui_routes
 from phaseserve import __version__
 
 log = structlog.get_logger("gateway")
@@ -81,6 +83,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[OPENAPI] = openapi_document()
+    app[LIVE_VIEW] = live = LiveView(gw.backend, gw.keys, gw.metrics)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
@@ -91,12 +94,16 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/stack/events", stack_events)  # under /v1: keyed like the API
+    add_ui_routes(app)
 
     async def redis_side(app: web.Application):
         await gw.backend.start()
+        live.start()
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))
         yield
+        await live.close()
         await gw.backend.close()
         gw.prompts.close()
         gw.grammars.close()
@@ -107,6 +114,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         # on shutdown, before the server waits for the handlers: each ends with an error its client sees
         # (an error event then [DONE] in a stream, a 503 otherwise), not a connection cut mid-stream
         gw.backend.fail_open_requests()
+        live.end_streams()
 
     app.on_shutdown.append(end_open_requests)
     return app

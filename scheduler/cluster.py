@@ -24,6 +24,9 @@ from phaseserve.wire import (
     ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
     WorkerInfo,
 )
+from phaseserve.stack_view import (
+    STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
+)
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts
 from scheduler.speculation import SpeculationStats
@@ -41,6 +44,11 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
+
+
+def tenant_of(req: SubmitRequest) -> str:
+    """The tenant a request names ("" for none, and from a wire without tenants)."""
+    return getattr(req, "tenant", "") or ""
 
 
 def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
@@ -85,6 +93,10 @@ class WorkerSlot:
     # the worker's step time learned from its results, and (tokens, keys, prefill chunks) of each plan in flight
     step_costs: StepCostModel = field(default_factory=StepCostModel)
     plan_features: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # the live view (phaseserve/stack_view.py): each plan in flight as a StepSample without its time, and
+    # the last steps that answered
+    plan_samples: dict[int, StepSample] = field(default_factory=dict)
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_SHOWN))
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -472,6 +484,9 @@ class Cluster:
                 plan.timeout_s = timeout_of(plan, slot.step_costs.expected_bound(*features))
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + deadline_margin))
                 slot.plan_features[plan.step_id] = features
+                budget = slot.policy.last_budget
+                slot.plan_samples[plan.step_id] = StepSample(*slot.policy.last_split, 0.0, budget.predicted_s,
+                                                             budget.target_s)
                 plans.append((wid, plan))
         if plans:
             self.stats_dirty = True
@@ -501,6 +516,7 @@ class Cluster:
         slot.in_flight.popleft()
         slot.head_since = now
         self.learn_step_cost(slot, result)
+        self.sample_step(slot, result)
         policy = slot.policy
         before = {}
         for ev in result.events:
@@ -551,6 +567,47 @@ class Cluster:
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.limits.itl_target),
                      verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
+
+    @staticmethod
+    def sample_step(slot: WorkerSlot, result: StepResult) -> None:
+        """The step's plan and measured time, for the live view (a speculative step as it ran)."""
+        samples = slot.plan_samples
+        for step_id in [k for k in samples if k < result.step_id]:  # given up or lost
+            del samples[step_id]
+        sample = samples.pop(result.step_id, None)
+        if sample is None:
+            return
+        sample.step_s = result.step_time_s
+        if len(result.ran) == 3:  # speculation verified what the worker proposed, not what was allowed
+            sample.decode_tokens = result.ran[0] - sample.prefill_tokens
+        slot.recent_steps.append(sample)
+
+    def view(self, taken_at: float) -> StackView:
+        """The live view's picture of the cluster now (phaseserve/stack_view.py): built every few hundred
+        milliseconds from what the policies hold, never per step."""
+        workers, unprefilled, tenants = [], [], {}
+        for wid, slot in self.workers.items():
+            p = slot.policy
+            pstats = p.stats()
+            workers.append(WorkerView(
+                wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
+                p.num_used_blocks, pstats["num_cached_blocks"], p.num_free_blocks, slot.info.num_blocks,
+                p.num_handoffs_in_flight, pstats["prefix_cache_queries"], pstats["prefix_cache_hits"],
+                p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps)))
+            for seq, total, done in p.unprefilled():
+                unprefilled.append((seq.request, wid, total, done))
+            for seq in p.running_sequences():
+                share = tenants.setdefault(tenant_of(seq.request), [0, 0])
+                share[0] += 1
+        unprefilled += [(req, "", len(req.prompt_ids) + len(outputs or ()), 0) for req, outputs in self.parked]
+        for req, *_ in unprefilled:
+            tenants.setdefault(tenant_of(req), [0, 0])[1] += 1
+        unprefilled.sort(key=lambda x: x[0].arrival_time)
+        waiting = [WaitingSequence(req.request_id, wid, req.arrival_time, total, done, tenant_of(req))
+                   for req, wid, total, done in unprefilled[:WAITING_SHOWN]]
+        shares = [] if set(tenants) <= {""} else [TenantShare(t, r, w) for t, (r, w) in sorted(tenants.items())]
+        return StackView(taken_at, str(self.limits.itl_target), self.limits.max_num_batched_tokens, workers,
+                         len(unprefilled), waiting, shares)
 
     def give_up_overdue_steps(self, now: float) -> float | None:
         """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is

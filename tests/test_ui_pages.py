@@ -1,0 +1,206 @@
+"""The chat page and the live view in headless Chromium, on one real stack (two workers, an API key, a small
+step budget so a long prompt takes many steps): a wrong key shows the error, a two-turn conversation streams
+into the page, the live view shows a long prompt's chunks beside the decodes, and a killed worker leaves it.
+Screenshots go to runs/ui-screenshots (desktop and 360 px wide)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import openai
+import pytest
+
+from browser import DESKTOP, PHONE, chromium, screenshot
+from e2e_stack import running_stack, wait_for
+
+KEY = "sk-ui-test-key"
+BUDGET = 16  # tokens a step: a long prompt is prefilled in many chunks beside the decodes
+LONG_PROMPT_TOKENS = 1600
+
+
+@pytest.fixture(scope="module")
+def ui_stack(e2e_model, tmp_path_factory):
+    with running_stack(e2e_model, tmp_path_factory.mktemp("ui-stack"), api_key=KEY, workers=2,
+                       max_num_batched_tokens=BUDGET, max_num_seqs=8,
+                       long_prefill_threshold=BUDGET // 2) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture
+def page(browser, ui_stack):
+    """A page whose session already holds the right key (the key form is tested on its own)."""
+    context = browser.new_context(viewport=DESKTOP)
+    context.add_init_script(f"sessionStorage.setItem('phaseserve.apiKey', {json.dumps(KEY)})")
+    page = context.new_page()
+    yield page
+    context.close()
+
+
+def test_a_wrong_api_key_shows_the_error(browser, ui_stack):
+    context = browser.new_context(viewport=PHONE)
+    page = context.new_page()
+    try:
+        page.goto(ui_stack.base_url + "/")
+        # no key: the models list is refused, the page says what to do and opens its settings
+        error = page.locator("#error")
+        error.wait_for(state="visible")
+        assert "needs an API key (401)" in error.inner_text()
+        assert page.locator("#settings").get_attribute("open") is not None
+        assert error.get_attribute("role") == "alert"
+        page.fill("#api-key", "sk-wrong")
+        page.press("#api-key", "Tab")  # change: saved, the models asked for again
+        page.fill("#prompt", "Hello")
+        page.press("#prompt", "Enter")
+        page.wait_for_function("document.querySelector('#error').dataset.kind === 'auth' && "
+                               "document.querySelector('#status').textContent === ''")
+        assert "refused (401)" in error.inner_text()
+        assert page.locator(".message").count() == 0  # nothing came: no empty answer left behind,
+        assert page.locator("#prompt").input_value() == "Hello"  # and the question is back in the box
+        assert page.evaluate("sessionStorage.getItem('phaseserve.apiKey')") == "sk-wrong"
+        assert page.evaluate("localStorage.getItem('phaseserve.apiKey')") is None  # not remembered unasked
+        screenshot(page, "chat-wrong-key-360px")
+        # the right key: the error goes, models load
+        page.fill("#api-key", KEY)
+        page.press("#api-key", "Tab")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        assert page.locator("#error").is_hidden()
+        assert page.locator("#model").input_value() == ui_stack.model
+        # the live view, with the wrong key again, says so too
+        page.evaluate("sessionStorage.setItem('phaseserve.apiKey', 'sk-wrong')")
+        page.goto(ui_stack.base_url + "/ui/stack")
+        page.locator("#error").wait_for(state="visible")
+        assert "401" in page.locator("#error").inner_text()
+    finally:
+        context.close()
+
+
+def test_a_two_turn_conversation_streams_into_the_page(page, ui_stack):
+    sent = []
+    page.on("request", lambda r: sent.append(json.loads(r.post_data)) if r.url.endswith("/chat/completions") else None)
+    page.goto(ui_stack.base_url + "/")
+    page.wait_for_function("document.querySelector('#model').options.length > 0")
+    page.click("#settings summary")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "24")
+    # count the answer's updates as they land: a streamed answer grows in several, not at once
+    page.evaluate("""() => { window.updates = 0;
+        new MutationObserver(() => { window.updates += 1; })
+          .observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true}); }""")
+    for turn, text in enumerate(("Tell me a story.", "And then?"), start=1):
+        page.focus("#prompt")
+        page.keyboard.type(text)
+        page.keyboard.press("Shift+Enter")  # a new line, not a send
+        page.keyboard.type("Please.")
+        page.keyboard.press("Enter")
+        meta = page.locator(".message.assistant .meta").nth(turn - 1)
+        page.wait_for_function(f"document.querySelectorAll('.message.assistant .meta').length >= {turn} && "
+                               f"document.querySelectorAll('.message.assistant .meta')[{turn - 1}].textContent", timeout=60_000)
+        words = meta.inner_text()
+        assert "completion tokens" in words and "TTFT" in words and "tok/s" in words, words
+        assert page.locator(".message.assistant .content").nth(turn - 1).inner_text().strip()
+    assert page.evaluate("window.updates") > 6  # two questions, two answers, each answer in several pieces
+    assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"]  # the history went along
+    assert sent[0]["messages"][0]["content"] == "Tell me a story.\nPlease."
+    assert sent[1]["messages"][1]["content"] == page.locator(".message.assistant .content").nth(0).inner_text()
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
+               and b["max_tokens"] == 24 for b in sent)
+    assert not page.locator("#regenerate").is_disabled()
+    screenshot(page, "chat-desktop")
+    page.set_viewport_size(PHONE)
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]  # nothing runs off the side
+    screenshot(page, "chat-360px")
+    # regenerate: the last answer is asked for again, over the same history
+    page.click("#regenerate")
+    page.wait_for_function("document.querySelectorAll('.message.assistant .meta').length === 2 && "
+                           "document.querySelectorAll('.message.assistant .meta')[1].textContent", timeout=60_000)
+    assert [m["role"] for m in sent[2]["messages"]] == ["user", "assistant", "user"]
+
+
+def stream_in_background(client, model: str, stop: threading.Event, started: threading.Event, errors: list):
+    def run():
+        try:
+            stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1500, stream=True,
+                                               temperature=0, extra_body={"ignore_eos": True})
+            with stream:
+                for _ in stream:
+                    started.set()
+                    if stop.is_set():
+                        break
+        except Exception as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+            started.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_live_view_shows_a_long_prompts_chunks_beside_the_decodes(page, ui_stack):
+    stop, errors = threading.Event(), []
+    with openai.OpenAI(base_url=ui_stack.api_url, api_key=KEY, max_retries=0, timeout=120) as client:
+        page.goto(ui_stack.base_url + "/ui/stack")
+        page.wait_for_function("document.querySelectorAll('.worker').length === 2")
+        # one decode stream on each worker (the scheduler spreads them), then a long prompt beside one of them
+        streams = []
+        for _ in range(2):
+            started = threading.Event()
+            streams.append(stream_in_background(client, ui_stack.model, stop, started, errors))
+            assert started.wait(60) and not errors, errors
+        long_done = threading.Event()
+
+        def long_prompt():
+            try:
+                client.completions.create(model=ui_stack.model, prompt=list(range(100, 100 + LONG_PROMPT_TOKENS)),
+                                          max_tokens=2, temperature=0)
+            except Exception as e:  # noqa: BLE001 -- reported by the test
+                errors.append(e)
+            long_done.set()
+
+        threading.Thread(target=long_prompt, daemon=True).start()
+        try:
+            # a worker's step of decode tokens and prompt-chunk tokens together, drawn as one stacked bar
+            page.wait_for_function("""() => [...document.querySelectorAll('.step')].some(
+                g => +g.dataset.decode > 0 && +g.dataset.prefill > 0)""", timeout=60_000)
+            # and the long prompt in the queue, part way through its prefill
+            page.wait_for_function(f"""() => [...document.querySelectorAll('#queue progress')].some(
+                p => +p.max === {LONG_PROMPT_TOKENS} && +p.value > 0 && +p.value < +p.max)""", timeout=60_000)
+            screenshot(page, "stack-desktop")
+            page.set_viewport_size(PHONE)
+            assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+            screenshot(page, "stack-360px")
+            page.set_viewport_size(DESKTOP)
+            mixed = page.locator(".last-step").all_inner_texts()
+            assert any("decode" in t and "prompt-chunk" in t for t in mixed), mixed
+            # chunks never exceed the step budget; decodes ride beside them
+            for g in page.locator(".step").all():
+                assert int(g.get_attribute("data-decode")) + int(g.get_attribute("data-prefill")) <= BUDGET
+            assert long_done.wait(120) and not errors, errors
+            totals = page.locator("#totals").inner_text()
+            assert "Tokens/s" in totals and "TTFT p50 / p99" in totals
+        finally:
+            stop.set()
+            for t in streams:
+                t.join(30)
+
+
+def test_a_killed_worker_leaves_the_live_view(page, ui_stack):
+    page.goto(ui_stack.base_url + "/ui/stack")
+    page.wait_for_function("document.querySelectorAll('.worker[data-worker-id]').length === 2")
+    shown = page.evaluate("[...document.querySelectorAll('.worker')].map(w => w.dataset.workerId)")
+    victim = ui_stack.stack.procs["worker-1"]
+    killed = next(w for w in shown if w.endswith(f"-{victim.pid}"))
+    victim.kill()
+    victim.wait(10)
+    page.wait_for_function("document.querySelectorAll('.worker').length === 1", timeout=30_000)
+    left = page.evaluate("[...document.querySelectorAll('.worker')].map(w => w.dataset.workerId)")
+    assert left == [w for w in shown if w != killed]
+    assert f"Worker {killed} left" in page.locator("#notices").inner_text()
+    screenshot(page, "stack-worker-killed")
+    assert wait_for(lambda: ui_stack.scheduler_stats().get("num_workers") == 1, 30)
