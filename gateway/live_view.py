@@ -55,7 +55,8 @@ def frame(view: StackView | None, workers: list[WorkerInfo], latency: dict, now:
                 steps=[{"decode_tokens": s.decode_tokens, "prefill_tokens": s.prefill_tokens,
                         "prefill_chunks": s.prefill_chunks, "step_ms": round(s.step_s * 1e3, 3),
                         "predicted_ms": round(s.predicted_s * 1e3, 3), "target_ms": round(s.target_s * 1e3, 3)}
-                       for s in w.steps])
+                       for s in w.steps],
+                last_step_age_s=round(w.last_step_age_s + max(0.0, now - view.taken_at), 3))
         shown.append(entry)
     out = {"now": now, "workers": shown, "latency": latency, "view": view is not None}
     if view is not None:

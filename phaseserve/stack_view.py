@@ -51,6 +51,7 @@ class WorkerView(Record):
     spec_draft_tokens: int = 0  # verified drafts, and of them kept
     spec_accepted_tokens: int = 0
     steps: list[StepSample] = field(default_factory=list)  # oldest first
+    last_step_age_s: float = 0.0  # since the newest of `steps` answered
 
 
 @dataclass

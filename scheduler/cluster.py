@@ -97,6 +97,7 @@ class WorkerSlot:
     # the last steps that answered
     plan_samples: dict[int, StepSample] = field(default_factory=dict)
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_SHOWN))
+    last_step_at: float = 0.0  # when the newest of them answered (monotonic)
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -516,7 +517,7 @@ class Cluster:
         slot.in_flight.popleft()
         slot.head_since = now
         self.learn_step_cost(slot, result)
-        self.sample_step(slot, result)
+        self.sample_step(slot, result, now)
         policy = slot.policy
         before = {}
         for ev in result.events:
@@ -569,7 +570,7 @@ class Cluster:
                      verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
 
     @staticmethod
-    def sample_step(slot: WorkerSlot, result: StepResult) -> None:
+    def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:
         """The step's plan and measured time, for the live view (a speculative step as it ran)."""
         samples = slot.plan_samples
         for step_id in [k for k in samples if k < result.step_id]:  # given up or lost
@@ -581,10 +582,11 @@ class Cluster:
         if len(result.ran) == 3:  # speculation verified what the worker proposed, not what was allowed
             sample.decode_tokens = result.ran[0] - sample.prefill_tokens
         slot.recent_steps.append(sample)
+        slot.last_step_at = now
 
-    def view(self, taken_at: float) -> StackView:
+    def view(self, taken_at: float, now: float) -> StackView:
         """The live view's picture of the cluster now (phaseserve/stack_view.py): built every few hundred
-        milliseconds from what the policies hold, never per step."""
+        milliseconds from what the policies hold, never per step. `taken_at`: unix time; `now`: monotonic."""
         workers, unprefilled, tenants = [], [], {}
         for wid, slot in self.workers.items():
             p = slot.policy
@@ -593,7 +595,8 @@ class Cluster:
                 wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
                 p.num_used_blocks, pstats["num_cached_blocks"], p.num_free_blocks, slot.info.num_blocks,
                 p.num_handoffs_in_flight, pstats["prefix_cache_queries"], pstats["prefix_cache_hits"],
-                p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps)))
+                p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps),
+                round(now - slot.last_step_at, 3) if slot.recent_steps else 0.0))
             for seq, total, done in p.unprefilled():
                 unprefilled.append((seq.request, wid, total, done))
             for seq in p.running_sequences():

@@ -248,7 +248,7 @@ class SchedulerService:
         wait = self._view_written_at + (STACK_VIEW_INTERVAL_S if busy else STACK_VIEW_IDLE_INTERVAL_S) - now
         if wait > 0:
             return wait
-        pipe.set(self.keys.stack_view(), self.cluster.view(time.time()).to_wire(), px=int(STACK_VIEW_TTL_S * 1000))
+        pipe.set(self.keys.stack_view(), self.cluster.view(time.time(), now).to_wire(), px=int(STACK_VIEW_TTL_S * 1000))
         self._view_written_at = now
         return STACK_VIEW_INTERVAL_S if busy else STACK_VIEW_IDLE_INTERVAL_S
 

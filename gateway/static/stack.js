@@ -73,7 +73,8 @@ function stepCharts(w, budget) {
 function lastStepText(w) {
   const s = (w.steps || [])[w.steps.length - 1];
   if (!s) return "No step yet.";
-  return `Last step: ${s.decode_tokens} decode + ${s.prefill_tokens} prompt-chunk tokens ` +
+  const age = w.last_step_age_s >= 1 ? ` (${w.last_step_age_s.toFixed(0)} s ago)` : "";
+  return `Last step${age}: ${s.decode_tokens} decode + ${s.prefill_tokens} prompt-chunk tokens ` +
     `(${s.prefill_chunks} chunk${s.prefill_chunks === 1 ? "" : "s"}) in ${ms(s.step_ms)}` +
     (s.target_ms > 0 ? `, target ${ms(s.target_ms)}` : "");
 }
