@@ -172,6 +172,7 @@ class Cluster:
         self.num_steps_given_up = 0
         self.handoffs = HandoffCounters()
         self.grammar_masks: list[float] = []  # StepResult.grammar_masks summed: the gateway's mask histogram
+        self.watched = False  # a live view is open (the service says): steps are sampled for it
         self.stats_dirty = True
 
     # ------------------------------------------------------------------ workers
@@ -485,9 +486,10 @@ class Cluster:
                 plan.timeout_s = timeout_of(plan, slot.step_costs.expected_bound(*features))
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + deadline_margin))
                 slot.plan_features[plan.step_id] = features
-                budget = slot.policy.last_budget
-                slot.plan_samples[plan.step_id] = StepSample(*slot.policy.last_split, 0.0, budget.predicted_s,
-                                                             budget.target_s)
+                if self.watched:
+                    budget = slot.policy.last_budget
+                    slot.plan_samples[plan.step_id] = StepSample(*slot.policy.last_split, 0.0, budget.predicted_s,
+                                                                 budget.target_s)
                 plans.append((wid, plan))
         if plans:
             self.stats_dirty = True
@@ -573,6 +575,8 @@ class Cluster:
     def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:
         """The step's plan and measured time, for the live view (a speculative step as it ran)."""
         samples = slot.plan_samples
+        if not samples:  # nobody watches
+            return
         for step_id in [k for k in samples if k < result.step_id]:  # given up or lost
             del samples[step_id]
         sample = samples.pop(result.step_id, None)

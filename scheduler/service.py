@@ -137,7 +137,7 @@ class SchedulerService:
         # the live view's flag rides with the heartbeats: no round trip of its own
         *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]
                                                 + [self.keys.stack_view_wanted()])
-        self.view_wanted = wanted is not None
+        self.view_wanted = self.cluster.watched = wanted is not None
         live = live_workers(members, beats)
         self.cluster.gone_workers(live)
         for wid, info in live.items():

@@ -56,6 +56,9 @@ def test_the_view_shows_a_long_prompts_chunks_beside_the_decodes_and_who_waits()
     c.add_worker(WorkerInfo("a", "mixed", "m", 256, 16, 2048, 1, 1.0, host="h", threads=3), epoch=1)
     worker = FakeWorker(c, "a")
     c.admit(req("short", 4, arrival=100.0))
+    worker.step()  # nobody watches: the step is not sampled
+    assert not c.workers["a"].recent_steps and not c.workers["a"].plan_samples
+    c.watched = True
     worker.step()
     worker.step()  # "short" decodes now
     c.admit(req("long", 200, max_tokens=2, arrival=101.0))
@@ -67,6 +70,7 @@ def test_the_view_shows_a_long_prompts_chunks_beside_the_decodes_and_who_waits()
     last = w.steps[-1]
     assert last.decode_tokens == 1 and 0 < last.prefill_tokens <= BUDGET - 1 and last.prefill_chunks == 1
     assert last.step_s == 0.02 and len(w.steps) == 3 and w.last_step_age_s == pytest.approx(0.5)
+    assert [(s.decode_tokens, s.prefill_tokens) for s in w.steps[:2]] == [(1, 0), (1, 0)]  # "short" decodes alone
     assert w.kv_blocks_used > 0 and w.kv_blocks_used + w.kv_blocks_free == w.kv_blocks_total == 256
     assert view.num_waiting == 1
     [waiting] = view.waiting
@@ -90,6 +94,7 @@ async def test_the_scheduler_writes_its_view_only_while_a_gateway_wants_it(redis
         assert service.maybe_write_view(pipe, time.monotonic()) is None and not pipe.command_stack
         await client.set(KEYS.stack_view_wanted(), b"1", px=3000)
         await service.refresh_workers(time.monotonic())
+        assert service.cluster.watched  # and steps are sampled for it
         assert service.maybe_write_view(pipe, now := time.monotonic()) == 2.0  # idle: the slower rate
         assert service.maybe_write_view(pipe, now + 0.1) == pytest.approx(1.9)  # not due: nothing more queued
         await pipe.execute()
