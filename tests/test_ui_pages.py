@@ -17,13 +17,16 @@ from e2e_stack import running_stack, wait_for
 KEY = "sk-ui-test-key"
 BUDGET = 16  # tokens a step: a long prompt is prefilled in many chunks beside the decodes
 LONG_PROMPT_TOKENS = 1600
+IN_FLIGHT = 3
+RETRY_AFTER = 3
 
 
 @pytest.fixture(scope="module")
 def ui_stack(e2e_model, tmp_path_factory):
     with running_stack(e2e_model, tmp_path_factory.mktemp("ui-stack"), api_key=KEY, workers=2,
-                       max_num_batched_tokens=BUDGET, max_num_seqs=8,
-                       long_prefill_threshold=BUDGET // 2) as stack:
+                       max_num_batched_tokens=BUDGET, max_num_seqs=8, long_prefill_threshold=BUDGET // 2,
+                       # two streams and a long prompt fill the gateway: a fourth request gets a 429
+                       max_waiting_requests=IN_FLIGHT, retry_after=RETRY_AFTER) as stack:
         yield stack
 
 
@@ -172,6 +175,7 @@ def test_the_live_view_shows_a_long_prompts_chunks_beside_the_decodes(page, ui_s
             page.wait_for_function(f"""() => [...document.querySelectorAll('#queue progress')].some(
                 p => +p.max === {LONG_PROMPT_TOKENS} && +p.value > 0 && +p.value < +p.max)""", timeout=60_000)
             screenshot(page, "stack-desktop")
+            busy_chat_says_when_to_retry(page.context.new_page(), ui_stack)
             page.set_viewport_size(PHONE)
             assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
             screenshot(page, "stack-360px")
@@ -188,6 +192,24 @@ def test_the_live_view_shows_a_long_prompts_chunks_beside_the_decodes(page, ui_s
             stop.set()
             for t in streams:
                 t.join(30)
+
+
+def busy_chat_says_when_to_retry(chat, ui_stack):
+    """While the gateway holds its limit of requests, a question from the chat page gets a 429: the page
+    says when to try again and holds Send that long."""
+    chat.goto(ui_stack.base_url + "/")
+    chat.wait_for_function("document.querySelector('#model').options.length > 0")
+    chat.fill("#prompt", "Are you busy?")
+    chat.press("#prompt", "Enter")
+    chat.locator("#error").wait_for(state="visible")
+    words = chat.locator("#error").inner_text()
+    assert "busy (429)" in words and f"Try again in {RETRY_AFTER} s" in words, words
+    assert chat.locator("#send").is_disabled() and "s)" in chat.locator("#send").inner_text()
+    assert chat.locator("#prompt").input_value() == "Are you busy?"
+    screenshot(chat, "chat-busy-429")
+    chat.wait_for_function("document.querySelector('#send').textContent === 'Send'", timeout=(RETRY_AFTER + 5) * 1000)
+    assert not chat.locator("#send").is_disabled()
+    chat.close()
 
 
 def test_a_killed_worker_leaves_the_live_view(page, ui_stack):
