@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"model {model_dir} | workload {runs[ARMS[0]][0]['workload']} | order {' '.join(order(args.rounds))}")
     print(f"frames the live view drew during its runs: {frames}")
+    for arm in ARMS:
+        print(f"{arm} runs, output tok/s: " + ", ".join(f"{r['metrics']['output_throughput']:.1f}" for r in runs[arm]))
     print(format_table(by_arm))
     path = out / f"live-view-cost-{tag}.json"
     path.write_text(json.dumps({"model": str(model_dir), "order": order(args.rounds), "frames": frames,
