@@ -6,7 +6,9 @@ Screenshots go to runs/ui-screenshots (desktop and 360 px wide)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
+import urllib.request
 
 import openai
 import pytest
@@ -15,8 +17,9 @@ from browser import DESKTOP, PHONE, chromium, screenshot
 from e2e_stack import running_stack, wait_for
 
 KEY = "sk-ui-test-key"
-BUDGET = 16  # tokens a step: a long prompt is prefilled in many chunks beside the decodes
-LONG_PROMPT_TOKENS = 1600
+BUDGET = 16  # tokens a step, of which a long prompt beside decodes gets LONG_CAP: many chunks, however fast
+LONG_CAP = 4
+LONG_PROMPT_TOKENS = 2000
 IN_FLIGHT = 3
 RETRY_AFTER = 3
 
@@ -24,8 +27,8 @@ RETRY_AFTER = 3
 @pytest.fixture(scope="module")
 def ui_stack(e2e_model, tmp_path_factory):
     with running_stack(e2e_model, tmp_path_factory.mktemp("ui-stack"), api_key=KEY, workers=2,
-                       max_num_batched_tokens=BUDGET, max_num_seqs=8, long_prefill_threshold=BUDGET // 2,
-                       # two streams and a long prompt fill the gateway: a fourth request gets a 429
+                       max_num_batched_tokens=BUDGET, max_num_seqs=8, long_prefill_threshold=LONG_CAP,
+                       # three streams fill the gateway: a fourth request gets a 429
                        max_waiting_requests=IN_FLIGHT, retry_after=RETRY_AFTER) as stack:
         yield stack
 
@@ -126,7 +129,10 @@ def test_a_two_turn_conversation_streams_into_the_page(page, ui_stack):
     assert [m["role"] for m in sent[2]["messages"]] == ["user", "assistant", "user"]
 
 
-def stream_in_background(client, model: str, stop: threading.Event, started: threading.Event, errors: list):
+def stream_in_background(client, model: str, stop: threading.Event, errors: list) -> threading.Thread:
+    """A long greedy stream read in a thread until `stop`; returns once its first token came."""
+    started = threading.Event()
+
     def run():
         try:
             stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1500, stream=True,
@@ -142,55 +148,65 @@ def stream_in_background(client, model: str, stop: threading.Event, started: thr
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    assert started.wait(60) and not errors, errors
     return t
 
 
+def in_flight(stack) -> float:
+    with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as resp:
+        body = resp.read().decode()
+    return float(re.search(r"^phaseserve_gateway_requests_in_flight (\S+)$", body, re.M).group(1))
+
+
 def test_the_live_view_shows_a_long_prompts_chunks_beside_the_decodes(page, ui_stack):
-    stop, errors = threading.Event(), []
+    stops, errors, threads = [threading.Event() for _ in range(IN_FLIGHT)], [], []
     with openai.OpenAI(base_url=ui_stack.api_url, api_key=KEY, max_retries=0, timeout=120) as client:
         page.goto(ui_stack.base_url + "/ui/stack")
         page.wait_for_function("document.querySelectorAll('.worker').length === 2")
-        # one decode stream on each worker (the scheduler spreads them), then a long prompt beside one of them
-        streams = []
-        for _ in range(2):
-            started = threading.Event()
-            streams.append(stream_in_background(client, ui_stack.model, stop, started, errors))
-            assert started.wait(60) and not errors, errors
-        long_done = threading.Event()
-
-        def long_prompt():
-            try:
-                client.completions.create(model=ui_stack.model, prompt=list(range(100, 100 + LONG_PROMPT_TOKENS)),
-                                          max_tokens=2, temperature=0)
-            except Exception as e:  # noqa: BLE001 -- reported by the test
-                errors.append(e)
-            long_done.set()
-
-        threading.Thread(target=long_prompt, daemon=True).start()
         try:
+            # the gateway's limit of requests in flight, all long streams: the chat page gets a 429
+            threads += [stream_in_background(client, ui_stack.model, stop, errors) for stop in stops]
+            busy_chat_says_when_to_retry(page.context.new_page(), ui_stack)
+            # one stream ends: one decodes on each worker (the scheduler spreads them), and a long prompt
+            # goes beside one of them
+            stops[-1].set()
+            assert wait_for(lambda: in_flight(ui_stack) == IN_FLIGHT - 1, 30)
+            long_done = threading.Event()
+
+            def long_prompt():
+                try:
+                    client.completions.create(model=ui_stack.model, max_tokens=2, temperature=0,
+                                              prompt=list(range(100, 100 + LONG_PROMPT_TOKENS)))
+                except Exception as e:  # noqa: BLE001 -- reported by the test
+                    errors.append(e)
+                long_done.set()
+
+            threading.Thread(target=long_prompt, daemon=True).start()
             # a worker's step of decode tokens and prompt-chunk tokens together, drawn as one stacked bar
             page.wait_for_function("""() => [...document.querySelectorAll('.step')].some(
                 g => +g.dataset.decode > 0 && +g.dataset.prefill > 0)""", timeout=60_000)
-            # and the long prompt in the queue, part way through its prefill
+            # and the long prompt in the queue, well into its prefill (many chunks drawn) and not through it
             page.wait_for_function(f"""() => [...document.querySelectorAll('#queue progress')].some(
-                p => +p.max === {LONG_PROMPT_TOKENS} && +p.value > 0 && +p.value < +p.max)""", timeout=60_000)
+                p => +p.max === {LONG_PROMPT_TOKENS} && +p.value > {16 * LONG_CAP} && +p.value < +p.max)""",
+                                   timeout=120_000)
             screenshot(page, "stack-desktop")
-            busy_chat_says_when_to_retry(page.context.new_page(), ui_stack)
             page.set_viewport_size(PHONE)
             assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
             screenshot(page, "stack-360px")
             page.set_viewport_size(DESKTOP)
-            mixed = page.locator(".last-step").all_inner_texts()
-            assert any("decode" in t and "prompt-chunk" in t for t in mixed), mixed
+            # each bar says what it is in words too (its title, for a screen reader or a hover)
+            titles = page.locator(".step title").all_text_contents()
+            assert any(re.match(r"[1-9]\d* decode \+ [1-9]\d* prompt-chunk tokens", t) for t in titles), titles
             # chunks never exceed the step budget; decodes ride beside them
             for g in page.locator(".step").all():
                 assert int(g.get_attribute("data-decode")) + int(g.get_attribute("data-prefill")) <= BUDGET
-            assert long_done.wait(120) and not errors, errors
+            assert long_done.wait(180) and not errors, errors
             totals = page.locator("#totals").inner_text()
             assert "Tokens/s" in totals and "TTFT p50 / p99" in totals
         finally:
-            stop.set()
-            for t in streams:
+            for stop in stops:
+                stop.set()
+            for t in threads:
                 t.join(30)
 
 
@@ -210,6 +226,7 @@ def busy_chat_says_when_to_retry(chat, ui_stack):
     chat.wait_for_function("document.querySelector('#send').textContent === 'Send'", timeout=(RETRY_AFTER + 5) * 1000)
     assert not chat.locator("#send").is_disabled()
     chat.close()
+    assert in_flight(ui_stack) == IN_FLIGHT  # the streams were in flight all along
 
 
 def test_a_killed_worker_leaves_the_live_view(page, ui_stack):
