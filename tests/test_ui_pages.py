@@ -1,6 +1,7 @@
 """The chat page and the live view in headless Chromium, on one real stack (two workers, an API key, a small
 step budget so a long prompt takes many steps): a wrong key shows the error, a two-turn conversation streams
-into the page, the live view shows a long prompt's chunks beside the decodes, and a killed worker leaves it.
+into the page, a busy gateway's 429 is shown with its Retry-After, the live view shows a long prompt's chunks
+beside the decodes, a killed worker leaves it, and with none left the chat page says so (503).
 Screenshots go to runs/ui-screenshots (desktop and 360 px wide)."""
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def busy_chat_says_when_to_retry(chat, ui_stack):
     assert in_flight(ui_stack) == IN_FLIGHT  # the streams were in flight all along
 
 
-def test_a_killed_worker_leaves_the_live_view(page, ui_stack):
+def test_killed_workers_leave_the_live_view_and_the_chat_says_none_is_left(page, ui_stack):
     page.goto(ui_stack.base_url + "/ui/stack")
     page.wait_for_function("document.querySelectorAll('.worker[data-worker-id]').length === 2")
     shown = page.evaluate("[...document.querySelectorAll('.worker')].map(w => w.dataset.workerId)")
@@ -243,3 +244,16 @@ def test_a_killed_worker_leaves_the_live_view(page, ui_stack):
     assert f"Worker {killed} left" in page.locator("#notices").inner_text()
     screenshot(page, "stack-worker-killed")
     assert wait_for(lambda: ui_stack.scheduler_stats().get("num_workers") == 1, 30)
+    # the last one too: the live view says no worker is alive, and a question gets the 503 in words
+    last = ui_stack.stack.procs["worker-0"]
+    last.kill()
+    last.wait(10)
+    page.wait_for_function("document.querySelectorAll('.worker').length === 0", timeout=30_000)
+    assert "No worker is alive" in page.locator("#status").inner_text()
+    chat = page.context.new_page()
+    chat.goto(ui_stack.base_url + "/")
+    chat.fill("#prompt", "Anyone there?")
+    chat.press("#prompt", "Enter")
+    chat.locator("#error").wait_for(state="visible")
+    assert "No worker can serve this right now (503)" in chat.locator("#error").inner_text()
+    screenshot(chat, "chat-no-worker-503")
