@@ -55,8 +55,9 @@ async function errorFromResponse(resp) {
       Number.isFinite(after) ? after : undefined);
   }
   if (s === 503) {
-    return new ApiError("unavailable", "No worker can serve this right now (503): " +
-      (detail || "the stack is starting or a worker died.") + " It retries on its own; send again in a moment.", s);
+    // the gateway's words say which: no live worker (starting, or they died), no Redis, shutting down
+    return new ApiError("unavailable", "The server cannot serve this right now (503): " +
+      (detail || "it is starting, or its workers died."), s);
   }
   if (s >= 500) {
     return new ApiError("server", `The server failed (${s})${detail ? ": " + detail : "."}`, s);
