@@ -17,6 +17,7 @@ import time
 import structlog
 from aiohttp import web
 
+from gateway.auth import caller
 from gateway.backend import Backend
 from gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, counter_value
 from gateway.metrics import GatewayMetrics
@@ -31,6 +32,7 @@ IDLE_SAMPLE_INTERVAL_S = 2.0  # nobody watches: only the latency window is sampl
 WANTED_TTL_MS = 3000  # the scheduler keeps writing its view this long after the last viewer left
 KEEPALIVE_S = 15.0  # a comment line when no frame came (proxies drop silent connections)
 WRITE_TIMEOUT_S = 10.0  # a viewer that reads nothing this long is dropped
+OTHERS = "(other tenants)"
 
 
 def frame(view: StackView | None, workers: list[WorkerInfo], latency: dict, now: float) -> dict:
@@ -66,8 +68,27 @@ def frame(view: StackView | None, workers: list[WorkerInfo], latency: dict, now:
                              "waiting_s": round(max(0.0, now - s.arrival_time), 3), "prompt_tokens": s.prompt_tokens,
                              "prefilled_tokens": s.prefilled_tokens, "tenant": s.tenant} for s in view.waiting])
         if view.tenants:
-            out["tenants"] = [{"tenant": t.tenant, "num_running": t.num_running, "num_waiting": t.num_waiting}
-                              for t in view.tenants]
+            out["tenants"] = [{"tenant": t.tenant, "weight": t.weight, "num_running": t.num_running,
+                               "num_waiting": t.num_waiting} for t in view.tenants]
+    return out
+
+
+def as_seen_by(frame: dict, tenant: str) -> dict:
+    """The frame a tenant's key may see: other tenants' requests stay in the queue (its length and their waits
+    are the stack's), without their ids or tenant names, and the other tenants count as one row. The
+    operator's keys (--api-key, tenant "") and an open server see everything."""
+    if not tenant or "tenants" not in frame:
+        return frame
+    out = dict(frame)
+    out["waiting"] = [w if w["tenant"] == tenant else {**w, "request_id": "", "tenant": OTHERS}
+                      for w in frame.get("waiting", ())]
+    own = [t for t in frame["tenants"] if t["tenant"] == tenant]
+    rest = [t for t in frame["tenants"] if t["tenant"] != tenant]
+    if rest:
+        own.append({"tenant": OTHERS, "weight": sum(t["weight"] for t in rest),
+                    "num_running": sum(t["num_running"] for t in rest),
+                    "num_waiting": sum(t["num_waiting"] for t in rest)})
+    out["tenants"] = own
     return out
 
 
@@ -165,6 +186,7 @@ LIVE_VIEW = web.AppKey("live_view", LiveView)
 async def stack_events(request: web.Request) -> web.StreamResponse:
     """The live view's frames as server-sent events (`data: <json>`), until the client goes away."""
     live = request.app[LIVE_VIEW]
+    tenant = caller(request).tenant.name
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     seen = 0
@@ -172,6 +194,7 @@ async def stack_events(request: web.Request) -> web.StreamResponse:
         with contextlib.suppress(ConnectionError, SlowClient):
             while not live.closing:
                 current, seen = await live.next_frame(seen, KEEPALIVE_S)
-                data = b": keep-alive\n\n" if current is None else b"data: " + json.dumps(current).encode() + b"\n\n"
+                data = (b": keep-alive\n\n" if current is None
+                        else b"data: " + json.dumps(as_seen_by(current, tenant)).encode() + b"\n\n")
                 await write_within(resp, request, data, WRITE_TIMEOUT_S)
     return resp

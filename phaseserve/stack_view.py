@@ -68,9 +68,10 @@ class WaitingSequence(Row):
 
 @dataclass
 class TenantShare(Row):
-    """A tenant's sequences now (SubmitRequest.tenant, where the wire has one)."""
+    """A tenant's sequences now (SubmitRequest.tenant; "" is the operator's keys) and its weight."""
 
     tenant: str
+    weight: float = 1.0
     num_running: int = 0
     num_waiting: int = 0
 

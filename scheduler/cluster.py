@@ -28,7 +28,7 @@ from phaseserve.stack_view import (
     STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts
+from scheduler.prefix_cache import RecentPrompts, scope_seed
 from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
@@ -46,9 +46,11 @@ OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
 
 
-def tenant_of(req: SubmitRequest) -> str:
-    """The tenant a request names ("" for none, and from a wire without tenants)."""
-    return getattr(req, "tenant", "") or ""
+def share_of(shares: dict[str, TenantShare], req: SubmitRequest) -> TenantShare:
+    share = shares.get(req.tenant)
+    if share is None:
+        share = shares[req.tenant] = TenantShare(req.tenant, req.tenant_weight)
+    return share
 
 
 def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
@@ -292,7 +294,8 @@ class Cluster:
                     s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                     s.last_admission, s.info.worker_id)
         tokens = list(req.prompt_ids) + list(output_ids or ())
-        cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens) for s in fits}
+        seed = scope_seed(req.cache_scope, req.cache_salt)
+        cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens, seed) for s in fits}
         if not any(cached.values()):
             return min(fits, key=by_load)
         # the longest cached prefix among the workers loaded within a slack of the least loaded one
@@ -339,11 +342,12 @@ class Cluster:
         has little of it cached: where the two first differ (a chat template writing an early token
         differently, a timestamp in a system prompt) is what a user cannot see from the hit rate."""
         prompt = req.prompt_ids
-        other, first, agreed = self.recent_prompts.most_similar(prompt)
-        self.recent_prompts.add(req.request_id, prompt)
+        seed = scope_seed(req.cache_scope, req.cache_salt)
+        other, first, agreed = self.recent_prompts.most_similar(prompt, seed)
+        self.recent_prompts.add(req.request_id, prompt, seed)
         if agreed < SHARED_PREFIX_LOG_TOKENS:
             return
-        hit = slot.policy.num_cached_tokens(prompt)
+        hit = slot.policy.num_cached_tokens(prompt, seed)
         if 2 * hit < agreed:
             log.debug("prefix cache matched little of a similar prompt", request_id=req.request_id,
                       similar_request_id=other, first_difference=first, tokens_in_common=agreed,
@@ -360,6 +364,13 @@ class Cluster:
         event = TokenEvent(rid, 0, [], "error", None, message, error_kind)
         self.ops.append(("error", self.keys.gateway_channel(gateway_id),
                          TokenBatch(-1, "scheduler", [event]).to_wire(), event.to_list()))
+
+    def request_of(self, request_id: str) -> SubmitRequest | None:
+        """A known request as admitted (placed or parked), or None."""
+        wid = self.owner.get(request_id)
+        if wid is not None and wid in self.workers:
+            return self.workers[wid].policy.request_of(request_id)
+        return next((r for r, _ in self.parked if r.request_id == request_id), None)
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
@@ -604,15 +615,14 @@ class Cluster:
             for seq, total, done in p.unprefilled():
                 unprefilled.append((seq.request, wid, total, done))
             for seq in p.running_sequences():
-                share = tenants.setdefault(tenant_of(seq.request), [0, 0])
-                share[0] += 1
+                share_of(tenants, seq.request).num_running += 1
         unprefilled += [(req, "", len(req.prompt_ids) + len(outputs or ()), 0) for req, outputs in self.parked]
         for req, *_ in unprefilled:
-            tenants.setdefault(tenant_of(req), [0, 0])[1] += 1
+            share_of(tenants, req).num_waiting += 1
         unprefilled.sort(key=lambda x: x[0].arrival_time)
-        waiting = [WaitingSequence(req.request_id, wid, req.arrival_time, total, done, tenant_of(req))
+        waiting = [WaitingSequence(req.request_id, wid, req.arrival_time, total, done, req.tenant)
                    for req, wid, total, done in unprefilled[:WAITING_SHOWN]]
-        shares = [] if set(tenants) <= {""} else [TenantShare(t, r, w) for t, (r, w) in sorted(tenants.items())]
+        shares = [] if set(tenants) <= {""} else [tenants[t] for t in sorted(tenants)]  # no tenants: no table
         return StackView(taken_at, str(self.limits.itl_target), self.limits.max_num_batched_tokens, workers,
                          len(unprefilled), waiting, shares)
 
@@ -658,6 +668,7 @@ class Cluster:
             "kv_blocks_used": sum(p.num_used_blocks for p in policies),
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
+            "num_fair_share_preemptions": sum(p.num_fair_share_preemptions for p in policies),  # live workers'
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),

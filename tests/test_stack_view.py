@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, quantile
-from gateway.live_view import frame
+from gateway.live_view import OTHERS, as_seen_by, frame
 from phaseserve.params import SamplingParams
 from phaseserve.redis_client import connect_async
-from phaseserve.stack_view import StackView, StepSample, WaitingSequence, WorkerView
+from phaseserve.stack_view import StackView, StepSample, TenantShare, WaitingSequence, WorkerView
 from phaseserve.wire import Keys, StepPlan, StepResult, SubmitRequest, TokenEvent, WorkerInfo
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.service import SchedulerService
@@ -22,10 +22,10 @@ KEYS = Keys("t")
 BUDGET = 16
 
 
-def req(rid: str, prompt_len: int, max_tokens: int = 64, arrival: float = 0.0) -> SubmitRequest:
+def req(rid: str, prompt_len: int, max_tokens: int = 64, arrival: float = 0.0, **tenant) -> SubmitRequest:
     return SubmitRequest(rid, "gw", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
                                                                                    temperature=0.0),
-                         arrival_time=arrival)
+                         arrival_time=arrival, **tenant)
 
 
 class FakeWorker:
@@ -83,6 +83,29 @@ def test_the_view_shows_a_long_prompts_chunks_beside_the_decodes_and_who_waits()
     c.retire_worker("a", "heartbeat expired")
     view = c.view(taken_at=106.0, now=worker.now + 1)
     assert view.workers == [] and [(s.request_id, s.worker_id) for s in view.waiting] == [("short", ""), ("long", "")]
+
+
+def test_tenants_show_with_their_weight_and_each_tenant_sees_only_its_own_requests():
+    c = Cluster(KEYS, PolicyLimits(max_num_seqs=8, max_num_batched_tokens=BUDGET))
+    c.add_worker(WorkerInfo("a", "mixed", "m", 256, 16, 2048, 1, 1.0), epoch=1)
+    c.watched = True
+    worker = FakeWorker(c, "a")
+    c.admit(req("a1", 4, tenant="acme", tenant_weight=2.0))
+    worker.step()  # a1 runs
+    for i, tenant in enumerate(("acme", "beta", "gamma")):
+        c.admit(req(f"w{i}", 300, arrival=10.0 + i, tenant=tenant))
+    view = c.view(taken_at=20.0, now=worker.now)
+    assert view.tenants == [TenantShare("acme", 2.0, 1, 1), TenantShare("beta", 1.0, 0, 1),
+                            TenantShare("gamma", 1.0, 0, 1)]
+    assert [(w.request_id, w.tenant) for w in view.waiting] == [("w0", "acme"), ("w1", "beta"), ("w2", "gamma")]
+    full = frame(view, [WorkerInfo("a", "mixed", "m", 256, 16, 2048)], {}, now=21.0)
+    seen = as_seen_by(full, "beta")
+    assert [(w["request_id"], w["tenant"], w["waiting_s"]) for w in seen["waiting"]] == \
+        [("", OTHERS, 11.0), ("w1", "beta", 10.0), ("", OTHERS, 9.0)]
+    assert seen["tenants"] == [{"tenant": "beta", "weight": 1.0, "num_running": 0, "num_waiting": 1},
+                               {"tenant": OTHERS, "weight": 3.0, "num_running": 1, "num_waiting": 2}]
+    assert as_seen_by(full, "") is full  # the operator's keys see everything
+    assert full["waiting"][0]["request_id"] == "w0"  # and the shared frame was not changed
 
 
 async def test_the_scheduler_writes_its_view_only_while_a_gateway_wants_it(redis_server):

@@ -109,7 +109,7 @@ function workerCard(w, budget) {
 
 function renderQueue(frame) {
   const rows = (frame.waiting || []).map((s) => el("tr", { "data-request-id": s.request_id },
-    el("td", { title: s.request_id }, s.request_id.slice(0, 14)),
+    el("td", { title: s.request_id }, s.request_id ? s.request_id.slice(0, 14) : s.tenant),
     el("td", {}, s.worker_id || "(no worker yet)"),
     el("td", {}, `${s.waiting_s.toFixed(1)} s`),
     el("td", {}, el("progress", { max: s.prompt_tokens, value: s.prefilled_tokens,
@@ -121,8 +121,10 @@ function renderQueue(frame) {
   $("queue").tBodies[0].replaceChildren(...rows);
   const tenants = frame.tenants || [];
   $("tenants-section").hidden = !tenants.length;
+  const running = tenants.reduce((n, t) => n + t.num_running, 0);
   $("tenants").tBodies[0].replaceChildren(...tenants.map((t) => el("tr", {},
-    el("td", {}, t.tenant || "(none)"), el("td", {}, String(t.num_running)), el("td", {}, String(t.num_waiting)))));
+    el("td", {}, t.tenant || "(operator keys)"), el("td", {}, String(t.weight)),
+    el("td", {}, `${t.num_running} (${pct(t.num_running, running)})`), el("td", {}, String(t.num_waiting)))));
 }
 
 function noteChanges(workers) {
