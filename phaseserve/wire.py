@@ -85,6 +85,16 @@ class Keys:
         num_steps_past_itl_patience, updated_at. Read by the gateway's /metrics."""
         return f"{self.prefix}:scheduler:stats"
 
+    def stack_view(self) -> str:
+        """A StackView (phaseserve/stack_view.py) the scheduler writes at most every STACK_VIEW_INTERVAL_S,
+        with a TTL: what the gateway's live view shows (docs/ui.md)."""
+        return f"{self.prefix}:scheduler:view"
+
+    def stack_view_wanted(self) -> str:
+        """Set with a short TTL by a gateway while someone watches its live view: the scheduler writes
+        `stack_view` only then."""
+        return f"{self.prefix}:scheduler:view-wanted"
+
     # --- delivery and client leases (gateway side)
 
     def token_log(self, seq_id: str) -> str:
@@ -678,6 +688,8 @@ class WorkerInfo(Message):
     # and whether the scheduler chooses fewer by acceptance and step cost (docs/speculative.md)
     speculative_tokens: int = sent_if_set(0)
     speculative_fixed: bool = sent_if_set(False)
+    # the CPU threads its model runs with (torch's; 0: unknown, or CUDA), for people (the live view)
+    threads: int = sent_if_set(0)
 
 
 # --------------------------------------------------------------- delivery (gateway side)
