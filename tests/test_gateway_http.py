@@ -25,7 +25,7 @@ from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
-from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys,
+from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys,
                              SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind)
 from gateway import protocol as P
 from text_model_factory import make_text_model
@@ -256,30 +256,26 @@ async def test_a_scheduler_rejection_is_400_with_its_message_in_or_out_of_a_stre
     assert events[-1]["error"]["message"] == message
 
 
-async def test_a_grammar_the_worker_refuses_is_400_and_a_quarantined_request_422_in_or_out_of_a_stream(gw):
-    """A worker's grammar failure is the request's input (400); a quarantined request is not retried by clients
-    (422: openai raises UnprocessableEntityError, which it never retries)."""
+async def test_a_quarantined_request_is_422_in_or_out_of_a_stream(gw):
+    """A request the scheduler dead-lettered (it was running on workers that failed) is a 422, which clients
+    do not retry (openai raises UnprocessableEntityError): a retry could take the next workers down."""
     await add_worker(gw)
     reader = RequestsReader(gw)
-    answers = [(ERROR_GRAMMAR, "grammar: the worker could not prepare this request's grammar within 10 s"),
-               (ERROR_QUARANTINED, "request quarantined: it was running on 2 workers that failed")] * 2
+    message = "request quarantined: it was running on 2 workers that failed"
 
     async def scheduler():
-        for kind, message in answers:
+        for _ in range(2):
             sub = await reader.next()
-            await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, message, kind))
+            await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, message, ERROR_QUARANTINED))
 
     task = asyncio.create_task(scheduler())
-    for (kind, message), (status, code) in zip(answers, [(400, "invalid_grammar"), (422, "request_quarantined")]):
-        got, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 5})
-        assert got == status and body["error"]["message"] == message
-        assert_openai_error(body, "invalid_request_error", None, code)
-    for kind, message in answers[2:]:
-        async with gw.http.post(gw.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True}) as r:
-            events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
-        assert events[-1]["error"]["code"] == {ERROR_GRAMMAR: "invalid_grammar",
-                                               ERROR_QUARANTINED: "request_quarantined"}[kind]
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+    assert status == 422 and body["error"]["message"] == message
+    assert_openai_error(body, "invalid_request_error", None, "request_quarantined")
+    async with gw.http.post(gw.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True}) as r:
+        events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+    assert_openai_error(events[-1], "invalid_request_error", None, "request_quarantined")
     await task
 
 
