@@ -13,14 +13,15 @@ import pytest
 from phaseserve import grammar, settings
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.params import SamplingParams
-from phaseserve.wire import ERROR_GRAMMAR, FIELD, Keys, SubmitRequest
+from phaseserve.wire import ERROR_GRAMMAR, FIELD, GrammarSpec, Keys, SubmitRequest
 from runner_driver import run
 from service_harness import WorkerProcess, start, stop
 from workers.runner import ModelRunner
 
 BUNDLED = settings.bundled_model_path()
-# the poison: a choice the engine takes seconds to build (the gateway's budgets will refuse it; it is
-# put on the requests stream directly, as a gateway with raised budgets, or an older one, would)
+# the poison: 60,000 alternatives as one grammar rule, which the engine takes seconds to build (the
+# gateway now sends a choice as one terminal, and its budgets refuse such a grammar; it is put on the requests
+# stream directly, as a gateway with raised budgets, or an older one, would)
 POISON_OPTIONS = 60_000
 
 
@@ -93,7 +94,7 @@ def test_a_preparation_past_its_budget_fails_that_sequence_alone(tokenizer):
 
 
 def poison_request(prompt: list[int]) -> SubmitRequest:
-    spec = grammar.choice([str(i) for i in range(POISON_OPTIONS)])
+    spec = GrammarSpec("lark", "start: " + " | ".join(grammar.lark_string(str(i)) for i in range(POISON_OPTIONS)))
     return SubmitRequest("poison", "gw", prompt, SamplingParams(max_tokens=8, temperature=0.0),
                          arrival_time=time.time(), grammar=spec)
 
