@@ -429,3 +429,24 @@ def _top_k_top_p_prefix(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -
     thresh = sorted_x.gather(1, keep_sorted.sum(dim=1, keepdim=True) - 1)
     thresh = torch.where(whole & (tp >= 1.0), float("-inf"), thresh)  # unfiltered rows keep everything
     return x.masked_fill(x < thresh, float("-inf"))
+
+
+# Rows per tile of lora_add: every tile's matmuls have this many rows, whatever the step holds, so a row's
+# product never depends on how many rows share its adapter (one numerics; tests/test_lora.py).
+LORA_TILE_ROWS = 16
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
+             a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The LoRA adapters' low-rank products added to a linear's output, per group of rows (punica's
+    shrink-expand; base-model rows are in no group and keep their bits): y[dest] += (x[rows] @ a) @ b per
+    tile, in place, returns y.
+
+    x [T, in], y [T, out] (the linear's input and output over the packed rows); rows [tiles * LORA_TILE_ROWS]:
+    the packed row of each tile slot (a group's last tile padded with any of its rows); a [tiles, in, R],
+    b [tiles, R, out]: each tile's adapter (the scaling folded into b); keep: the slots holding real rows, dest:
+    their rows of y, in the same order. Every tile is one matrix of a batched matmul of fixed shape."""
+    tiles = a.shape[0]
+    xs = x.index_select(0, rows).view(tiles, LORA_TILE_ROWS, x.shape[1])
+    delta = torch.bmm(torch.bmm(xs, a), b).view(tiles * LORA_TILE_ROWS, b.shape[2])
+    return y.index_add_(0, dest, delta.index_select(0, keep))

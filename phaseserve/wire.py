@@ -103,6 +103,12 @@ class Keys:
         resume token (gateway/sse_ids.py), shared by the stack's gateways."""
         return f"{self.prefix}:resume-secret"
 
+    def lora_adapters(self) -> str:
+        """Hash: LoRA adapter name -> its LoraRef (msgpack), the adapters the stack serves as models: written by
+        the gateway (--lora-modules at start, POST /v1/load_lora_adapter and unload), so every gateway knows
+        them (docs/lora.md)."""
+        return f"{self.prefix}:lora:adapters"
+
     def gateway_heartbeat(self, gateway_id: str) -> str:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
@@ -385,6 +391,21 @@ class GrammarSpec(Record):
 
 
 @dataclass
+class LoraRef(Record):
+    """A LoRA adapter a sequence runs with: its served name and the folder (PEFT's adapter_config.json and
+    adapter_model.safetensors) every worker loads it from. `name` and `path` together are its identity: the
+    prefix cache keys blocks by them (an adapter reloaded from another folder under the same name shares
+    nothing with the old one), and a worker keeps an adapter loaded under them."""
+
+    name: str
+    path: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}\0{self.path}"
+
+
+@dataclass
 class SubmitRequest(Message):
     """One sequence to generate (a request with n > 1 is n of these)."""
 
@@ -396,6 +417,7 @@ class SubmitRequest(Message):
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = 0.0
     grammar: GrammarSpec | None = sent_if_set(None)  # structured output / forced tool call
+    lora: LoraRef | None = sent_if_set(None)  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -435,6 +457,7 @@ class SeqStart(Record):
     # the request's grammar: the worker builds the matcher and advances it over output_ids (a recompute or a
     # handed-over sequence continues valid)
     grammar: GrammarSpec | None = sent_if_set(None)
+    lora: LoraRef | None = sent_if_set(None)  # its LoRA adapter: the worker loads it on demand (workers/lora.py)
 
     @property
     def num_tokens(self) -> int:
@@ -657,6 +680,9 @@ class WorkerInfo(Message):
     # and whether the scheduler chooses fewer by acceptance and step cost (docs/speculative.md)
     speculative_tokens: int = sent_if_set(0)
     speculative_fixed: bool = sent_if_set(False)
+    # how many LoRA adapters it keeps loaded (--max-loras; docs/lora.md): the scheduler, which sends it every
+    # sequence's adapter, follows which ones it holds and routes a sequence to a worker holding its own
+    max_loras: int = sent_if_set(0)
 
 
 # --------------------------------------------------------------- delivery (gateway side)

@@ -25,20 +25,28 @@ BlockHash = bytes
 
 
 def block_hashes(token_ids: list[int], block_size: int, start_block: int = 0,
-                 prev: BlockHash | None = None) -> list[BlockHash]:
+                 prev: BlockHash | None = None, salt: bytes = b"") -> list[BlockHash]:
     """The chained names of the full blocks of `token_ids` from block `start_block` on; `prev` is the name of
-    block `start_block - 1` (None for the first block)."""
+    block `start_block - 1` (None for the first block). `salt` goes into the first block's name, so a chain
+    salted otherwise shares no block: a sequence's LoRA adapter (`lora_salt`) computes other KV from the
+    same tokens."""
     n_full = len(token_ids) // block_size
     if start_block >= n_full:
         return []
     data = array("q", token_ids[start_block * block_size:n_full * block_size]).tobytes()
     width = 8 * block_size
     out: list[BlockHash] = []
-    h = prev or b""
+    h = prev if prev is not None else salt
     for i in range(0, len(data), width):
         h = hashlib.sha256(h + data[i:i + width]).digest()
         out.append(h)
     return out
+
+
+def lora_salt(lora) -> bytes:
+    """The salt of the block names of a sequence running LoRA adapter `lora` (a LoraRef; None: the base
+    model, unsalted)."""
+    return b"" if lora is None else hashlib.sha256(b"lora\0" + lora.key.encode()).digest()
 
 
 class PrefixIndex:

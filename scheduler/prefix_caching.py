@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import structlog
 
-from scheduler.prefix_cache import block_hashes
+from scheduler.prefix_cache import block_hashes, lora_salt
 from scheduler.sequence import Sequence, SequenceStatus
 
 log = structlog.get_logger("scheduler.policy")
@@ -36,7 +36,8 @@ class PrefixCacheBookkeeping:
         if len(seq.block_hashes) < known // bs:
             tokens = seq.request.prompt_ids + seq.output_ids if seq.output_ids else seq.request.prompt_ids
             prev = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.extend(block_hashes(tokens, bs, len(seq.block_hashes), prev))
+            salt = lora_salt(seq.request.lora)  # an adapter's KV is its own: no block shared with others
+            seq.block_hashes.extend(block_hashes(tokens, bs, len(seq.block_hashes), prev, salt))
         return seq.block_hashes
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
@@ -47,12 +48,13 @@ class PrefixCacheBookkeeping:
         most = (n_tokens - 1) // self.block_manager.block_size
         return self.block_manager.cached_blocks(self._known_hashes(seq)[:most])
 
-    def num_cached_tokens(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of `prompt_ids` this worker holds cached (for routing)."""
+    def num_cached_tokens(self, prompt_ids: list[int], lora=None) -> int:
+        """How many leading tokens of `prompt_ids` (run with LoRA adapter `lora`, a LoraRef, or None) this worker
+        holds cached (for routing)."""
         if not self.prefix_caching:
             return 0
         bs = self.block_manager.block_size
-        hashes = block_hashes(prompt_ids[:(len(prompt_ids) - 1) // bs * bs], bs)
+        hashes = block_hashes(prompt_ids[:(len(prompt_ids) - 1) // bs * bs], bs, salt=lora_salt(lora))
         return len(self.block_manager.cached_blocks(hashes)) * bs
 
     def _waits_for_prefix(self, seq: Sequence) -> bool:

@@ -97,7 +97,7 @@ class Sequence:
     def seq_start(self, num_cached: int = 0, cached_tokens: int = 0) -> SeqStart:
         r = self.request
         return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids),
-                        num_cached, self.kv_send, cached_tokens, r.grammar)
+                        num_cached, self.kv_send, cached_tokens, r.grammar, r.lora)
 
 
 def by_rank(seq: Sequence) -> tuple:
