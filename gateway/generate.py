@@ -25,7 +25,7 @@ from gateway.auth import CLIENT_KEY
 from gateway.best_of import best_of
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
+                            internal_error, resume_not_found, stream_in_use, too_many_requests,
                             unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
@@ -36,7 +36,7 @@ from gateway.structured import requested_grammar
 from gateway.tools import HermesParser, StreamingToolParser, plan_tools
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_REJECTED, GrammarSpec, LoraRef, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -45,11 +45,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
-    """What the request schema alone cannot check: the model's name and vocabulary."""
-    if req.model is not None and req.model != gw.model_name:
-        raise model_not_found(req.model)
+async def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> LoraRef | None:
+    """What the request schema alone cannot check: the model's name (the LoRA adapter it names, or None for the
+    base model; 404 for neither) and vocabulary."""
+    lora = await gw.loras.resolve(req.model)
     req.check_token_ids(gw.tokenizer.vocab_size)
+    return lora
 
 
 @dataclass
@@ -73,19 +74,19 @@ async def _completion_prompt(gw: Gateway, prompt: str | list[int], echo: bool, m
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
-    _check_request(gw, req)
+    lora = await _check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
     spec, param = requested_grammar(req)
     if spec is not None:
         await gw.check_grammar(spec, param)
-    return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec, lora=lora).run()
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.ChatCompletionRequest, await request.read())
-    _check_request(gw, req)
+    lora = await _check_request(gw, req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = plan_tools(req, messages, gw.tool_parser, gw.tokenizer.chat_templates.get("default", ""))
     spec, param = requested_grammar(req)
@@ -103,7 +104,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec,
-                            tool_parser=tools.parser).run()
+                            tool_parser=tools.parser, lora=lora).run()
 
 
 class Generation:
@@ -111,8 +112,10 @@ class Generation:
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
                  kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
-                 tool_parser: HermesParser | None = None):
+                 tool_parser: HermesParser | None = None, lora: LoraRef | None = None):
         self.request = request
+        self.lora = lora  # the LoRA adapter its `model` names (None: the base model)
+        self.model_name = lora.name if lora is not None else gw.model_name  # what the response says it ran
         self.grammar = grammar  # what the output must follow (checked by the engine already)
         self.tool_parser = tool_parser  # chat with tools: calls are parsed out of the output
         self.gw = gw
@@ -227,7 +230,7 @@ class Generation:
             base = params[prompt]  # a prompt's k-th choice draws as that prompt's alone would
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
-                                         self.req.priority, arrival_wall, self.grammar))
+                                         self.req.priority, arrival_wall, self.grammar, lora=self.lora))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
@@ -411,7 +414,7 @@ class Generation:
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
             raise self._failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
-        model = self.gw.model_name
+        model = self.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)
         if self.kind == "chat":
@@ -443,7 +446,7 @@ class Generation:
         self.stream.max_events = settings.stream_buffer_events
         self.stream.on_overflow = lambda: drop(self.request)
         include_usage, continuous_usage = self.req.include_usage, self.req.continuous_usage
-        model = self.gw.model_name
+        model = self.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
         calls: dict[int, StreamingToolParser] = {o.index: self.tool_parser.stream() for o in self.outputs} \

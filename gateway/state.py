@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
+from gateway.lora_registry import LoraRegistry
 from gateway.prompt_encoder import PromptEncoder
 from gateway.structured import GrammarChecker
 from gateway.tools import PARSERS
@@ -44,6 +45,8 @@ class Gateway:
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
         self.metrics = GatewayMetrics(self.model_name)
+        self.loras = LoraRegistry(self.backend.redis, self.keys.lora_adapters(), self.model_name,
+                                  settings.max_lora_rank)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
         self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens
