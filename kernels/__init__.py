@@ -510,10 +510,20 @@ LORA_TILE_ROWS = reference.LORA_TILE_ROWS
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
-             a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # the torch reference on every device: its two batched matmuls are small next to the linear they follow
-    # (rank <= --max-lora-rank), and it keeps a row's bits whatever shares its step (docs/lora.md)
-    return reference.lora_add(y, x, rows, keep, dest, a, b)
+             groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    # the torch reference on every device: its batched matmuls are small next to the linear they follow
+    # (rank <= --max-lora-rank), and it keeps a row's bits whatever shares its step (docs/lora.md).
+    # On CPU on one thread: matmuls this small gain nothing from a second one, and an OpenMP region waits
+    # for every thread (on a busy machine, for a thread that is not running); and a row's bits then never
+    # depend on the thread count.
+    threads = torch.get_num_threads() if not x.is_cuda else 1
+    if threads == 1:
+        return reference.lora_add(y, x, rows, keep, dest, groups)
+    torch.set_num_threads(1)
+    try:
+        return reference.lora_add(y, x, rows, keep, dest, groups)
+    finally:
+        torch.set_num_threads(threads)
 
 
 lora_add.__doc__ = reference.lora_add.__doc__

@@ -196,5 +196,4 @@ def test_an_adapter_of_another_base_model_is_refused(adapters, tmp_path):
 
     other = make_model(tmp_path, "llama", hidden_size=96)
     with pytest.raises(LoraError, match="another base model"):
-        load_adapter(LoraRef("all", str(adapters["all"])), read_config(other), 16, torch.float32,
-                     torch.device("cpu"))
+        load_adapter(LoraRef("all", str(adapters["all"])), read_config(other), 16, torch.device("cpu"))

@@ -4,7 +4,8 @@ evicted), and a step's rows grouped by adapter for kernels.lora_add.
 An adapter's weights are laid out once, at load, per decoder layer and per fused linear of the model (qkv,
 o, gate_up, down): A [in, R] and B [R, out] with R = --max-lora-rank times the linear's modules (qkv: 3),
 each module's rank padded with zeros to --max-lora-rank and the modules it does not target left zero, and
-the scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) folded into B. Every adapter's matrices then have
+the scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) folded into B; float32 (kernels.lora_add computes in
+float32 and rounds the sum once to the model's dtype). Every adapter's matrices then have
 the same shapes, so the op's shapes never depend on which adapters share a step (one numerics,
 docs/lora.md).
 """
@@ -52,8 +53,7 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
-def load_adapter(ref: LoraRef, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> Adapter:
+def load_adapter(ref: LoraRef, cfg: ModelConfig, max_rank: int, device: torch.device) -> Adapter:
     """The adapter's weights in the layout above; LoraError naming what does not fit the model."""
     from safetensors import safe_open
 
@@ -90,8 +90,7 @@ def load_adapter(ref: LoraRef, cfg: ModelConfig, max_rank: int, dtype: torch.dty
                         a[:, rows] = wa.float().T
                         b[rows, col:col + outs[j]] = wb.float().T * scale
                     col += outs[j]
-                layer[linear] = (a.to(device=device, dtype=dtype).contiguous(),
-                                 b.to(device=device, dtype=dtype).contiguous())
+                layer[linear] = (a.to(device), b.to(device))  # float32 whatever the model's dtype: lora_add's
             layers.append(layer)
         expected = {f"{_PREFIX}{i}.{_BLOCK[m]}.{m}.lora_{ab}.weight" for i in range(cfg.num_layers)
                     for m in acfg.target_modules for ab in "AB"}
@@ -107,11 +106,12 @@ class LoadedAdapters:
     """The adapters a worker holds: at most `max_loras`, the least recently used evicted first, but never one
     the current step uses (a step with more distinct adapters than that holds them all until it is done)."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, device: torch.device):
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
-        self.cfg, self.max_loras, self.max_rank, self.dtype, self.device = cfg, max_loras, max_rank, dtype, device
+        self.cfg, self.max_loras, self.max_rank, self.device = cfg, max_loras, max_rank, device
         self._held: OrderedDict[str, Adapter] = OrderedDict()  # key -> adapter, least recently used first
+        self.stacked = StackedAdapters()
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -129,7 +129,7 @@ class LoadedAdapters:
         if adapter is not None:
             self._held.move_to_end(ref.key)
             return adapter
-        adapter = load_adapter(ref, self.cfg, self.max_rank, self.dtype, self.device)
+        adapter = load_adapter(ref, self.cfg, self.max_rank, self.device)
         self._held[ref.key] = adapter
         self.num_loads += 1
         log.info("LoRA adapter loaded", name=ref.name, path=ref.path, held=len(self._held))
@@ -142,48 +142,75 @@ class LoadedAdapters:
                 break
             if key not in in_use:
                 ref = self._held.pop(key).ref
+                self.stacked.clear()
                 self.num_evictions += 1
                 log.info("LoRA adapter evicted", name=ref.name, path=ref.path)
 
 
 class LoraStep:
     """A step's LoRA rows, grouped by adapter in tiles of kernels.LORA_TILE_ROWS: built once a step, read by
-    every layer. Rows of the base model are in no tile."""
+    every layer. Rows of the base model are in no tile.
 
-    def __init__(self, rows_by_adapter: list[tuple[Adapter, list[int]]], device: torch.device):
+    The adapters with a single tile (a few decodes each: the common case) come first and run as one batched
+    matmul over their matrices stacked (`stacked`: per layer and linear, reused while the next steps have the
+    same adapters); an adapter with several tiles (a prefill chunk) runs its own, its matrices expanded over
+    its tiles, not copied. Every tile is a matrix of the same shape either way."""
+
+    def __init__(self, rows_by_adapter: list[tuple[Adapter, list[int]]], device: torch.device,
+                 stacked: StackedAdapters):
         tile = kernels.LORA_TILE_ROWS
         rows: list[int] = []  # the packed row of every tile slot (a slot past a group's rows repeats its first)
         keep: list[int] = []  # the tile slots holding a real row, and that row
         dest: list[int] = []
-        self.tile_adapters: list[Adapter] = []
-        for adapter, group in rows_by_adapter:
+        ordered = sorted(rows_by_adapter, key=lambda g: (len(g[1]) > tile, g[0].ref.key))  # one-tile groups first
+        self.singles = [adapter for adapter, group in ordered if len(group) <= tile]
+        self.multis: list[tuple[int, int, Adapter]] = []  # (first tile, end tile, adapter)
+        for adapter, group in ordered:
+            first = len(rows) // tile
             for t in range(0, len(group), tile):
                 part = group[t:t + tile]
                 keep += range(len(rows), len(rows) + len(part))
                 dest += part
                 rows += part + [part[0]] * (tile - len(part))
-                self.tile_adapters.append(adapter)
+            if len(group) > tile:
+                self.multis.append((first, len(rows) // tile, adapter))
         self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
         self.keep = torch.tensor(keep, dtype=torch.int64, device=device)
         self.dest = torch.tensor(dest, dtype=torch.int64, device=device)
-        # per layer and linear, the tiles' A [tiles, in, R] and B [tiles, R, out], stacked on first use
-        self._weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def weights(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self._weights.get((layer, linear))
-        if w is None:
-            pairs = [a.layers[layer][linear] for a in self.tile_adapters]
-            if len(pairs) == 1:
-                w = (pairs[0][0].unsqueeze(0), pairs[0][1].unsqueeze(0))
-            else:
-                w = (torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs]))
-            self._weights[(layer, linear)] = w
-        return w
+        self.stacked = stacked.of([a.ref.key for a in self.singles]) if len(self.singles) > 1 else None
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str) -> torch.Tensor:
         """y (the linear's output for the packed rows x) plus each LoRA row's low-rank product."""
-        a, b = self.weights(layer, linear)
-        return kernels.lora_add(y, x, self.rows, self.keep, self.dest, a, b)
+        groups = [(start, end, *adapter.layers[layer][linear]) for start, end, adapter in self.multis]
+        if self.stacked is not None:
+            w = self.stacked.get((layer, linear))
+            if w is None:
+                pairs = [a.layers[layer][linear] for a in self.singles]
+                w = self.stacked[(layer, linear)] = (torch.stack([a for a, _ in pairs]),
+                                                     torch.stack([b for _, b in pairs]))
+            groups.insert(0, (0, len(self.singles), *w))
+        elif self.singles:
+            groups.insert(0, (0, 1, *self.singles[0].layers[layer][linear]))
+        return kernels.lora_add(y, x, self.rows, self.keep, self.dest, groups)
+
+
+class StackedAdapters:
+    """The matrices of the one-tile adapters of the last steps, stacked per layer and linear: decode steps
+    keep the same adapters for many steps, and stacking them anew each step would copy them all."""
+
+    def __init__(self) -> None:
+        self._keys: list[str] | None = None
+        self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, keys: list[str]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """The stacks of these adapters in this order (empty when they differ from the last ones: filled as the
+        layers ask)."""
+        if keys != self._keys:
+            self._keys, self._stacks = keys, {}
+        return self._stacks
+
+    def clear(self) -> None:
+        self._keys, self._stacks = None, {}
 
 
 assert set(TARGET_MODULES) == {m for ms in MODULES.values() for m in ms}
