@@ -30,7 +30,8 @@ log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
         "argmax", "sample", "pack_quantized", "quant_linear", "int8_activations_available", "pack_bf16_linear", "bf16_linear",
-        "pack_bf16_weight_f32", "bf16_weight_linear_f32", "decode_layer_available", "decode_layer", "DecodeLayers", "lora_add", "LORA_TILE_ROWS")
+        "pack_bf16_weight_f32", "bf16_weight_linear_f32", "decode_layer_available", "decode_layer", "DecodeLayers",
+        "lora_add", "LORA_TILE_ROWS")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}

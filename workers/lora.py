@@ -26,7 +26,6 @@ from workers.loader import ModelConfig
 
 log = structlog.get_logger(__name__)
 
-LINEARS = ("qkv", "o", "gate_up", "down")
 # the modules of each fused linear, in the order of its output columns
 MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
            "down": ("down_proj",)}
@@ -132,7 +131,7 @@ class LoadedAdapters:
         adapter = load_adapter(ref, self.cfg, self.max_rank, self.device)
         self._held[ref.key] = adapter
         self.num_loads += 1
-        log.info("LoRA adapter loaded", name=ref.name, path=ref.path, held=len(self._held))
+        log.info("LoRA adapter loaded", name=ref.name, path=ref.path, bytes=adapter.nbytes(), held=len(self._held))
         return adapter
 
     def evict_beyond_limit(self, in_use: set[str]) -> None:
