@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.auth import auth_middleware, load_api_keys
+from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
 from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.state import GATEWAY, Gateway
+from gateway.tenants import KeyDirectory
 from gateway.tokenize_routes import detokenize, tokenize
 from phaseserve import __version__
 
@@ -72,6 +74,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def usage(request: web.Request) -> web.Response:
+    """The calling key's own usage: its totals over every gateway, and what it holds on this one now."""
+    gw = request.app[GATEWAY]
+    key = caller(request)
+    totals = await gw.backend.usage(key.name)
+    body = {"object": "usage", "key": key.name, "tenant": key.tenant.name,
+            **{k: totals.get(k, 0) for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")},
+            "this_gateway": gw.quotas.current(key)}
+    return web.json_response(body)
+
+
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
 
@@ -81,9 +94,9 @@ OPENAPI = web.AppKey("openapi", dict)
 
 def create_app(settings: argparse.Namespace) -> web.Application:
     """The gateway app from parsed settings (`phaseserve.settings.parse("gateway", argv)`)."""
-    api_keys = load_api_keys(settings)
+    api_keys = KeyDirectory(load_api_keys(settings), settings.api_keys_file)
     gw = Gateway(settings)
-    middlewares = [error_middleware] + ([auth_middleware(api_keys)] if api_keys else [])
+    middlewares = [error_middleware] + ([auth_middleware(api_keys)] if api_keys.required else [])
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
@@ -92,6 +105,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
+    app.router.add_get("/v1/usage", usage)
     add_lora_routes(app)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -105,7 +119,11 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         await gw.loras.add_at_start(settings.lora_modules or [])
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))
+        watcher = (asyncio.create_task(api_keys.watch(settings.api_keys_reload_interval), name="api-keys")
+                   if api_keys.path else None)
         yield
+        if watcher is not None:
+            watcher.cancel()
         await gw.backend.close()
         gw.prompts.close()
         gw.grammars.close()

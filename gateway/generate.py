@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.auth import CLIENT_KEY
+from gateway.auth import CLIENT_KEY, caller
 from gateway.best_of import best_of
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
@@ -125,6 +125,8 @@ class Generation:
         self.per_prompt = req.choices_per_prompt  # sequences a prompt: n, or best_of
         count = len(prompts) * self.per_prompt
         self.request_id = request[REQUEST_ID]
+        self.caller = caller(request)  # the key: its tenant, limits and priority range (gateway/tenants.py)
+        self._holds_quota = False
         # a client resuming its stream re-sends the request with the id of the last event it got
         self.resume_offsets: list[int] | None = None
         self._given_token = ""
@@ -228,9 +230,11 @@ class Generation:
         for i, seq_id in enumerate(self.seq_ids):
             prompt, k = divmod(i, self.per_prompt)
             base = params[prompt]  # a prompt's k-th choice draws as that prompt's alone would
+            tenant = self.caller.tenant
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
-                                         self.req.priority, arrival_wall, self.grammar, lora=self.lora))
+                                         self.req.priority, arrival_wall, self.grammar, tenant.name, tenant.weight,
+                                         tenant.cache_scope, self.req.cache_salt or "", lora=self.lora))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
@@ -245,9 +249,10 @@ class Generation:
     def _admit(self) -> None:
         """The operator's bounds: priority range, requests in flight, prompt tokens queued (429 + Retry-After)."""
         gw, settings = self.gw, self.gw.settings
-        lo, hi = settings.priority_min, settings.priority_max
+        lo, hi = self.caller.priority_range or (settings.priority_min, settings.priority_max)
         if not lo <= self.req.priority <= hi:
-            raise bad_request(f"'priority' must be between {lo} and {hi} on this server (lower is served first); "
+            whose = "for this API key" if self.caller.priority_range else "on this server"
+            raise bad_request(f"'priority' must be between {lo} and {hi} {whose} (lower is served first); "
                               f"got {self.req.priority}.", "priority")
         if gw.in_flight >= gw.max_in_flight:
             raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
@@ -256,11 +261,18 @@ class Generation:
         if self.resume_offsets is None and gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
             raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
                                     f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
+        if self.resume_offsets is None:
+            refusal = gw.quotas.refusal(self.caller, tokens)
+            if refusal is not None:
+                gw.metrics.tenant_rejected.labels(self.caller.tenant.name, refusal.limit).inc()
+                raise too_many_requests(refusal.message, refusal.retry_after)
 
     def _dequeue_tokens(self, seq_id: str) -> None:
         """A sequence got its first token (or ended): its prompt no longer counts as queued."""
         if self._queued.pop(seq_id, None):
             self.gw.queued_prompt_tokens -= len(self.prompt_of[seq_id].ids)
+            if self._holds_quota:
+                self.gw.quotas.dequeue(self.caller, len(self.prompt_of[seq_id].ids))
 
     async def _resume(self) -> None:
         """Serve the rest of a stream another serving started: no new generation, tokens from the token log.
@@ -283,6 +295,8 @@ class Generation:
         if self.resume_offsets is None:
             self._queued = {s: True for s in self.seq_ids}
             gw.queued_prompt_tokens += self._queued_tokens()
+            gw.quotas.acquire(self.caller, self._queued_tokens())
+            self._holds_quota = True
         try:
             if self.resumable:
                 self.resume_token = resume_token(await gw.backend.resume_secret(), self.request_id,
@@ -297,7 +311,23 @@ class Generation:
             gw.metrics.in_flight.dec()
             for s in self.seq_ids:
                 self._dequeue_tokens(s)
+            if self._holds_quota:
+                self._account()
             self._release()
+
+    def _account(self) -> None:
+        """A request's end: its tenant's counters, its key's usage, its quota released (completion tokens
+        count in its tokens per minute)."""
+        gw = self.gw
+        completion = sum(o.num_tokens for o in self.outputs)
+        gw.quotas.release(self.caller, completion)
+        if self.stream is None:
+            return  # refused before anything was submitted
+        usage = self._usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"] if usage.get("prompt_tokens_details") else 0
+        gw.metrics.tenant_request(self.caller.tenant.name, self.num_prompt_tokens, cached, completion)
+        gw.backend.add_usage(self.caller.name, {"requests": 1, "prompt_tokens": self.num_prompt_tokens,
+                                                "cached_tokens": cached, "completion_tokens": completion})
 
     def _release(self) -> None:
         if self.stream is None:  # refused before anything was submitted
@@ -352,6 +382,7 @@ class Generation:
                 last = self._last_token_at.get(out.seq_id)
                 if last is None:
                     metrics.queue_time.observe(now - self.arrival)
+                    metrics.tenant_queue_time.labels(self.caller.tenant.name).observe(now - self.arrival)
                     if self.first_token_at is None:
                         self.first_token_at = now
                         metrics.ttft.observe(now - self.arrival)

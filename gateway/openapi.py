@@ -33,10 +33,24 @@ def openapi_document() -> dict:
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
     }
+    counts = {k: {"type": "integer"} for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")}
+    holding = {"type": "object", "properties": {
+        "in_flight": {"type": "integer"}, "queued_prompt_tokens": {"type": "integer"},
+        "tokens_last_minute": {"type": ["integer", "null"]},
+        "limits": {"type": "object", "properties": {k: {"type": ["integer", "null"]} for k in (
+            "max_concurrent_requests", "tokens_per_minute", "max_queued_prompt_tokens")}}}}
+    schemas["Usage"] = {
+        "type": "object", "required": ["object", "key", "tenant", *counts],
+        "properties": {"object": {"const": "usage"}, "key": {"type": "string"}, "tenant": {"type": "string"},
+                       **counts, "this_gateway": {"type": "object", "properties": {"tenant": holding,
+                                                                                   "key": holding}}}}
     errors = {str(code): _json("#/components/schemas/Error", why) for code, why in (
         (400, "invalid request, or a prompt (plus max_tokens) longer than the context: in tokens, or in "
               "characters before it is tokenized (code context_length_exceeded)"), (404, "unknown model"), (413, "body too large"),
-        (429, "too many requests in flight"), (503, "no worker alive or Redis unavailable"))}
+        (401, "a key is required (`--api-key`, `--api-keys-file`) and none, or an unknown one, was given"),
+        (429, "too many requests in flight, or a tenant's or key's limit reached (concurrent requests, tokens per "
+              "minute, queued prompt tokens; the message names it, `Retry-After` says when to retry)"),
+        (503, "no worker alive or Redis unavailable"))}
 
     def generation(summary: str, schema: str) -> dict:
         return {"post": {
@@ -74,6 +88,11 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/completions": generation("Create a text completion", "CompletionRequest"),
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/usage": {"get": {
+                "summary": "The calling key's own usage: requests, prompt, cached and completion tokens over every "
+                           "gateway, and what it and its tenant hold on this one against their limits",
+                "responses": {"200": _json({"$ref": "#/components/schemas/Usage"}, "the key's usage"),
+                              "401": errors["401"]}}},
             "/v1/models": {"get": {"summary": "List the served model and its LoRA adapters",
                                    "responses": {"200": _json({"type": "object"}, "model list")}}},
             "/v1/models/{model}": {"get": {

@@ -124,6 +124,9 @@ class _SamplingFields(StrictModel):
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="vLLM's: requests share cached prefix blocks only with the same "
+                                               "salt (and tenant)")
     min_tokens: int = Field(0, ge=0)
     logit_bias: LogitBias | None = None
     # structured outputs (gateway/structured.py reads them): OpenAI's, then vLLM's extras

@@ -13,8 +13,10 @@ from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.lora_registry import LoraRegistry
 from gateway.prompt_encoder import PromptEncoder
+from gateway.quotas import Quotas
 from gateway.structured import GrammarChecker
 from gateway.tools import PARSERS
+from phaseserve import redis_url
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.model_files import read_json
 from phaseserve.settings import resolve_model
@@ -41,6 +43,8 @@ class Gateway:
         self.backend = Backend(settings.redis_url, self.keys, self.gateway_id,
                                max_connections=settings.redis_max_connections,
                                pool_timeout=settings.redis_pool_timeout,
+                               wait_replicas=redis_url.wait_replicas(settings.redis_url, settings.redis_wait_replicas),
+                               wait_timeout_s=settings.redis_wait_timeout,
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
@@ -51,6 +55,7 @@ class Gateway:
         self.in_flight = 0
         self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens
         self.queued_prompt_tokens = 0  # prompt tokens (x n) of requests waiting for their first token
+        self.quotas = Quotas(settings.retry_after)  # each tenant's and key's limits (docs/tenants.md)
         self.created = int(time.time())
 
     async def check_grammar(self, spec: GrammarSpec, param: str) -> None:

@@ -24,29 +24,38 @@ import numpy as np
 BlockHash = bytes
 
 
+def scope_seed(scope: str, salt: str, lora: str = "") -> BlockHash:
+    """What a sequence's first block name is chained to: its cache scope (the tenant, or a group of tenants the
+    operator lets share), its request's `cache_salt` and its LoRA adapter (LoraRef.key; an adapter computes
+    other KV from the same tokens, docs/lora.md). So blocks are shared only within one scope, salt and
+    adapter, and a tenant can neither hit nor probe another's prefixes (docs/tenants.md). b"" without any:
+    names are what they were before tenants (and a scope without an adapter is named as before adapters)."""
+    if not scope and not salt and not lora:
+        return b""
+    seed = b"phaseserve cache scope\0" + scope.encode() + b"\0" + salt.encode()
+    return hashlib.sha256(seed + (b"\0lora\0" + lora.encode() if lora else b"")).digest()
+
+
+def request_seed(req) -> BlockHash:
+    """scope_seed of a SubmitRequest: its cache scope, salt and LoRA adapter."""
+    return scope_seed(req.cache_scope, req.cache_salt, req.lora.key if req.lora is not None else "")
+
+
 def block_hashes(token_ids: list[int], block_size: int, start_block: int = 0,
-                 prev: BlockHash | None = None, salt: bytes = b"") -> list[BlockHash]:
+                 prev: BlockHash | None = None) -> list[BlockHash]:
     """The chained names of the full blocks of `token_ids` from block `start_block` on; `prev` is the name of
-    block `start_block - 1` (None for the first block). `salt` goes into the first block's name, so a chain
-    salted otherwise shares no block: a sequence's LoRA adapter (`lora_salt`) computes other KV from the
-    same tokens."""
+    block `start_block - 1` (for the first block: the sequence's `scope_seed`, or None)."""
     n_full = len(token_ids) // block_size
     if start_block >= n_full:
         return []
     data = array("q", token_ids[start_block * block_size:n_full * block_size]).tobytes()
     width = 8 * block_size
     out: list[BlockHash] = []
-    h = prev if prev is not None else salt
+    h = prev or b""
     for i in range(0, len(data), width):
         h = hashlib.sha256(h + data[i:i + width]).digest()
         out.append(h)
     return out
-
-
-def lora_salt(lora) -> bytes:
-    """The salt of the block names of a sequence running LoRA adapter `lora` (a LoraRef; None: the base
-    model, unsalted)."""
-    return b"" if lora is None else hashlib.sha256(b"lora\0" + lora.key.encode()).digest()
 
 
 class PrefixIndex:
@@ -125,14 +134,17 @@ class RecentPrompts:
 
     def __init__(self, size: int = 16):
         self.size = size
-        self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._prompts: OrderedDict[str, tuple[BlockHash, np.ndarray]] = OrderedDict()
 
-    def most_similar(self, prompt: list[int]) -> tuple[str | None, int, int]:
-        """(request id, first difference, positions in agreement) of the recent prompt that agrees with
-        `prompt` on the most positions; (None, 0, 0) when there is none."""
+    def most_similar(self, prompt: list[int], seed: BlockHash = b"") -> tuple[str | None, int, int]:
+        """(request id, first difference, positions in agreement) of the recent prompt in the same cache scope
+        (`seed`) that agrees with `prompt` on the most positions; (None, 0, 0) when there is none. Another
+        scope's prompt could never have been a hit."""
         a = np.asarray(prompt, dtype=np.int64)
         best: tuple[str | None, int, int] = (None, 0, 0)
-        for rid, b in self._prompts.items():
+        for rid, (other_seed, b) in self._prompts.items():
+            if other_seed != seed:
+                continue
             n = min(len(a), len(b))
             diff = np.flatnonzero(a[:n] != b[:n])
             first = int(diff[0]) if len(diff) else n
@@ -146,7 +158,7 @@ class RecentPrompts:
                 best = (rid, first, first + rest)
         return best
 
-    def add(self, request_id: str, prompt: list[int]) -> None:
-        self._prompts[request_id] = np.asarray(prompt, dtype=np.int64)
+    def add(self, request_id: str, prompt: list[int], seed: BlockHash = b"") -> None:
+        self._prompts[request_id] = (seed, np.asarray(prompt, dtype=np.int64))
         while len(self._prompts) > self.size:
             self._prompts.popitem(last=False)

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
+from scheduler.prefix_cache import request_seed
 from scheduler.speculation import Acceptance
 
 
@@ -56,6 +57,15 @@ class Sequence:
     @property
     def seq_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def cache_seed(self) -> bytes:
+        """What the name of its first block is chained to: its cache scope, salt and LoRA adapter (none: b"")."""
+        return request_seed(self.request)
 
     @property
     def priority(self) -> int:
