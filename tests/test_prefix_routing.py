@@ -13,6 +13,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import LoraRef, SubmitRequest, WorkerInfo
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.lora_routing import DEFAULT_MAX_LORAS, AdapterRecency
+from scheduler.prefix_cache import request_seed, scope_seed
 
 
 def info(wid: str, num_blocks: int = 256, started_at: float = 1.0) -> WorkerInfo:
@@ -194,16 +195,22 @@ def test_blocks_are_named_with_the_adapter_so_none_is_shared_between_adapters():
     while c.owner:
         sim.step()
     policy = c.workers["a"].policy
-    sql, chat = LoraRef("sql", "/adapters/sql"), LoraRef("chat", "/adapters/chat")
-    assert policy.num_cached_tokens(prompt, sql) == 96
-    assert policy.num_cached_tokens(prompt) == 0 and policy.num_cached_tokens(prompt, chat) == 0
-    # the same name from another folder is another adapter
-    assert policy.num_cached_tokens(prompt, LoraRef("sql", "/elsewhere/sql")) == 0
+
+    def cached(adapter: str | None, path: str | None = None) -> int:
+        return policy.num_cached_tokens(prompt, request_seed(lora_req("probe", prompt, adapter)) if path is None
+                                        else scope_seed("", "", LoraRef(adapter, path).key))
+
+    assert cached("sql") == 96
+    assert cached(None) == 0 and cached("chat") == 0
+    assert cached("sql", "/elsewhere/sql") == 0  # the same name from another folder is another adapter
     for rid, adapter in (("base", None), ("chat", "chat"), ("sql-again", "sql")):
         c.admit(lora_req(rid, prompt, adapter))
     while c.owner:
         sim.step()
-    assert policy.num_cached_tokens(prompt) == 96 and policy.num_cached_tokens(prompt, chat) == 96
+    assert cached(None) == 96 and cached("chat") == 96
+    # a tenant's scope and an adapter together: a seed of its own, and the base model's names are unchanged
+    assert scope_seed("team-a", "", "k") not in (scope_seed("team-a", ""), scope_seed("", "", "k"))
+    assert scope_seed("", "") == b""
 
 
 def test_a_request_goes_to_a_worker_holding_its_adapter_within_the_load_slack():
