@@ -42,7 +42,8 @@ MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bundled", help="bundled, small-200m, smollm2, or anything `phaseserve up --model` takes")
+    p.add_argument("--model", default="bundled",
+                   help="bundled, small-200m, smollm2, or anything `phaseserve up --model` takes")
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--streams", type=int, default=16, help="concurrent streams per arm")
