@@ -52,12 +52,12 @@ def test_two_adapters_and_the_base_model_in_one_batch_match_peft_merged(model, a
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = engine.generate(prompts, greedy, loras=loras)
     assert [c.token_ids for c in out] == expected
-    # all nine ran together: every step held rows of both adapters and of the base model
+    # the nine were admitted at once (their prefills and decodes share steps); each adapter was loaded once
     assert engine.runner.loras.num_loads == 2
 
 
 def _step_logits(runner, plan):
-    """Run a plan and return {seq_id: logits row} of its sampled rows (greedy, so the sampled token is argmax)."""
+    """Run a plan and return the float32 logits of its sampled rows, in the runner's packed order."""
     captured = {}
     forward = runner.model.forward
 
@@ -76,8 +76,9 @@ def _step_logits(runner, plan):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_rows_logits_are_the_same_bits_however_its_step_is_batched(model, adapters, dtype):
-    """One numerics: a sequence's prefill and its decodes, alone and in steps with other adapters' and the base
-    model's rows in any number (1 to 40 rows of its own adapter), give the same logits bits."""
+    """One numerics: a LoRA sequence's prefill row has the same logits bits alone and in steps with other
+    adapters' and the base model's rows in any number (1 to 40 more rows of its own adapter, so its tiles are
+    shared in other ways). Decodes, chunkings and recomputes: tests/test_one_numerics.py."""
     from workers.runner import ModelRunner
 
     runner = ModelRunner(model, dtype=dtype, num_blocks=256, block_size=16)
