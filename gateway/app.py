@@ -15,6 +15,7 @@ from gateway.generate import create_chat_completion, create_completion
 from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
+from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
 from gateway.state import GATEWAY, Gateway
 from gateway.tenants import KeyDirectory
 from gateway.tokenize_routes import detokenize, tokenize
@@ -103,6 +104,10 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app[OPENAPI] = openapi_document()
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
     app.router.add_get("/v1/usage", usage)
@@ -124,6 +129,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         yield
         if watcher is not None:
             watcher.cancel()
+        if gw.background_tasks:  # ended by end_open_requests: let them store their failure while Redis is open
+            await asyncio.wait(gw.background_tasks, timeout=5.0)
         await gw.backend.close()
         gw.prompts.close()
         gw.grammars.close()

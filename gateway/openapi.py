@@ -6,6 +6,7 @@ from pydantic.json_schema import models_json_schema
 
 from gateway.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from phaseserve import __version__
 
@@ -23,7 +24,7 @@ def _sse(description: str) -> dict:
 
 def openapi_document() -> dict:
     _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                                              TokenizeRequest, DetokenizeRequest,
+                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest,
                                                               LoadLoraAdapterRequest, UnloadLoraAdapterRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
@@ -51,6 +52,9 @@ def openapi_document() -> dict:
         (429, "too many requests in flight, or a tenant's or key's limit reached (concurrent requests, tokens per "
               "minute, queued prompt tokens; the message names it, `Retry-After` says when to retry)"),
         (503, "no worker alive or Redis unavailable"))}
+
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    not_found = _json("#/components/schemas/Error", "unknown, expired, or created with another API key")
 
     def generation(summary: str, schema: str) -> dict:
         return {"post": {
@@ -84,7 +88,9 @@ def openapi_document() -> dict:
         "info": {"title": "phaseserve gateway", "version": __version__,
                  "description": "OpenAI-compatible completions and chat completions, with structured outputs "
                                 "(`response_format`, vLLM's `structured_outputs` / `guided_*`) and tool calls "
-                                "(`tools`, `tool_choice`) enforced while sampling."},
+                                "(`tools`, `tool_choice`) enforced while sampling; the Responses API with conversations "
+                                "stored in Redis; a reasoning model's thinking as `reasoning_content` "
+                                "(--reasoning-parser)."},
         "paths": {
             "/v1/completions": generation("Create a text completion", "CompletionRequest"),
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),
@@ -93,6 +99,21 @@ def openapi_document() -> dict:
                            "gateway, and what it and its tenant hold on this one against their limits",
                 "responses": {"200": _json({"$ref": "#/components/schemas/Usage"}, "the key's usage"),
                               "401": errors["401"]}}},
+            "/v1/responses": generation("Create a response (OpenAI's Responses API): input items, function tools, "
+                                        "`text.format`, `previous_response_id`; SSE typed events when `stream` "
+                                        "is true", "ResponsesRequest"),
+            "/v1/responses/{response_id}": {
+                "get": {"summary": "A stored response (only with the API key that created it)",
+                        "parameters": [response_id], "responses": {"200": _json({"type": "object"}, "the Response"),
+                                                                   "404": not_found}},
+                "delete": {"summary": "Delete a stored response", "parameters": [response_id],
+                           "responses": {"200": _json({"type": "object"}, "{id, object: response.deleted, deleted}"),
+                                         "404": not_found}}},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a stored response while it runs (from any gateway)", "parameters": [response_id],
+                "responses": {"200": _json({"type": "object"}, "the Response, status cancelled"),
+                              "400": _json("#/components/schemas/Error", "the response has ended"),
+                              "404": not_found}}},
             "/v1/models": {"get": {"summary": "List the served model and its LoRA adapters",
                                    "responses": {"200": _json({"type": "object"}, "model list")}}},
             "/v1/models/{model}": {"get": {

@@ -15,6 +15,8 @@ from gateway.lora_registry import LoraRegistry
 from gateway.prompt_encoder import PromptEncoder
 from gateway.quotas import Quotas
 from gateway.structured import GrammarChecker
+from gateway.reasoning import reasoning_format
+from gateway.responses_store import ResponseStore
 from gateway.tools import PARSERS
 from phaseserve import redis_url
 from phaseserve.kv_admission import KVCapacity
@@ -36,6 +38,7 @@ class Gateway:
         self.prompts = PromptEncoder(self.tokenizer)
         self.grammars = GrammarChecker(self.tokenizer)
         self.tool_parser = PARSERS[settings.tool_call_parser]()
+        self.reasoning = reasoning_format(settings.reasoning_parser)
         config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
@@ -48,6 +51,9 @@ class Gateway:
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
+        self.background_tasks: set = set()  # background responses generating here (kept referenced)
+        self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl,
+                                       self.backend.replicas_to_wait_for, self.backend.wait_timeout_ms)
         self.metrics = GatewayMetrics(self.model_name)
         self.loras = LoraRegistry(self.backend.redis, self.keys.lora_adapters(), self.model_name,
                                   settings.max_lora_rank)

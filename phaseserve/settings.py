@@ -148,6 +148,15 @@ SETTINGS: list[Setting] = [
             "the format of the model's tool calls, parsed out of chat outputs into `tool_calls` (vLLM's flag); "
             "`hermes`: `<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`", ("gateway", "up"),
             choices=("hermes",)),
+    Setting("reasoning_parser", "PHASESERVE_REASONING_PARSER", "none", str,
+            "how a reasoning model's thinking is split from its answer (vLLM's flag): `deepseek_r1`, `qwen3` "
+            "(`<think>…</think>`) put it in `reasoning_content` (chat) and a reasoning item (Responses), and "
+            "structured outputs and forced tool calls apply after it; `none`: the output is all content",
+            ("gateway", "up"), choices=("none", "deepseek_r1", "qwen3")),
+    Setting("responses_ttl", "PHASESERVE_RESPONSES_TTL", 86400.0, float,
+            "seconds a stored Response (`/v1/responses` with `store`, the default) stays in Redis, its whole "
+            "conversation with it, for `previous_response_id` and GET; each costs Redis memory about its "
+            "conversation's text: size Redis for the responses stored within this time", ("gateway", "up")),
     Setting("retry_after", "PHASESERVE_RETRY_AFTER", 1, int,
             "seconds the Retry-After header of a 429 asks clients to wait", ("gateway", "up")),
     Setting("priority_min", "PHASESERVE_PRIORITY_MIN", 0, int,

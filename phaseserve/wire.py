@@ -118,6 +118,11 @@ class Keys:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
 
+    def response(self, response_id: str) -> str:
+        """A stored Response of /v1/responses (JSON: owner digest, the Response, its conversation), with a
+        TTL (--responses-ttl); written and read by any gateway (gateway/responses_store.py)."""
+        return f"{self.prefix}:response:{response_id}"
+
     # ---- reliability (scheduler/worker side): fail-over, dead letters, confirmed outputs
 
     @property
