@@ -133,3 +133,14 @@ def test_bad_adapter_requests_are_openai_errors_naming_the_field(lora_stack, ada
     assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "lora_name"
     r = _request(lora_stack.api_url + "/models/never-loaded")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_and_the_responses_api_run_an_adapter(lora_stack, client):
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    chat = client.chat.completions.create(model="first", messages=messages, max_tokens=8, temperature=0.0)
+    base = client.chat.completions.create(model=lora_stack.model, messages=messages, max_tokens=8, temperature=0.0)
+    assert chat.model == "first" and chat.choices[0].message.content != base.choices[0].message.content
+    resp = client.responses.create(model="first", input=messages, max_output_tokens=8, temperature=0.0)
+    assert resp.model == "first" and resp.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="never-loaded", input=messages, max_output_tokens=8)
