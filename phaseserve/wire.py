@@ -638,7 +638,8 @@ class WorkerInfo(Message):
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
-    # the machine it runs on: workers on one host hand KV over through shared memory, others through Redis
+    # the host it runs on (phaseserve/host_identity.py: hostname and network namespace, or --host-id): workers
+    # on one host hand KV over through shared memory, others through Redis
     host: str = ""
     # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a
