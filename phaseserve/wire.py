@@ -75,6 +75,12 @@ class Keys:
         """Set by the scheduler every worker refresh, expiring after a few: its liveness for health checks."""
         return f"{self.prefix}:scheduler:alive"
 
+    def scheduler_seen(self, consumer: str) -> str:
+        """Set by each scheduler process, the active one every worker refresh and a standby every look at
+        the lease, expiring after a few: that process's own liveness (`python -m phaseserve.healthcheck
+        scheduler`), where `scheduler_alive` is the stack's."""
+        return f"{self.prefix}:scheduler:seen:{consumer}"
+
     def kv_transfer(self, transfer_id: str) -> str:
         """Stream: one KV transfer's chunks over Redis (workers/kv_transfer/redis_transport.py), with a TTL."""
         return f"{self.prefix}:kv:{transfer_id}"

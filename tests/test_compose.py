@@ -31,7 +31,9 @@ def service_env(svc: dict) -> dict[str, str]:
 
 
 def phaseserve_services(compose: dict) -> dict:
-    return {n: s for n, s in compose["services"].items() if s["command"][0] == "phaseserve"}
+    """The long-running phaseserve services (not the one-shot model-cache)."""
+    return {n: s for n, s in compose["services"].items()
+            if s["command"][0] == "phaseserve" and s.get("restart") != "no"}
 
 
 def test_services_and_healthchecks(compose):
@@ -58,27 +60,67 @@ def compose_command(text: str) -> str:
 SECRET_DIR = "/run/phaseserve"  # the redis-secret volume, where every service mounts it
 
 
-def run_redis_secret(compose: dict, secrets_dir: Path, env: dict) -> Path:
-    """The redis-secret service's command, run here with its volume at `secrets_dir`: -> the password file."""
+def run_redis_secret(compose: dict, secrets_dir: Path, env: dict, yours: Path | None = None) -> Path:
+    """The redis-secret service's command, run here with its volume at `secrets_dir` and the secret file
+    compose mounts at `yours` (empty when not given): -> the password file."""
     sh, dash_c, script = compose["services"]["redis-secret"]["command"]
     assert (sh, dash_c) == ("sh", "-c")
-    script = compose_command(script).replace(SECRET_DIR, str(secrets_dir))
+    if yours is None:
+        yours = secrets_dir.parent / f"{secrets_dir.name}-no-password"
+        yours.write_text("")
+    script = (compose_command(script).replace(SECRET_DIR, str(secrets_dir))
+              .replace("/run/secrets/redis_password", str(yours)))
     subprocess.run(["sh", "-c", script], env=env, check=True, timeout=10)
     return secrets_dir / "redis_password"
 
 
 def test_redis_secret_makes_a_private_password_once_or_takes_yours(compose, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
+    env = dict(os.environ)
     svc = compose["services"]["redis-secret"]
-    assert svc["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:-}"  # no default: generated instead
-    first = run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text()
+    # yours comes as a secret file (empty by default: generated instead), never through an environment,
+    # which `docker inspect` shows
+    assert "environment" not in svc and svc["secrets"] == ["redis_password"]
+    assert compose["secrets"]["redis_password"]["file"] == "${REDIS_PASSWORD_FILE:-./docker/no-redis-password}"
+    assert os.path.getsize(os.path.join(ROOT, "docker", "no-redis-password")) == 0
+    first = run_redis_secret(compose, tmp_path, env).read_text()
     assert len(first) == 48 and all(c in "0123456789abcdef" for c in first), first
     assert (os.stat(tmp_path / "redis_password").st_mode & 0o777) == 0o600
-    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text() == first  # kept
+    assert run_redis_secret(compose, tmp_path, env).read_text() == first  # kept
     other = tmp_path / "other"
     other.mkdir()
-    assert run_redis_secret(compose, other, {**env, "REDIS_PASSWORD": ""}).read_text() != first  # random
-    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": "mine"}).read_text() == "mine"
+    assert run_redis_secret(compose, other, env).read_text() != first  # random
+    mine = tmp_path / "mine"
+    mine.write_text("mine\n")
+    assert run_redis_secret(compose, tmp_path, env, yours=mine).read_text() == "mine"
+
+
+def test_the_model_cache_is_filled_once_before_any_service_mounts_it(compose):
+    """Docker copies an image's files into an empty named volume for each container that mounts it while it
+    is empty; several at once raced (`failed to create symlink ... file exists`). The one-shot model-cache
+    mounts it first and every service waits for it to complete."""
+    services = compose["services"]
+    one_shot = services["model-cache"]
+    assert one_shot["restart"] == "no" and one_shot["command"] == ["phaseserve", "pull"]
+    assert "phaseserve-cache:/cache" in one_shot["volumes"] and "depends_on" not in one_shot
+    for name, svc in services.items():
+        if "phaseserve-cache:/cache" in svc.get("volumes", ()) and name != "model-cache":
+            assert svc["depends_on"]["model-cache"]["condition"] == "service_completed_successfully", name
+
+
+def test_services_start_under_an_init_and_the_torch_index_is_a_build_arg(compose):
+    for name, svc in compose["services"].items():
+        if svc.get("image", "").startswith("phaseserve:"):
+            assert svc["init"] is True, name  # SIGTERM reaches a worker in its first seconds too
+    assert compose["services"]["worker"]["build"]["args"]["TORCH_INDEX"] == \
+        "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+    with open(os.path.join(ROOT, "docker", "Dockerfile")) as f:
+        assert "pip install --index-url ${TORCH_INDEX} torch==2.13.0" in f.read()
+
+
+def test_the_build_context_leaves_out_what_the_image_does_not_need():
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        ignored = {line.strip().rstrip("/") for line in f if line.strip() and not line.startswith("#")}
+    assert {".venv", ".git", "runs", "bench/results", "**/__pycache__"} <= ignored
 
 
 def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compose, tmp_path):
