@@ -11,8 +11,8 @@ from aiohttp import web
 from gateway import protocol as P
 from gateway.auth import auth_middleware, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
-from gateway.health import UNAVAILABLE, Health, assess
 from gateway.generate import create_chat_completion, create_completion
+from gateway.health import UNAVAILABLE, Health, assess
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.state import GATEWAY, Gateway

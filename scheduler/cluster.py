@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import (
-    ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
-    WorkerInfo,
+    ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch,
+    TokenEvent, WireError, WorkerInfo,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts
