@@ -12,7 +12,8 @@ fault, the streams completed, the texts equal to the unfaulted run, and the long
 
 Faults: worker-kill (kill -9 of a worker), scheduler-restart (kill -9, a new one started),
 scheduler-standby (kill -9 with a standby running), redis-restart (Redis stopped 5 s, restarted on
-its port from its AOF), worker-freeze (SIGSTOP of a worker's model process for 30 s, the default
+its port from its AOF), redis-failover (the stack on a primary, a replica and three sentinels through a
+redis+sentinel:// URL; kill -9 of the primary: the sentinels promote the replica), worker-freeze (SIGSTOP of a worker's model process for 30 s, the default
 --step-timeout: its learned step deadline, seconds, finds it first),
 lost-messages (one plan and one result deleted from their streams before their consumer reads them:
 the relay's blocked read is cut and the next plan deleted while it reconnects; the scheduler is paused
@@ -42,11 +43,13 @@ from tqdm import tqdm
 from bench.sse import sse_messages
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.procs import stop_process
+from phaseserve.redis_client import connect
 from phaseserve.redis_server import find_redis_server, free_port
+from phaseserve.redis_topologies import SentinelSet
 from phaseserve.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "worker-freeze",
+FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "redis-failover", "worker-freeze",
           "lost-messages", "gateway-kill", "worker-drain")
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
@@ -88,7 +91,8 @@ class Service:
 
 
 class Stack:
-    def __init__(self, model: str, dtype: str, log_dir: Path, standby: bool, second_gateway: bool = False):
+    def __init__(self, model: str, dtype: str, log_dir: Path, standby: bool, second_gateway: bool = False,
+                 sentinel: bool = False):
         self.model, self.dtype, self.log_dir = model, dtype, log_dir
         self.redis_port, self.port = free_port(), free_port()
         self.second_port = free_port() if second_gateway else None
@@ -97,7 +101,9 @@ class Stack:
         self.redis_dir = tempfile.mkdtemp(prefix="faults-redis-", dir=log_dir)
         self.services: dict[str, Service] = {}
         self.standby = standby
-        self.client = redis.Redis.from_url(self.redis_url)
+        # a primary, a replica and three sentinels instead of one redis-server (the redis-failover fault)
+        self.sentinels = SentinelSet() if sentinel else None
+        self.client: redis.Redis | None = None
 
     def redis_service(self) -> Service:
         return Service("redis", [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.redis_port),
@@ -116,7 +122,11 @@ class Stack:
                               "--kv-cache-memory", "128MiB"], self.log_dir)
 
     def start(self) -> None:
-        self.services["redis"] = self.redis_service().start()
+        if self.sentinels is not None:
+            self.redis_url = self.sentinels.start().url
+        else:
+            self.services["redis"] = self.redis_service().start()
+        self.client = connect(self.redis_url)
         self.wait(lambda: self._ping(), 10, "redis")
         self.services["s1"] = self.scheduler("s1").start()
         if self.standby:
@@ -165,7 +175,10 @@ class Stack:
     def stop(self) -> None:
         for s in reversed(list(self.services.values())):
             s.stop()
-        self.client.close()
+        if self.sentinels is not None:
+            self.sentinels.stop()
+        if self.client is not None:
+            self.client.close()
 
     # ------------------------------------------------------------------ faults
 
@@ -225,6 +238,8 @@ class Stack:
             self.services["redis"].kill9()
             await asyncio.sleep(5.0)
             self.services["redis"] = self.redis_service().start()
+        elif fault == "redis-failover":
+            await loop.run_in_executor(None, self.sentinels.kill_primary)
         elif fault == "worker-freeze":
             self.services["w1"].signal(signal.SIGSTOP)
             await asyncio.sleep(FREEZE_S)
@@ -352,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         fault_dir = log_dir / fault
         fault_dir.mkdir(exist_ok=True)
         stack = Stack(args.model, args.dtype, fault_dir, standby=fault == "scheduler-standby",
-                      second_gateway=fault == "gateway-kill")
+                      second_gateway=fault == "gateway-kill", sentinel=fault == "redis-failover")
         try:
             stack.start()
             t0 = time.monotonic()

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections import Counter
 
 import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.auth import auth_middleware, load_api_keys
+from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
 from gateway.health import UNAVAILABLE, Health, assess
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
+from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
 from gateway.state import GATEWAY, Gateway
+from gateway.tenants import KeyDirectory
 from gateway.tokenize_routes import detokenize, tokenize
 from phaseserve import __version__
 
@@ -82,6 +85,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def usage(request: web.Request) -> web.Response:
+    """The calling key's own usage: its totals over every gateway, and what it holds on this one now."""
+    gw = request.app[GATEWAY]
+    key = caller(request)
+    totals = await gw.backend.usage(key.name)
+    body = {"object": "usage", "key": key.name, "tenant": key.tenant.name,
+            **{k: totals.get(k, 0) for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")},
+            "this_gateway": gw.quotas.current(key)}
+    return web.json_response(body)
+
+
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
 
@@ -91,17 +105,22 @@ OPENAPI = web.AppKey("openapi", dict)
 
 def create_app(settings: argparse.Namespace) -> web.Application:
     """The gateway app from parsed settings (`phaseserve.settings.parse("gateway", argv)`)."""
-    api_keys = load_api_keys(settings)
+    api_keys = KeyDirectory(load_api_keys(settings), settings.api_keys_file)
     gw = Gateway(settings)
-    middlewares = [error_middleware] + ([auth_middleware(api_keys)] if api_keys else [])
+    middlewares = [error_middleware] + ([auth_middleware(api_keys)] if api_keys.required else [])
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[OPENAPI] = openapi_document()
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
+    app.router.add_get("/v1/usage", usage)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
@@ -115,7 +134,13 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         await gw.backend.start()
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))
+        watcher = (asyncio.create_task(api_keys.watch(settings.api_keys_reload_interval), name="api-keys")
+                   if api_keys.path else None)
         yield
+        if watcher is not None:
+            watcher.cancel()
+        if gw.background_tasks:  # ended by end_open_requests: let them store their failure while Redis is open
+            await asyncio.wait(gw.background_tasks, timeout=5.0)
         await gw.backend.close()
         gw.prompts.close()
         gw.grammars.close()

@@ -1,25 +1,26 @@
 """Optional bearer API keys on the /v1 routes and /tokenize, /detokenize (/health, /metrics, /version and
 /openapi.json stay open).
 
-Keys come from --api-key (comma-separated) and --api-key-file (one a line). Each given key is
-compared with every configured one by hmac.compare_digest, so the time taken does not say how
-much of a key matched, nor which key.
+Keys come from --api-key (comma-separated), --api-key-file (one a line) and --api-keys-file (keys as
+tenants, gateway/tenants.py). A given key is looked up by its SHA-256 digest, so the time taken does
+not say how much of a key matched, nor which key; the request then carries the key's entry (`CALLER`):
+its name, tenant, limits and priority range.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 
 from aiohttp import web
 
 from gateway.errors import invalid_api_key
+from gateway.tenants import ANONYMOUS, ApiKey, KeyDirectory, digest
 
 PROTECTED_PREFIX = "/v1"
 PROTECTED_PATHS = ("/tokenize", "/detokenize")  # outside /v1 (vLLM's paths), but they run the model's tokenizer
 # a digest of the key a request came with (absent when no key is needed): a stream's resume token is bound to it
 CLIENT_KEY = web.RequestKey("client_key", bytes)
+CALLER = web.RequestKey("caller", ApiKey)  # the key a request came with (ANONYMOUS when none is needed)
 
 
 def load_api_keys(settings: argparse.Namespace) -> list[bytes]:
@@ -37,14 +38,11 @@ def load_api_keys(settings: argparse.Namespace) -> list[bytes]:
     return [k.encode() for k in keys if k and not k.startswith("#")]
 
 
-def key_matches(given: bytes, keys: list[bytes]) -> bool:
-    found = False
-    for k in keys:  # no early exit: every key is compared
-        found |= hmac.compare_digest(given, k)
-    return found
+def caller(request: web.Request) -> ApiKey:
+    return request.get(CALLER, ANONYMOUS)
 
 
-def auth_middleware(keys: list[bytes]):
+def auth_middleware(keys: KeyDirectory):
     @web.middleware
     async def check_api_key(request: web.Request, handler):
         path = request.path
@@ -54,9 +52,11 @@ def auth_middleware(keys: list[bytes]):
             if scheme.lower() != "bearer" or not token.strip():
                 raise invalid_api_key(given=False)
             given = token.strip().encode()
-            if not key_matches(given, keys):
+            entry = keys.lookup(given)
+            if entry is None:
                 raise invalid_api_key(given=True)
-            request[CLIENT_KEY] = hashlib.sha256(given).digest()
+            request[CLIENT_KEY] = digest(given)
+            request[CALLER] = entry
         return await handler(request)
 
     return check_api_key

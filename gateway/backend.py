@@ -40,7 +40,7 @@ import structlog
 
 from gateway.slow_client import SlowClient
 from phaseserve import token_log
-from phaseserve.redis_client import blocking_pool_async, redacted
+from phaseserve.redis_client import connect_async, redacted
 from phaseserve.wire import (FIELD, CancelRequest, GatewayInfo, Keys, SequenceProgress, SubmitRequest, TokenEvent,
                              WireError, WorkerInfo, channel_message)
 
@@ -159,7 +159,8 @@ class RequestStream:
 
 class Backend:
     def __init__(self, redis_url: str, keys: Keys, gateway_id: str, worker_cache_s: float = 0.5,
-                 max_connections: int = 64, pool_timeout: float = 30.0, delivery: DeliveryConfig | None = None):
+                 max_connections: int = 64, pool_timeout: float = 30.0, delivery: DeliveryConfig | None = None,
+                 wait_replicas: int = 0, wait_timeout_s: float = 0.5):
         self.redis_url = redis_url
         self.keys = keys
         self.gateway_id = gateway_id
@@ -170,14 +171,19 @@ class Backend:
         # instead of opening one each (a burst of streams would hit Redis's 'Too many connections' and answer
         # 503). A command on a connection a Redis restart broke is retried on a new one (a re-sent submit is
         # dropped by the scheduler as a duplicate); a dead Redis still fails within the retries' connect
-        # timeouts (-> 503). from_url honours a password
-        # (redis://:pw@host) and TLS (rediss://). The subscriber and the follower block on reads: each has
-        # its own connection.
-        pool = blocking_pool_async(redis_url, max(1, max_connections), pool_timeout,
-                                   socket_connect_timeout=2.0, socket_timeout=5.0)
-        self.redis = aioredis.Redis(connection_pool=pool)
-        self._sub_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
-        self._follow_redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
+        # timeouts (-> 503). The subscriber and the follower block on reads: each has its own connection, and
+        # its loop reconnects (to a new primary after a failover) and resubscribes.
+        self.redis = connect_async(redis_url, None, keys.prefix,
+                                   max_connections=max(1, max_connections), pool_timeout=pool_timeout,
+                                   socket_timeout=5.0)
+        self._sub_redis = connect_async(redis_url, None, keys.prefix, retries=0, socket_timeout=None)
+        self._follow_redis = connect_async(redis_url, None, keys.prefix, retries=0, socket_timeout=10.0)
+        # an accepted request must survive a failover: its submit is on this many replicas before the client
+        # is answered (docs/redis.md); 0: no WAIT
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, max(1, int(wait_timeout_s * 1000))
+        # replicas the primary had at the last look (the lease loop's): a WAIT waits for no more than are
+        # there, so a primary left alone by a failover does not cost every submit the timeout
+        self.connected_replicas: int | None = None
         self._routes: dict[str, RequestStream] = {}
         self._streams: set[RequestStream] = set()
         self._fill_wanted: set[RequestStream] = set()
@@ -382,7 +388,8 @@ class Backend:
     # ---------------------------------------------------------------- client leases
 
     async def _lease_loop(self) -> None:
-        """Every third of the lease TTL: the gateway heartbeat and the lease of every sequence served here."""
+        """Every third of the lease TTL: the gateway heartbeat and the lease of every sequence served here (and,
+        when submits WAIT, how many replicas the primary has)."""
         ttl_ms = max(1, int(self.delivery.lease_ttl_s * 1000))
         while True:
             try:
@@ -390,7 +397,11 @@ class Backend:
                     pipe.set(self.keys.gateway_heartbeat(self.gateway_id), self.info.to_wire(), px=ttl_ms)
                     for seq_id, token in self._leases.items():
                         pipe.set(self.keys.client_lease(seq_id), token, px=ttl_ms)
-                    await pipe.execute()
+                    if self.wait_replicas:
+                        pipe.info("replication")
+                    replies = await pipe.execute()
+                if self.wait_replicas:
+                    self.connected_replicas = int(replies[-1].get("connected_slaves", 0))
             except asyncio.CancelledError:
                 raise
             except _REDIS_ERRORS as e:
@@ -464,12 +475,25 @@ class Backend:
             token = self._take_leases(pipe, [r.request_id for r in requests])
             for r in requests:
                 pipe.xadd(self.keys.requests, {FIELD: r.to_wire()})
+            wanted = self.replicas_to_wait_for()
+            if wanted:  # same connection: WAIT covers the writes above
+                pipe.wait(wanted, self.wait_timeout_ms)
             try:
-                await pipe.execute()
+                replies = await pipe.execute()
             except BaseException:
                 self.drop_leases([r.request_id for r in requests])
                 raise
+        if wanted and replies[-1] < wanted:
+            log.warning("an accepted request reached fewer replicas than --redis-wait-replicas in time; a failover "
+                        "now could lose it", replicas=replies[-1], wanted=wanted,
+                        request_ids=[r.request_id for r in requests])
         return token
+
+    def replicas_to_wait_for(self) -> int:
+        """--redis-wait-replicas, but no more than the primary had connected at the last look."""
+        if self.connected_replicas is None:
+            return self.wait_replicas
+        return min(self.wait_replicas, self.connected_replicas)
 
     async def resumable(self, seq_ids: list[str]) -> bool:
         """Whether these sequences can be resumed: the scheduler still has them, or their token logs are alive."""
@@ -519,6 +543,25 @@ class Backend:
                 token_log.append_abort(pipe, self.keys, s, 0, reason)
                 pipe.delete(self.keys.client_lease(s))
             await pipe.execute()
+
+    # ---------------------------------------------------------------- usage per key
+
+    def add_usage(self, key_name: str, counts: dict[str, int]) -> None:
+        """Add a finished request's counts to its key's usage (in the background: the response is sent)."""
+        self._spawn(self._add_usage(key_name, counts))
+
+    async def _add_usage(self, key_name: str, counts: dict[str, int]) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name, n in counts.items():
+                    pipe.hincrby(self.keys.key_usage(key_name), name, n)
+                await pipe.execute()
+        except _REDIS_ERRORS as e:
+            log.warning("usage not recorded", error=str(e))
+
+    async def usage(self, key_name: str) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.keys.key_usage(key_name))
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     def cancel_soon(self, seq_ids: list[str], reason: str = "abort") -> None:
         """Cancel from a context that may itself be cancelled (a client that went away)."""

@@ -21,8 +21,9 @@ import structlog
 from aiohttp import web
 
 from gateway import protocol as P
-from gateway.auth import CLIENT_KEY
+from gateway.auth import CLIENT_KEY, caller
 from gateway.best_of import best_of
+from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
@@ -31,9 +32,11 @@ from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
 from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
+from gateway.reasoning import ReasoningFormat
 from gateway.state import GATEWAY, Gateway
 from gateway.structured import requested_grammar
-from gateway.tools import HermesParser, StreamingToolParser, plan_tools
+from gateway.tools import HermesParser, plan_tools
+from phaseserve import grammar
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
 from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
@@ -42,10 +45,10 @@ log = structlog.get_logger("gateway")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # SSE data lines: compact, UTF-8 as is; one encoder for every event (json.dumps with options builds one a call)
-_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+def check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
     """What the request schema alone cannot check: the model's name and vocabulary."""
     if req.model is not None and req.model != gw.model_name:
         raise model_not_found(req.model)
@@ -73,7 +76,7 @@ async def _completion_prompt(gw: Gateway, prompt: str | list[int], echo: bool, m
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await request.read())
-    _check_request(gw, req)
+    check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
     spec, param = requested_grammar(req)
@@ -82,28 +85,51 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
 
 
-async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    req = P.parse_body(P.ChatCompletionRequest, await request.read())
-    _check_request(gw, req)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    tools = plan_tools(req, messages, gw.tool_parser, gw.tokenizer.chat_templates.get("default", ""))
+@dataclass
+class ChatPlan:
+    """What a chat request renders and submits, and how its output is read back."""
+
+    prompt_ids: list[int]
+    grammar: GrammarSpec | None
+    tool_parser: HermesParser | None
+    reasoning: ReasoningFormat | None  # the output's thinking is split off by these tags
+    reasoning_opened: bool  # the prompt ends inside the thinking (the template opened it)
+
+
+async def plan_chat(gw: Gateway, req: P.ChatCompletionRequest, messages: list[dict]) -> ChatPlan:
+    """Tools, output constraint, reasoning and the rendered prompt of a chat request (a 400 naming the field
+    for what is malformed). The Responses API renders its conversations through here too."""
+    template = gw.tokenizer.chat_templates.get("default", "") or next(iter(gw.tokenizer.chat_templates.values()), "")
+    tools = plan_tools(req, messages, gw.tool_parser, template)
     spec, param = requested_grammar(req)
     if tools.grammar is not None:
         if spec is not None:
             raise bad_request(f"'tool_choice' forces a tool call; it cannot be combined with '{param}'", param)
         spec, param = tools.grammar, "tool_choice" if req.tool_choice is not None else "tools"
-    if spec is not None:
-        await gw.check_grammar(spec, param)
+    kwargs = {**(req.chat_template_kwargs or {}), **tools.template_kwargs}
+    if req.reasoning_effort is not None and "reasoning_effort" in template:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)  # only a template that reads it gets it
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     try:
-        prompt_ids = await gw.prompts.encode_chat(tools.messages, req.add_generation_prompt,
-                                                  {**(req.chat_template_kwargs or {}), **tools.template_kwargs},
-                                                  max_len)
+        prompt_ids = await gw.prompts.encode_chat(tools.messages, req.add_generation_prompt, kwargs, max_len)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return await Generation(request, gw, req, "chat", [Prompt(prompt_ids)], grammar=spec,
-                            tool_parser=tools.parser).run()
+    fmt, opened = gw.reasoning, False
+    if fmt is not None:
+        opened = fmt.opened_by(gw.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False))
+        if spec is not None:  # the constraint holds for the answer, after the thinking
+            spec = grammar.after_reasoning(spec, fmt.start, fmt.end, opened)
+    if spec is not None:
+        await gw.check_grammar(spec, param)
+    return ChatPlan(prompt_ids, spec, tools.parser, fmt, opened)
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    req = P.parse_body(P.ChatCompletionRequest, await request.read())
+    check_request(gw, req)
+    plan = await plan_chat(gw, req, [m.model_dump(exclude_none=True) for m in req.messages])
+    return await Generation(request, gw, req, "chat", [Prompt(plan.prompt_ids)], plan=plan).run()
 
 
 class Generation:
@@ -111,10 +137,11 @@ class Generation:
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
                  kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
-                 tool_parser: HermesParser | None = None):
+                 plan: ChatPlan | None = None):
         self.request = request
-        self.grammar = grammar  # what the output must follow (checked by the engine already)
-        self.tool_parser = tool_parser  # chat with tools: calls are parsed out of the output
+        # what the output must follow (checked by the engine already)
+        self.grammar = plan.grammar if plan is not None else grammar
+        self.plan = plan  # chat: how the output is read back (tool calls, reasoning)
         self.gw = gw
         self.req = req
         self.kind = kind
@@ -122,6 +149,8 @@ class Generation:
         self.per_prompt = req.choices_per_prompt  # sequences a prompt: n, or best_of
         count = len(prompts) * self.per_prompt
         self.request_id = request[REQUEST_ID]
+        self.caller = caller(request)  # the key: its tenant, limits and priority range (gateway/tenants.py)
+        self._holds_quota = False
         # a client resuming its stream re-sends the request with the id of the last event it got
         self.resume_offsets: list[int] | None = None
         self._given_token = ""
@@ -200,7 +229,7 @@ class Generation:
             f"({prompt_len} in the {what}, {requested} in the completion). Please reduce the length of the {what} "
             f"or completion.", param)
 
-    def _failure(self, out: SequenceOutput | Delta) -> APIError:
+    def failure(self, out: SequenceOutput | Delta) -> APIError:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
         if out.error_kind == ERROR_REJECTED:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
@@ -225,9 +254,11 @@ class Generation:
         for i, seq_id in enumerate(self.seq_ids):
             prompt, k = divmod(i, self.per_prompt)
             base = params[prompt]  # a prompt's k-th choice draws as that prompt's alone would
+            tenant = self.caller.tenant
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
-                                         self.req.priority, arrival_wall, self.grammar))
+                                         self.req.priority, arrival_wall, self.grammar, tenant.name, tenant.weight,
+                                         tenant.cache_scope, self.req.cache_salt or ""))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
@@ -242,9 +273,10 @@ class Generation:
     def _admit(self) -> None:
         """The operator's bounds: priority range, requests in flight, prompt tokens queued (429 + Retry-After)."""
         gw, settings = self.gw, self.gw.settings
-        lo, hi = settings.priority_min, settings.priority_max
+        lo, hi = self.caller.priority_range or (settings.priority_min, settings.priority_max)
         if not lo <= self.req.priority <= hi:
-            raise bad_request(f"'priority' must be between {lo} and {hi} on this server (lower is served first); "
+            whose = "for this API key" if self.caller.priority_range else "on this server"
+            raise bad_request(f"'priority' must be between {lo} and {hi} {whose} (lower is served first); "
                               f"got {self.req.priority}.", "priority")
         if gw.in_flight >= gw.max_in_flight:
             raise too_many_requests(f"Too many requests in flight on this gateway (limit {gw.max_in_flight})",
@@ -253,11 +285,18 @@ class Generation:
         if self.resume_offsets is None and gw.queued_prompt_tokens and gw.queued_prompt_tokens + tokens > gw.max_queued_prompt_tokens:
             raise too_many_requests(f"Too many prompt tokens queued on this gateway ({gw.queued_prompt_tokens} "
                                     f"+ {tokens} > {gw.max_queued_prompt_tokens})", settings.retry_after)
+        if self.resume_offsets is None:
+            refusal = gw.quotas.refusal(self.caller, tokens)
+            if refusal is not None:
+                gw.metrics.tenant_rejected.labels(self.caller.tenant.name, refusal.limit).inc()
+                raise too_many_requests(refusal.message, refusal.retry_after)
 
     def _dequeue_tokens(self, seq_id: str) -> None:
         """A sequence got its first token (or ended): its prompt no longer counts as queued."""
         if self._queued.pop(seq_id, None):
             self.gw.queued_prompt_tokens -= len(self.prompt_of[seq_id].ids)
+            if self._holds_quota:
+                self.gw.quotas.dequeue(self.caller, len(self.prompt_of[seq_id].ids))
 
     async def _resume(self) -> None:
         """Serve the rest of a stream another serving started: no new generation, tokens from the token log.
@@ -272,7 +311,8 @@ class Generation:
         self.stream = gw.backend.open(self.seq_ids, follow=True)
         log.info("resumed", kind=self.kind, n=len(self.seq_ids), from_offsets=self.resume_offsets)
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self, respond=None) -> web.StreamResponse:
+        """Admit, submit, and answer with `respond()` (default: the chat / completion body or its SSE)."""
         gw = self.gw
         self._admit()
         gw.in_flight += 1
@@ -280,11 +320,15 @@ class Generation:
         if self.resume_offsets is None:
             self._queued = {s: True for s in self.seq_ids}
             gw.queued_prompt_tokens += self._queued_tokens()
+            gw.quotas.acquire(self.caller, self._queued_tokens())
+            self._holds_quota = True
         try:
             if self.resumable:
                 self.resume_token = resume_token(await gw.backend.resume_secret(), self.request_id,
                                                  self.request.get(CLIENT_KEY, b""))
             await (self._resume() if self.resume_offsets is not None else self._submit())
+            if respond is not None:
+                return await respond()
             return await (self._respond_stream() if self.req.stream else self._respond_whole())
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that disconnected
             self._client_gone = not (self.stream and self.stream.overflowed)  # or that was dropped for not reading
@@ -294,7 +338,23 @@ class Generation:
             gw.metrics.in_flight.dec()
             for s in self.seq_ids:
                 self._dequeue_tokens(s)
+            if self._holds_quota:
+                self._account()
             self._release()
+
+    def _account(self) -> None:
+        """A request's end: its tenant's counters, its key's usage, its quota released (completion tokens
+        count in its tokens per minute)."""
+        gw = self.gw
+        completion = sum(o.num_tokens for o in self.outputs)
+        gw.quotas.release(self.caller, completion)
+        if self.stream is None:
+            return  # refused before anything was submitted
+        usage = self._usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"] if usage.get("prompt_tokens_details") else 0
+        gw.metrics.tenant_request(self.caller.tenant.name, self.num_prompt_tokens, cached, completion)
+        gw.backend.add_usage(self.caller.name, {"requests": 1, "prompt_tokens": self.num_prompt_tokens,
+                                                "cached_tokens": cached, "completion_tokens": completion})
 
     def _release(self) -> None:
         if self.stream is None:  # refused before anything was submitted
@@ -322,7 +382,7 @@ class Generation:
 
     # ------------------------------------------------------------------ token events
 
-    async def _deltas(self) -> AsyncIterator[tuple[SequenceOutput, Delta]]:
+    async def deltas(self) -> AsyncIterator[tuple[SequenceOutput, Delta]]:
         assert self.stream is not None
         metrics = self.gw.metrics
         pending = len(self.outputs)
@@ -349,6 +409,7 @@ class Generation:
                 last = self._last_token_at.get(out.seq_id)
                 if last is None:
                     metrics.queue_time.observe(now - self.arrival)
+                    metrics.tenant_queue_time.labels(self.caller.tenant.name).observe(now - self.arrival)
                     if self.first_token_at is None:
                         self.first_token_at = now
                         metrics.ttft.observe(now - self.arrival)
@@ -389,7 +450,7 @@ class Generation:
         return event_id(self.request_id, self.resume_token,
                         [o.num_tokens + (1 if o.finished else 0) for o in self.outputs])
 
-    def _usage(self) -> dict:
+    def usage(self) -> dict:
         # every prompt once (as OpenAI counts n choices), every token generated (best_of's unreturned ones too);
         # a prompt's cached tokens are what all of its choices found (n > 1 forks from the first one's prefill)
         k = self.per_prompt
@@ -405,31 +466,42 @@ class Generation:
     # ------------------------------------------------------------------ whole response
 
     async def _respond_whole(self) -> web.Response:
-        async for _, d in self._deltas():
+        async for _, d in self.deltas():
             if d.error_kind == ERROR_REJECTED:
                 break  # answered 400 whatever its other choices do (they are cancelled)
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
-            raise self._failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
+            raise self.failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
         model = self.gw.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)
         if self.kind == "chat":
             choices = [self._chat_choice(o) for o in returned]
-            body = P.chat_response(self.response_id, self.created, model, choices, self._usage())
+            body = P.chat_response(self.response_id, self.created, model, choices, self.usage())
         else:
             choices = [P.completion_choice(o.index, self.prompt_of[o.seq_id].echo_text + o.text,
                                            self._logprobs(o.logprobs), o.finish_reason) for o in returned]
-            body = P.completion_response(self.response_id, self.created, model, choices, self._usage())
+            body = P.completion_response(self.response_id, self.created, model, choices, self.usage())
         return web.json_response(body, headers={"X-Request-Id": self.request_id},
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     def _chat_choice(self, o: SequenceOutput) -> dict:
-        if self.tool_parser is None:
-            return P.chat_choice(o.index, o.text, self._logprobs(o.logprobs), o.finish_reason)
-        content, calls = self.tool_parser.parse(o.text)
-        return P.chat_choice(o.index, content, self._logprobs(o.logprobs), _finish(o.finish_reason, bool(calls)),
-                             calls)
+        whole = self.read_whole(o.text)
+        return P.chat_choice(o.index, whole.content, self._logprobs(o.logprobs),
+                             _finish(o.finish_reason, bool(whole.tool_calls)), whole.tool_calls, whole.reasoning)
+
+    def read_whole(self, text: str) -> WholeOutput:
+        plan = self.plan
+        if plan is None:
+            return WholeOutput(None, text, [])
+        return read_whole(text, plan.tool_parser, plan.reasoning, plan.reasoning_opened)
+
+    def reader(self) -> ChatOutputReader | None:
+        """A streamed output's reader (None: its text is all content)."""
+        plan = self.plan
+        if plan is None or (plan.tool_parser is None and plan.reasoning is None):
+            return None
+        return ChatOutputReader(plan.tool_parser, plan.reasoning, plan.reasoning_opened)
 
     # ------------------------------------------------------------------ SSE
 
@@ -446,12 +518,11 @@ class Generation:
         model = self.gw.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
-        calls: dict[int, StreamingToolParser] = {o.index: self.tool_parser.stream() for o in self.outputs} \
-            if chat and self.tool_parser is not None else {}
+        readers = {o.index: self.reader() for o in self.outputs} if chat else {}
 
         def event(obj: dict, with_id: bool = False) -> bytes:
             head = f"id: {self._event_id()}\n".encode() if with_id and self.resume_token else b""
-            return head + b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
+            return head + b"data: " + SSE_JSON.encode(obj).encode() + b"\n\n"
 
         async def write(data: bytes, eof: bool = False) -> None:
             await write_within(resp, self.request, data, settings.client_write_timeout, eof)
@@ -476,16 +547,16 @@ class Generation:
             # the stream's last event, its usage chunk, [DONE] and the end of the chunked body go out in one
             # write (one syscall, one wake-up of the client) instead of four
             tail = b""
-            async for out, d in self._deltas():
+            async for out, d in self.deltas():
                 if d.error:
-                    await send(P.error_chunk(self._failure(d)))
+                    await send(P.error_chunk(self.failure(d)))
                     break
                 if not (d.text or d.logprobs or d.finish_reason):
                     continue
                 lp = self._logprobs(d.logprobs)
-                if chat and calls:
-                    choice = self._tool_chunk_choice(calls[out.index], out.index, d, lp)
-                    if choice is None:  # all of it held back (it may open a call)
+                if chat and readers[out.index] is not None:
+                    choice = self._read_chunk_choice(readers[out.index], out.index, d, lp)
+                    if choice is None:  # all of it held back (it may open a call, or close the thinking)
                         continue
                 elif chat:
                     choice = P.chat_chunk_choice(out.index, {"content": d.text} if d.text else {}, lp,
@@ -498,7 +569,7 @@ class Generation:
                 else:
                     await write(data)
             if include_usage:
-                tail += event(chunk(self.response_id, self.created, model, [], self._usage(), True))
+                tail += event(chunk(self.response_id, self.created, model, [], self.usage(), True))
             await write(tail + b"data: [DONE]\n\n", eof=True)
         except SlowClient as e:  # dropped: cancelled now, not after a resume grace
             log.info("slow client dropped", reason=str(e))
@@ -516,20 +587,20 @@ class Generation:
         return resp
 
     @staticmethod
-    def _tool_chunk_choice(parser: StreamingToolParser, index: int, d: Delta, lp: dict | None) -> dict | None:
-        """A chat chunk's choice with calls parsed out of the text: content as it comes, a call once whole
-        (None: nothing to send yet)."""
-        td = parser.feed(d.text)
-        if d.finish_reason:
-            td.content += parser.finish().content
+    def _read_chunk_choice(reader: ChatOutputReader, index: int, d: Delta, lp: dict | None) -> dict | None:
+        """A chat chunk's choice with the output read into its parts: reasoning and content as they come, a
+        call once whole (None: nothing to send yet)."""
+        piece = reader.feed(d.text, final=bool(d.finish_reason))
         delta: dict = {}
-        if td.content:
-            delta["content"] = td.content
-        if td.tool_calls:
-            delta["tool_calls"] = td.tool_calls
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.tool_calls:
+            delta["tool_calls"] = piece.tool_calls
         if not delta and lp is None and not d.finish_reason:
             return None
-        return P.chat_chunk_choice(index, delta, lp, _finish(d.finish_reason, parser.num_calls > 0))
+        return P.chat_chunk_choice(index, delta, lp, _finish(d.finish_reason, reader.num_calls > 0))
 
     @staticmethod
     async def _try_send_error(send, err: APIError) -> None:

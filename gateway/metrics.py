@@ -88,6 +88,8 @@ class GatewayMetrics:
         self.stale_results = Gauge("phaseserve_num_stale_step_results", "Step results the scheduler refused: "
                                    "of a plan it gave up, a worker life it retired (a host cut off that came "
                                    "back), or an older scheduler's epoch (cumulative, scheduler)", registry=r)
+        self.fair_share_preemptions = Gauge("phaseserve_num_fair_share_preemptions", "Of those, made for a "
+                                            "tenant under its share (live workers', scheduler)", registry=r)
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
                                  "(cumulative, as reported by the scheduler)", registry=r)
         # prefill -> decode handoffs (phase workers), cumulative as the scheduler reports them
@@ -128,6 +130,20 @@ class GatewayMetrics:
         self.spec_rate_at = Gauge("phaseserve_spec_decode_acceptance_rate_per_position", "Kept / verified "
                                   "draft tokens at each position of a run (1 = the first draft)", ["position"],
                                   registry=r)
+        # per tenant (its name from the keys file; "" for requests of no tenant), as requests end
+        self.tenant_requests = Counter("phaseserve_tenant_requests", "Requests served, by tenant", ["tenant"],
+                                       registry=r)
+        self.tenant_prompt_tokens = Counter("phaseserve_tenant_prompt_tokens", "Prompt tokens of finished "
+                                            "requests, by tenant", ["tenant"], registry=r)
+        self.tenant_cached_tokens = Counter("phaseserve_tenant_cached_tokens", "Of those, tokens found in the "
+                                            "tenant's prefix cache", ["tenant"], registry=r)
+        self.tenant_completion_tokens = Counter("phaseserve_tenant_completion_tokens", "Tokens generated, by "
+                                                "tenant", ["tenant"], registry=r)
+        self.tenant_queue_time = Histogram("phaseserve_tenant_queue_time_seconds", "Arrival to the first token "
+                                           "of each sequence, by tenant", ["tenant"], buckets=_LATENCY_BUCKETS,
+                                           registry=r)
+        self.tenant_rejected = Counter("phaseserve_tenant_rate_limited", "Requests answered 429 by a tenant's or "
+                                       "key's limit", ["tenant", "limit"], registry=r)
         self.workers_alive = Gauge("phaseserve_workers_alive", "Workers with a live heartbeat", registry=r)
         # info gauges (always 1), one series per live worker: what it computes with, from its heartbeat
         self.worker_info = Gauge("phaseserve_worker_info", "A live worker: its role, host, activations' dtype "
@@ -142,6 +158,12 @@ class GatewayMetrics:
         r.register(self.grammar_masks)
         self.stats_age = Gauge("phaseserve_scheduler_stats_updated_at", "updated_at of the scheduler's stats "
                                "(unix time; 0 when none)", registry=r)
+
+    def tenant_request(self, tenant: str, prompt: int, cached: int, completion: int) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt)
+        self.tenant_cached_tokens.labels(tenant).inc(cached)
+        self.tenant_completion_tokens.labels(tenant).inc(completion)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model, finished_reason=reason).inc()
@@ -168,6 +190,7 @@ class GatewayMetrics:
             self.handoff_transport_bytes.labels(transport).set(
                 (stats.get("handoff_bytes_by_transport") or {}).get(transport, 0))
         self.preemptions.set(stats.get("num_preemptions", 0))
+        self.fair_share_preemptions.set(stats.get("num_fair_share_preemptions", 0))
         for key, gauge in self.handoffs.items():
             gauge.set(stats.get(key, 0))
         for key, gauge in self.prefix_cache.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from phaseserve import __version__
 
@@ -22,7 +23,7 @@ def _sse(description: str) -> dict:
 
 def openapi_document() -> dict:
     _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                                              TokenizeRequest, DetokenizeRequest)],
+                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
     schemas["Error"] = {
@@ -31,10 +32,27 @@ def openapi_document() -> dict:
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
     }
+    counts = {k: {"type": "integer"} for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")}
+    holding = {"type": "object", "properties": {
+        "in_flight": {"type": "integer"}, "queued_prompt_tokens": {"type": "integer"},
+        "tokens_last_minute": {"type": ["integer", "null"]},
+        "limits": {"type": "object", "properties": {k: {"type": ["integer", "null"]} for k in (
+            "max_concurrent_requests", "tokens_per_minute", "max_queued_prompt_tokens")}}}}
+    schemas["Usage"] = {
+        "type": "object", "required": ["object", "key", "tenant", *counts],
+        "properties": {"object": {"const": "usage"}, "key": {"type": "string"}, "tenant": {"type": "string"},
+                       **counts, "this_gateway": {"type": "object", "properties": {"tenant": holding,
+                                                                                   "key": holding}}}}
     errors = {str(code): _json("#/components/schemas/Error", why) for code, why in (
         (400, "invalid request, or a prompt (plus max_tokens) longer than the context: in tokens, or in "
               "characters before it is tokenized (code context_length_exceeded)"), (404, "unknown model"), (413, "body too large"),
-        (429, "too many requests in flight"), (503, "no worker alive or Redis unavailable"))}
+        (401, "a key is required (`--api-key`, `--api-keys-file`) and none, or an unknown one, was given"),
+        (429, "too many requests in flight, or a tenant's or key's limit reached (concurrent requests, tokens per "
+              "minute, queued prompt tokens; the message names it, `Retry-After` says when to retry)"),
+        (503, "no worker alive or Redis unavailable"))}
+
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    not_found = _json("#/components/schemas/Error", "unknown, expired, or created with another API key")
 
     def generation(summary: str, schema: str) -> dict:
         return {"post": {
@@ -60,10 +78,32 @@ def openapi_document() -> dict:
         "info": {"title": "phaseserve gateway", "version": __version__,
                  "description": "OpenAI-compatible completions and chat completions, with structured outputs "
                                 "(`response_format`, vLLM's `structured_outputs` / `guided_*`) and tool calls "
-                                "(`tools`, `tool_choice`) enforced while sampling."},
+                                "(`tools`, `tool_choice`) enforced while sampling; the Responses API with conversations "
+                                "stored in Redis; a reasoning model's thinking as `reasoning_content` "
+                                "(--reasoning-parser)."},
         "paths": {
             "/v1/completions": generation("Create a text completion", "CompletionRequest"),
             "/v1/chat/completions": generation("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/usage": {"get": {
+                "summary": "The calling key's own usage: requests, prompt, cached and completion tokens over every "
+                           "gateway, and what it and its tenant hold on this one against their limits",
+                "responses": {"200": _json({"$ref": "#/components/schemas/Usage"}, "the key's usage"),
+                              "401": errors["401"]}}},
+            "/v1/responses": generation("Create a response (OpenAI's Responses API): input items, function tools, "
+                                        "`text.format`, `previous_response_id`; SSE typed events when `stream` "
+                                        "is true", "ResponsesRequest"),
+            "/v1/responses/{response_id}": {
+                "get": {"summary": "A stored response (only with the API key that created it)",
+                        "parameters": [response_id], "responses": {"200": _json({"type": "object"}, "the Response"),
+                                                                   "404": not_found}},
+                "delete": {"summary": "Delete a stored response", "parameters": [response_id],
+                           "responses": {"200": _json({"type": "object"}, "{id, object: response.deleted, deleted}"),
+                                         "404": not_found}}},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a stored response while it runs (from any gateway)", "parameters": [response_id],
+                "responses": {"200": _json({"type": "object"}, "the Response, status cancelled"),
+                              "400": _json("#/components/schemas/Error", "the response has ended"),
+                              "404": not_found}}},
             "/v1/models": {"get": {"summary": "List the served model",
                                    "responses": {"200": _json({"type": "object"}, "model list")}}},
             "/v1/models/{model}": {"get": {

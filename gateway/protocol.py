@@ -124,6 +124,9 @@ class _SamplingFields(StrictModel):
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="vLLM's: requests share cached prefix blocks only with the same "
+                                               "salt (and tenant)")
     min_tokens: int = Field(0, ge=0)
     logit_bias: LogitBias | None = None
     # structured outputs (gateway/structured.py reads them): OpenAI's, then vLLM's extras
@@ -218,8 +221,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # accepted, and ignored: the models served here do not reason before they answer
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # given to the chat template as `reasoning_effort` when the template reads it (else accepted and ignored)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="passed to the chat template when the template reads `reasoning_effort`")
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -348,8 +352,10 @@ def chat_response(id: str, created: int, model: str, choices: list[dict], usage_
 
 
 def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     message = {"role": "assistant", "content": content}
+    if reasoning is not None:  # a reasoning model's thinking (--reasoning-parser), as vLLM and DeepSeek name it
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

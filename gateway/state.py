@@ -12,8 +12,12 @@ from aiohttp import web
 from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_encoder import PromptEncoder
+from gateway.quotas import Quotas
 from gateway.structured import GrammarChecker
+from gateway.reasoning import reasoning_format
+from gateway.responses_store import ResponseStore
 from gateway.tools import PARSERS
+from phaseserve import redis_url
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.model_files import read_json
 from phaseserve.settings import resolve_model
@@ -33,6 +37,7 @@ class Gateway:
         self.prompts = PromptEncoder(self.tokenizer)
         self.grammars = GrammarChecker(self.tokenizer)
         self.tool_parser = PARSERS[settings.tool_call_parser]()
+        self.reasoning = reasoning_format(settings.reasoning_parser)
         config = read_json(os.path.join(self.model_path, "config.json"))
         self.config_max_len = int(config.get("max_position_embeddings") or 0)
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
@@ -40,14 +45,20 @@ class Gateway:
         self.backend = Backend(settings.redis_url, self.keys, self.gateway_id,
                                max_connections=settings.redis_max_connections,
                                pool_timeout=settings.redis_pool_timeout,
+                               wait_replicas=redis_url.wait_replicas(settings.redis_url, settings.redis_wait_replicas),
+                               wait_timeout_s=settings.redis_wait_timeout,
                                delivery=DeliveryConfig(settings.token_silence_timeout,
                                                        settings.request_progress_timeout,
                                                        settings.client_lease_ttl, settings.resume_grace))
+        self.background_tasks: set = set()  # background responses generating here (kept referenced)
+        self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl,
+                                       self.backend.replicas_to_wait_for, self.backend.wait_timeout_ms)
         self.metrics = GatewayMetrics(self.model_name)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
         self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens
         self.queued_prompt_tokens = 0  # prompt tokens (x n) of requests waiting for their first token
+        self.quotas = Quotas(settings.retry_after)  # each tenant's and key's limits (docs/tenants.md)
         self.created = int(time.time())
 
     async def check_grammar(self, spec: GrammarSpec, param: str) -> None:

@@ -131,7 +131,7 @@ class StreamingToolParser:
         while True:
             i = self.buffer.find(start)
             if i < 0:
-                keep = _partial_suffix(self.buffer, start)
+                keep = partial_suffix(self.buffer, start)
                 out.content += self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return out
@@ -157,7 +157,7 @@ class StreamingToolParser:
         return ToolDelta(rest)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a beginning of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -75,6 +75,31 @@ def choice(options: list[str]) -> GrammarSpec:
     return GrammarSpec("lark", "start: " + " | ".join(lark_string(o) for o in options))
 
 
+def after_reasoning(spec: GrammarSpec, start_tag: str, end_tag: str, opened: bool) -> GrammarSpec:
+    """`spec` enforced only once a reasoning model's thinking has ended: free text up to the first `end_tag`
+    (opened: the prompt already opened the thinking; else the output may open it with `start_tag`, or
+    answer at once), then the spec. The thinking is one lexeme that ends with the first
+    end tag (text ending in the tag, and containing it nowhere else), so no backtracking is needed, and
+    the answer is the spec's own grammar nested by reference (llguidance's `@name`)."""
+    end = _lark_regex_literal(end_tag)
+    rules = [f"THINK: /(.|\\n)*{end}/ & ~/(.|\\n)*{end}(.|\\n)+/", "SEP: /[ \\t\\n]+/"]
+    thought = "THINK SEP?" if opened else f"({lark_string(start_tag)} THINK SEP?)?"
+    top = {"lark_grammar": "\n".join([f"start: {thought} @answer", *rules])}
+    return GrammarSpec("lark", json.dumps({"grammars": [top, *_named_grammars(engine_grammar(spec), "answer")]}, ensure_ascii=False))
+
+
+def _lark_regex_literal(text: str) -> str:
+    return re.sub(r"([\\/.*+?()\[\]{}|^$-])", r"\\\1", text)
+
+
+def _named_grammars(compiled: str, name: str) -> list[dict]:
+    """An engine grammar (lark text, or a TopLevelGrammar's JSON) as the grammars list of a TopLevelGrammar,
+    its first one named `name`."""
+    text = compiled.lstrip()
+    grammars = json.loads(text)["grammars"] if text.startswith("{") else [{"lark_grammar": compiled}]
+    return [{**grammars[0], "name": name}, *grammars[1:]]
+
+
 @lru_cache(maxsize=8)
 def engine_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """The engine's view of a model's tokenizer (built once per model: it indexes the whole vocabulary).

@@ -23,22 +23,26 @@ import socket
 import sys
 import urllib.request
 
-from phaseserve import settings
+from phaseserve import redis_url, settings
 from phaseserve.wire import Keys, WireError, WorkerInfo
 
 MODES = ("live", "ready")
 
 
-def _redis():
-    import redis
+def _url() -> str:
+    return settings.with_password_file(os.environ["REDIS_URL"],
+                                       os.environ.get(settings.BY_NAME["redis_password_file"].env))
 
-    url = settings.with_password_file(os.environ["REDIS_URL"],
-                                      os.environ.get(settings.BY_NAME["redis_password_file"].env))
-    return redis.Redis.from_url(url, socket_timeout=2)
+
+def _redis():
+    from phaseserve.redis_client import connect
+
+    return connect(_url(), key_prefix=_keys().prefix, socket_timeout=2)
 
 
 def _keys() -> Keys:
-    return Keys(os.environ.get(settings.BY_NAME["key_prefix"].env, settings.BY_NAME["key_prefix"].default))
+    prefix = os.environ.get(settings.BY_NAME["key_prefix"].env, settings.BY_NAME["key_prefix"].default)
+    return Keys(redis_url.key_prefix_for(os.environ.get("REDIS_URL"), prefix))
 
 
 def gateway(mode: str) -> bool:

@@ -71,8 +71,14 @@ class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` -- a private redis-server, stopped on exit."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 10.0,
-                 cpus: list[int] | None = None, requirepass: str | None = None, data_dir: str | None = None):
+                 cpus: list[int] | None = None, requirepass: str | None = None, data_dir: str | None = None,
+                 extra_config: list[str] = (), admin_commands: bool = False, sentinel: bool = False):
         self.host = host
+        # lines appended to its config (a replicaof, a sentinel's monitor); a Sentinel set's data nodes keep
+        # the admin commands, which the sentinels send them in a failover (REPLICAOF, CONFIG REWRITE)
+        self.extra_config = list(extra_config)
+        self.admin_commands = admin_commands
+        self.sentinel = sentinel  # run as a sentinel (redis-server --sentinel)
         # None: a throwaway server that writes nothing; a folder: its data persists there (AOF), so a
         # stop() and start() is a restart with the data
         self.data_dir = data_dir
@@ -99,13 +105,18 @@ class EmbeddedRedis:
         return os.path.join(self.folder, "redis.conf")
 
     def _config(self) -> str:
+        common = [f"bind {self.host}", f"port {self.port}", f"dir {_quoted(self.folder)}", "daemonize no",
+                  "loglevel warning", f"logfile {_quoted(os.path.join(self.folder, 'redis.log'))}",
+                  f"requirepass {_quoted(self.requirepass)}"]
+        if self.sentinel:
+            return "\n".join(common + self.extra_config) + "\n"
+        disabled = () if self.admin_commands else DISABLED_COMMANDS
         lines = [
-            f"bind {self.host}", f"port {self.port}", f"dir {_quoted(self.folder)}",
+            *common,
             # a private, throwaway server writes nothing to disk; one with a data dir keeps an AOF there
-            'save ""', f"appendonly {'yes' if self.data_dir else 'no'}", "daemonize no", "loglevel warning",
-            f"logfile {_quoted(os.path.join(self.folder, 'redis.log'))}",
-            f"requirepass {_quoted(self.requirepass)}",
-            *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
+            'save ""', f"appendonly {'yes' if self.data_dir else 'no'}",
+            *(f'rename-command {c} ""' for c in disabled),
+            *self.extra_config,
         ]
         return "\n".join(lines) + "\n"
 
@@ -117,7 +128,8 @@ class EmbeddedRedis:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self._config())
-        self.proc = subprocess.Popen([binary, self.config_path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        argv = [binary, self.config_path] + (["--sentinel"] if self.sentinel else [])
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, preexec_fn=child_setup(self.cpus),
                                      # a terminal's Ctrl-C must not stop it under the services still using
                                      # it: its owner stops it, last

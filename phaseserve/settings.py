@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from phaseserve import redis_url
 from phaseserve.models import model_source
 from phaseserve.models.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
 from phaseserve.itl_target import ItlTarget, parse_itl_target
@@ -89,7 +89,9 @@ ALL = ("gateway", "scheduler", "worker", "up")
 
 SETTINGS: list[Setting] = [
     Setting("redis_url", "REDIS_URL", None, str,
-            "Redis to use (a password goes in the URL: `redis://:PASSWORD@host:port/0`); `up` starts an "
+            "Redis to use (a password goes in the URL: `redis://:PASSWORD@host:port/0`), a primary its "
+            "sentinels fail over (`redis+sentinel://:PASSWORD@host:26379,host2:26379/mymaster/0`) or a cluster "
+            "(`redis+cluster://:PASSWORD@host:6379,host2:6379`): docs/redis.md; `up` starts an "
             "embedded private server, with a generated password, when unset", ALL, secret=True),
     Setting("redis_password_file", "PHASESERVE_REDIS_PASSWORD_FILE", None, str,
             "a file holding Redis's password, put into --redis-url's (docker-compose generates one at first "
@@ -117,6 +119,13 @@ SETTINGS: list[Setting] = [
     Setting("redis_max_connections", "PHASESERVE_REDIS_MAX_CONNECTIONS", 64, int,
             "Redis connections a gateway opens for commands at most; a burst beyond waits for one "
             "(--redis-pool-timeout) instead of failing", ("gateway", "up")),
+    Setting("redis_wait_replicas", "PHASESERVE_REDIS_WAIT_REPLICAS", None, int,
+            "replicas that must hold an accepted request before the gateway answers (Redis WAIT after the "
+            "submit); default: 1 with a redis+sentinel:// URL, else 0 (no WAIT). See docs/redis.md",
+            ("gateway", "up")),
+    Setting("redis_wait_timeout", "PHASESERVE_REDIS_WAIT_TIMEOUT", 0.5, float,
+            "seconds a submit's WAIT waits for the replicas; past it the request is served anyway (a warning "
+            "is logged): a replica that is down slows submits by this much, never stops them", ("gateway", "up")),
     Setting("redis_pool_timeout", "PHASESERVE_REDIS_POOL_TIMEOUT", 30.0, float,
             "seconds a gateway command waits for a free Redis connection before answering 503", ("gateway", "up")),
     Setting("max_queued_prompt_tokens", "PHASESERVE_MAX_QUEUED_PROMPT_TOKENS", 262144, int,
@@ -126,6 +135,15 @@ SETTINGS: list[Setting] = [
             "the format of the model's tool calls, parsed out of chat outputs into `tool_calls` (vLLM's flag); "
             "`hermes`: `<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`", ("gateway", "up"),
             choices=("hermes",)),
+    Setting("reasoning_parser", "PHASESERVE_REASONING_PARSER", "none", str,
+            "how a reasoning model's thinking is split from its answer (vLLM's flag): `deepseek_r1`, `qwen3` "
+            "(`<think>…</think>`) put it in `reasoning_content` (chat) and a reasoning item (Responses), and "
+            "structured outputs and forced tool calls apply after it; `none`: the output is all content",
+            ("gateway", "up"), choices=("none", "deepseek_r1", "qwen3")),
+    Setting("responses_ttl", "PHASESERVE_RESPONSES_TTL", 86400.0, float,
+            "seconds a stored Response (`/v1/responses` with `store`, the default) stays in Redis, its whole "
+            "conversation with it, for `previous_response_id` and GET; each costs Redis memory about its "
+            "conversation's text: size Redis for the responses stored within this time", ("gateway", "up")),
     Setting("retry_after", "PHASESERVE_RETRY_AFTER", 1, int,
             "seconds the Retry-After header of a 429 asks clients to wait", ("gateway", "up")),
     Setting("priority_min", "PHASESERVE_PRIORITY_MIN", 0, int,
@@ -138,6 +156,13 @@ SETTINGS: list[Setting] = [
             "stay open; default: no key needed", ("gateway", "up"), secret=True),
     Setting("api_key_file", "PHASESERVE_API_KEY_FILE", None, str,
             "a file of API keys, one a line (added to --api-key)", ("gateway", "up")),
+    Setting("api_keys_file", "PHASESERVE_API_KEYS_FILE", None, str,
+            "API keys as tenants: a YAML or JSON file naming each key's tenant, and each tenant's weight, "
+            "priority range, limits and prefix-cache sharing (docs/tenants.md); reloaded when it changes; "
+            "added to --api-key", ("gateway", "up")),
+    Setting("api_keys_reload_interval", "PHASESERVE_API_KEYS_RELOAD_INTERVAL", 1.0, float,
+            "seconds between looks at --api-keys-file for changes (a file that does not parse is logged and "
+            "the keys before it stay)", ("gateway", "up")),
     Setting("token_silence_timeout", "PHASESERVE_TOKEN_SILENCE_TIMEOUT", 1.0, float,
             "seconds without a token on the channel after which a running request's tokens are re-read from "
             "its durable token log (pub/sub may drop messages)", ("gateway", "up")),
@@ -326,6 +351,12 @@ def parse(service: str, argv: list[str] | None = None, prog: str | None = None) 
         args.redis_url = with_password_file(args.redis_url, args.redis_password_file)
     except OSError as e:
         parser.error(f"--redis-password-file: {e}")
+    if args.redis_url:
+        try:
+            redis_url.parse(args.redis_url)
+        except redis_url.RedisUrlError as e:
+            parser.error(f"--redis-url: {e}")
+    args.key_prefix = redis_url.key_prefix_for(args.redis_url, args.key_prefix)
     return args
 
 
@@ -334,11 +365,7 @@ def with_password_file(url: str | None, path: str | None) -> str | None:
     is when either is unset."""
     if not url or not path:
         return url
-    password = Path(path).read_text().strip()
-    parts = urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    user = quote(parts.username or "", safe="")
-    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+    return redis_url.with_password(url, Path(path).read_text().strip())
 
 
 def markdown_table() -> str:

@@ -109,9 +109,19 @@ class Keys:
         resume token (gateway/sse_ids.py), shared by the stack's gateways."""
         return f"{self.prefix}:resume-secret"
 
+    def key_usage(self, key_name: str) -> str:
+        """Hash: one API key's usage so far (requests, prompt, cached and completion tokens), added to by every
+        gateway as its requests end; read by GET /v1/usage (docs/tenants.md)."""
+        return f"{self.prefix}:usage:{key_name}"
+
     def gateway_heartbeat(self, gateway_id: str) -> str:
         """A gateway's GatewayInfo, with a TTL: the gateway is alive."""
         return f"{self.prefix}:gateway:{gateway_id}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Response of /v1/responses (JSON: owner digest, the Response, its conversation), with a
+        TTL (--responses-ttl); written and read by any gateway (gateway/responses_store.py)."""
+        return f"{self.prefix}:response:{response_id}"
 
     # ---- reliability (scheduler/worker side): fail-over, dead letters, confirmed outputs
 
@@ -402,6 +412,13 @@ class SubmitRequest(Message):
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = 0.0
     grammar: GrammarSpec | None = sent_if_set(None)  # structured output / forced tool call
+    # tenants (docs/tenants.md): the key's tenant and its weight, which the scheduler shares tokens by; the
+    # cache scope its prefix blocks are named in (the tenant, or the group the operator lets share), narrowed
+    # by the request's `cache_salt`. All empty without tenants: the message is what it was.
+    tenant: str = sent_if_set("")
+    tenant_weight: float = sent_if_set(1.0)
+    cache_scope: str = sent_if_set("")
+    cache_salt: str = sent_if_set("")
 
 
 @dataclass

@@ -173,7 +173,18 @@ class StepDraft:
     head: Sequence | None = None  # the first startable waiting sequence
     head_admitted: bool = False  # it can be admitted this step (chunking on): reserved a share of the budget
     past_itl_patience: bool = False  # a chunk of a prompt the ITL target held back for its patience, beside decodes
+    held_back: set[Sequence] = field(default_factory=set)  # preempted for another tenant's head: not this step
+    # tenants: what each one's prefill chunks may still take this step (None: one tenant, no split)
+    tenant_room: dict[str, float] | None = None
 
     @property
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills)
+
+    def tenant_left(self, seq: Sequence) -> float:
+        """What `seq`'s tenant's prefill may still take of this step (inf with no split)."""
+        return math.inf if self.tenant_room is None else self.tenant_room.get(seq.tenant, 0.0)
+
+    def spend_tenant(self, seq: Sequence, cost: float) -> None:
+        if self.tenant_room is not None:
+            self.tenant_room[seq.tenant] = self.tenant_room.get(seq.tenant, 0.0) - cost

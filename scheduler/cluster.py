@@ -25,7 +25,7 @@ from phaseserve.wire import (
     TokenEvent, WireError, WorkerInfo,
 )
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts
+from scheduler.prefix_cache import RecentPrompts, scope_seed
 from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
@@ -300,7 +300,8 @@ class Cluster:
                     s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                     s.last_admission, s.info.worker_id)
         tokens = list(req.prompt_ids) + list(output_ids or ())
-        cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens) for s in fits}
+        seed = scope_seed(req.cache_scope, req.cache_salt)
+        cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens, seed) for s in fits}
         if not any(cached.values()):
             return min(fits, key=by_load)
         # the longest cached prefix among the workers loaded within a slack of the least loaded one
@@ -347,11 +348,12 @@ class Cluster:
         has little of it cached: where the two first differ (a chat template writing an early token
         differently, a timestamp in a system prompt) is what a user cannot see from the hit rate."""
         prompt = req.prompt_ids
-        other, first, agreed = self.recent_prompts.most_similar(prompt)
-        self.recent_prompts.add(req.request_id, prompt)
+        seed = scope_seed(req.cache_scope, req.cache_salt)
+        other, first, agreed = self.recent_prompts.most_similar(prompt, seed)
+        self.recent_prompts.add(req.request_id, prompt, seed)
         if agreed < SHARED_PREFIX_LOG_TOKENS:
             return
-        hit = slot.policy.num_cached_tokens(prompt)
+        hit = slot.policy.num_cached_tokens(prompt, seed)
         if 2 * hit < agreed:
             log.debug("prefix cache matched little of a similar prompt", request_id=req.request_id,
                       similar_request_id=other, first_difference=first, tokens_in_common=agreed,
@@ -368,6 +370,13 @@ class Cluster:
         event = TokenEvent(rid, 0, [], "error", None, message, error_kind)
         self.ops.append(("error", self.keys.gateway_channel(gateway_id),
                          TokenBatch(-1, "scheduler", [event]).to_wire(), event.to_list()))
+
+    def request_of(self, request_id: str) -> SubmitRequest | None:
+        """A known request as admitted (placed or parked), or None."""
+        wid = self.owner.get(request_id)
+        if wid is not None and wid in self.workers:
+            return self.workers[wid].policy.request_of(request_id)
+        return next((r for r, _ in self.parked if r.request_id == request_id), None)
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
@@ -620,6 +629,7 @@ class Cluster:
             "kv_blocks_used": sum(p.num_used_blocks for p in policies),
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
             "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
+            "num_fair_share_preemptions": sum(p.num_fair_share_preemptions for p in policies),  # live workers'
             "num_workers": len(policies),
             **self.handoffs.as_stats(),
             "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),

@@ -80,5 +80,6 @@ class HandoffBookkeeping:
         seq.kv_receive = KVReceive(req.request_id, handoff.kv_send.transfer_id, handoff.kv_send.transport,
                                    list(seq.block_table), handoff.num_cached, timeout_s)
         self._seqs[req.request_id] = seq
+        self.shares.join(seq.tenant, req.tenant_weight)
         bisect.insort(self._running, seq, key=by_rank)
         self._num_handed_in += 1

@@ -19,6 +19,7 @@ from phaseserve.wire import KVSend, ScheduledChunk, StepPlan, SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.budget import StepBudget, StepDraft, chunk_cost
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
+from scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
 from scheduler.handoffs import HandoffBookkeeping
 from scheduler.prefix_caching import PrefixCacheBookkeeping
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
@@ -60,6 +61,8 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._arrivals = itertools.count()
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         self._num_preemptions = 0
+        self._num_fair_share_preemptions = 0  # of those, made for a tenant under its share (docs/tenants.md)
+        self.shares = TenantShares()  # tenants' virtual times and weights (scheduler/fair_share.py)
         self._num_resyncs = 0
         self._prefill_marks: dict[str, int] = {}  # seq id -> positions computed at the last quiet_progress
         self._num_finished = 0
@@ -102,6 +105,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             raise AdmissionError(f"request {rid!r}: {reason}")
         seq = Sequence(req, next(self._arrivals), outputs)
         self._seqs[rid] = seq
+        self.shares.join(seq.tenant, req.tenant_weight)
         bisect.insort(self._waiting, seq, key=by_rank)
 
     def cancel(self, request_id: str) -> bool:
@@ -160,9 +164,16 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
           of it is in flight (its SeqStart carries every token the worker published).
         - Speculation last (a worker that offers it): drafts for decodes in what prefill left of the budget,
           never a promised block, chosen as scheduler/speculation.py says (docs/speculative.md).
+        - Tenants (only while more than one has work here; otherwise nothing above changes): the waiting queue
+          is admitted, and prefill chunks get the budget, in weighted fair order on tokens, each tenant's own
+          sequences in (priority, arrival) order; a preemption takes from the tenant furthest over its share
+          of the KV blocks and slots, and a head of the queue whose tenant is under its share preempts one
+          that is over it before decodes are planned (scheduler/fair_share.py, docs/tenants.md).
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
+        if self.shares.is_shared:
+            self._make_room_for_fair_head(step)
         self._schedule_decodes(step, budget)
         self._reserve_head_of_queue(step, budget)
         self._schedule_prefill_chunks(step, budget)
@@ -197,6 +208,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 seq.kv_receive = None
                 seq.on_worker = True
             bm.append(seq.block_table, pos, 1)
+            self.shares.charge(seq.tenant, 1)
             step.decodes.append(ScheduledChunk(seq.seq_id, pos, 1, list(seq.block_table)))
             seq.num_computed_tokens = pos + 1
             seq.num_inflight_samples += 1
@@ -205,11 +217,13 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             budget.charge_decode(pos)
 
     def _preempt_for(self, seq: Sequence, num_tokens: int, step: StepDraft) -> bool:
-        """Preempt the lowest-priority, latest-arrived running sequences until `seq`'s table can hold
-        `num_tokens` positions. False if `seq` itself had to go."""
+        """Preempt the lowest-priority, latest-arrived running sequences (of the tenant furthest over its
+        share, when tenants share the worker) until `seq`'s table can hold `num_tokens` positions. False if
+        `seq` itself had to go."""
         bm = self.block_manager
         while bm.num_new_blocks(seq.block_table, num_tokens) > bm.num_free_blocks:
-            victim = self._running[-1]  # never one already planned: those rank above `seq`
+            # never one already planned: those rank above `seq` (with tenants: they are left out)
+            victim = self._fair_victim(step) if self.shares.is_shared else self._running[-1]
             self._preempt(victim)
             step.preempted = True
             if victim is seq:
@@ -219,7 +233,9 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
     def _reserve_head_of_queue(self, step: StepDraft, budget: StepBudget) -> None:
         """The starvation rule: if the head of the waiting queue can be admitted now, reserve it
         min(its prefill's cost, max(half of what decodes left, one token's cost))."""
-        step.head = next((s for s in self._waiting if self._startable(s)), None)
+        step.head = next((s for s in self._admission_order(step) if self._startable(s)), None)
+        if self.shares.is_shared:
+            self._split_prefill_budget(step, budget)
         head = step.head
         step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if step.head_admitted:
@@ -239,20 +255,23 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             start = seq.num_computed_tokens
             room = (len(seq.block_table) + bm.num_free_blocks) * self.config.block_size - start
             overdue = self._overdue(seq)
+            mine = min(allow, self._tenant_allow(step, seq, budget))  # `allow` with one tenant
             n = min(seq.num_prefill_remaining, room,
-                    budget.chunk_tokens(seq.num_prefill_computed, start, allow, overdue))
+                    budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
             self._plan_prefill(step, seq, n)
-            allow -= budget.charge_prefill(seq.num_prefill_computed, start, n)
+            cost = budget.charge_prefill(seq.num_prefill_computed, start, n)
+            allow -= cost
+            step.spend_tenant(seq, cost)
             step.past_itl_patience |= overdue and budget.targets(seq.num_prefill_computed)
 
     def _admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
         chunking = self.config.enable_chunked_prefill
-        for seq in list(self._waiting):
+        for seq in self._admission_order(step):
             if not self._startable(seq):
                 continue
             need = seq.num_prompt_tokens + len(seq.output_ids)
@@ -260,8 +279,11 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 break
             cached = 0 if seq.on_worker else len(self.cached_prefix(seq)) * self.config.block_size
             if chunking:
-                n = min(need - cached, budget.chunk_tokens(need - cached, cached, budget.left))
+                n = min(need - cached, budget.chunk_tokens(need - cached, cached,
+                                                           min(budget.left, step.tenant_left(seq))))
                 if n <= 0:
+                    if step.tenant_left(seq) <= 0:
+                        continue  # its tenant used its part of this step; another tenant's may still start
                     if seq is not step.head or not step.head_admitted:
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
@@ -282,7 +304,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
                 step.starts.append(seq.seq_start(seq.num_computed_tokens, seq.num_cached_tokens))
                 seq.on_worker = True
             self._plan_prefill(step, seq, n)
-            budget.charge_prefill(need - cached, cached, n)
+            step.spend_tenant(seq, budget.charge_prefill(need - cached, cached, n))
 
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
@@ -295,6 +317,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
     def _plan_prefill(self, step: StepDraft, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         self.block_manager.append(seq.block_table, start, n)
+        self.shares.charge(seq.tenant, n)
         step.prefills.append(ScheduledChunk(seq.seq_id, start, n, list(seq.block_table)))
         seq.num_computed_tokens = start + n
         if seq.num_computed_tokens == seq.prefill_len:  # the worker samples at the end of its known tokens
@@ -349,6 +372,87 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         seq.status = SequenceStatus.FINISHED
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
+            self.shares.leave(seq.tenant)
+
+    # ------------------------------------------------------------------ tenants (scheduler/fair_share.py)
+
+    def _admission_order(self, step: StepDraft) -> list[Sequence]:
+        """The waiting queue in the order admission tries it: (priority, arrival) with one tenant; with
+        several, weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order),
+        without the sequences a fair-share preemption sent back in this step."""
+        if not self.shares.is_shared:
+            return list(self._waiting)
+        waiting = [s for s in self._waiting if s not in step.held_back]
+        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _prefill_tokens,
+                          self._tenant_usage())
+
+    def _tenant_allow(self, step: StepDraft, seq: Sequence, budget: StepBudget) -> float:
+        """What a partial prefill of `seq`'s tenant may take: its tenant's room, less the head's reserve when
+        the head of the queue is the same tenant's (the head's start is kept within its tenant's part)."""
+        left = step.tenant_left(seq)
+        if step.head is not None and step.head_admitted and step.head.tenant == seq.tenant:
+            left -= budget.head_reserve
+        return left
+
+    def _split_prefill_budget(self, step: StepDraft, budget: StepBudget) -> None:
+        """What each tenant's prefill chunks may take of what decodes left this step: max-min fair shares by
+        weight of the cost of what each has to prefill (its partial prefills' rest, its startable waiting
+        prompts'), so a tenant with little to do gets all of it and the rest is split by weight."""
+        horizon = budget.horizon
+        demand: dict[str, float] = {}
+        for s in self._running:
+            if s.is_prefilling and s not in step.scheduled:
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(s.num_computed_tokens,
+                                                                          s.num_prefill_remaining, horizon)
+        for s in self._waiting:
+            if s not in step.held_back and self._startable(s):
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, _prefill_tokens(s), horizon)
+        if len(demand) > 1:
+            step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
+
+    def _tenant_usage(self, extra: Sequence | None = None, extra_blocks: int = 0) -> dict[str, float]:
+        """Each busy tenant's holding over its weighted share: the larger of its KV blocks' and its
+        sequence slots' (with `extra` counted as admitted with `extra_blocks` more)."""
+        blocks: dict[str, float] = {}
+        slots: dict[str, float] = {}
+        for s in self._running:
+            blocks[s.tenant] = blocks.get(s.tenant, 0) + len(s.block_table)
+            slots[s.tenant] = slots.get(s.tenant, 0) + 1
+        if extra is not None:
+            blocks[extra.tenant] = blocks.get(extra.tenant, 0) + extra_blocks
+            slots[extra.tenant] = slots.get(extra.tenant, 0) + 1
+        by_blocks = self.shares.usage(blocks, self.block_manager.num_blocks)
+        by_slots = self.shares.usage(slots, self.config.max_num_seqs)
+        return {t: max(by_blocks[t], by_slots[t]) for t in by_blocks}
+
+    def _fair_victim(self, step: StepDraft) -> Sequence:
+        """The lowest-ranked running sequence, not planned in this step, of the tenant furthest over its share."""
+        candidates = [s for s in self._running if s not in step.scheduled]
+        tenant = most_over_share(self._tenant_usage(), (s.tenant for s in candidates))
+        return next(s for s in reversed(candidates) if s.tenant == tenant)
+
+    def _make_room_for_fair_head(self, step: StepDraft) -> None:
+        """Step 0 (tenants): when the first startable sequence in fair order cannot be admitted for want of a
+        slot or blocks, and its tenant would stay within its share with it, preempt the lowest-ranked
+        sequences of the tenants over their share, furthest first, until it can. They wait behind it, and
+        not for this step (`held_back`): a burst of one tenant cannot hold another's requests back."""
+        head = next((s for s in self._admission_order(step) if self._startable(s)), None)
+        if head is None or self._can_admit(head, step):
+            return
+        bm = self.block_manager
+        need = bm.blocks_for(self._promised_len(head, head.num_prompt_tokens + len(head.output_ids)))
+        if self._tenant_usage(head, need).get(head.tenant, 0.0) > 1.0:
+            return  # its own tenant is at its share: it waits for its own sequences, not for another's
+        while not self._can_admit(head, step):
+            usage = self._tenant_usage()
+            over = {s.tenant for s in self._running if s.tenant != head.tenant and usage.get(s.tenant, 0.0) > 1.0}
+            tenant = most_over_share(usage, over)
+            if tenant is None:
+                return
+            victim = next(s for s in reversed(self._running) if s.tenant == tenant)
+            self._preempt(victim)
+            step.held_back.add(victim)
+            self._num_fair_share_preemptions += 1
 
     # ------------------------------------------------------------------ helpers
 
@@ -411,6 +515,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         return self._num_preemptions
 
     @property
+    def num_fair_share_preemptions(self) -> int:
+        return self._num_fair_share_preemptions
+
+    @property
     def num_steps_held_by_itl_target(self) -> int:
         return self._num_steps_held_by_itl_target
 
@@ -429,6 +537,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             "num_used_blocks": self.num_used_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": self._num_preemptions,
+            "num_fair_share_preemptions": self._num_fair_share_preemptions,
             "num_resyncs": self._num_resyncs,
             "num_finished": self._num_finished,
             "num_cancelled": self._num_cancelled,
@@ -448,3 +557,11 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             "num_cached_blocks": self.block_manager.num_cached_blocks,
             **self.spec_stats.as_stats(),
         }
+
+
+def _tenant_of(seq: Sequence) -> str:
+    return seq.tenant
+
+
+def _prefill_tokens(seq: Sequence) -> int:
+    return seq.num_prompt_tokens + len(seq.output_ids)

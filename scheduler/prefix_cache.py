@@ -24,10 +24,20 @@ import numpy as np
 BlockHash = bytes
 
 
+def scope_seed(scope: str, salt: str) -> BlockHash:
+    """What a sequence's first block name is chained to: its cache scope (the tenant, or a group of tenants the
+    operator lets share) and its request's `cache_salt`. So blocks are shared only within one scope and salt,
+    and a tenant can neither hit nor probe another's prefixes (docs/tenants.md). b"" without either: names
+    are what they were before tenants."""
+    if not scope and not salt:
+        return b""
+    return hashlib.sha256(b"phaseserve cache scope\0" + scope.encode() + b"\0" + salt.encode()).digest()
+
+
 def block_hashes(token_ids: list[int], block_size: int, start_block: int = 0,
                  prev: BlockHash | None = None) -> list[BlockHash]:
     """The chained names of the full blocks of `token_ids` from block `start_block` on; `prev` is the name of
-    block `start_block - 1` (None for the first block)."""
+    block `start_block - 1` (for the first block: the sequence's `scope_seed`, or None)."""
     n_full = len(token_ids) // block_size
     if start_block >= n_full:
         return []
@@ -117,14 +127,17 @@ class RecentPrompts:
 
     def __init__(self, size: int = 16):
         self.size = size
-        self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._prompts: OrderedDict[str, tuple[BlockHash, np.ndarray]] = OrderedDict()
 
-    def most_similar(self, prompt: list[int]) -> tuple[str | None, int, int]:
-        """(request id, first difference, positions in agreement) of the recent prompt that agrees with
-        `prompt` on the most positions; (None, 0, 0) when there is none."""
+    def most_similar(self, prompt: list[int], seed: BlockHash = b"") -> tuple[str | None, int, int]:
+        """(request id, first difference, positions in agreement) of the recent prompt in the same cache scope
+        (`seed`) that agrees with `prompt` on the most positions; (None, 0, 0) when there is none. Another
+        scope's prompt could never have been a hit."""
         a = np.asarray(prompt, dtype=np.int64)
         best: tuple[str | None, int, int] = (None, 0, 0)
-        for rid, b in self._prompts.items():
+        for rid, (other_seed, b) in self._prompts.items():
+            if other_seed != seed:
+                continue
             n = min(len(a), len(b))
             diff = np.flatnonzero(a[:n] != b[:n])
             first = int(diff[0]) if len(diff) else n
@@ -138,7 +151,7 @@ class RecentPrompts:
                 best = (rid, first, first + rest)
         return best
 
-    def add(self, request_id: str, prompt: list[int]) -> None:
-        self._prompts[request_id] = np.asarray(prompt, dtype=np.int64)
+    def add(self, request_id: str, prompt: list[int], seed: BlockHash = b"") -> None:
+        self._prompts[request_id] = (seed, np.asarray(prompt, dtype=np.int64))
         while len(self._prompts) > self.size:
             self._prompts.popitem(last=False)

@@ -35,7 +35,7 @@ class PrefixCacheBookkeeping:
         known = seq.num_prompt_tokens + len(seq.output_ids)
         if len(seq.block_hashes) < known // bs:
             tokens = seq.request.prompt_ids + seq.output_ids if seq.output_ids else seq.request.prompt_ids
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_seed
             seq.block_hashes.extend(block_hashes(tokens, bs, len(seq.block_hashes), prev))
         return seq.block_hashes
 
@@ -47,12 +47,13 @@ class PrefixCacheBookkeeping:
         most = (n_tokens - 1) // self.block_manager.block_size
         return self.block_manager.cached_blocks(self._known_hashes(seq)[:most])
 
-    def num_cached_tokens(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of `prompt_ids` this worker holds cached (for routing)."""
+    def num_cached_tokens(self, prompt_ids: list[int], seed: bytes = b"") -> int:
+        """How many leading tokens of `prompt_ids` this worker holds cached in the scope `seed` names
+        (`prefix_cache.scope_seed`), for routing."""
         if not self.prefix_caching:
             return 0
         bs = self.block_manager.block_size
-        hashes = block_hashes(prompt_ids[:(len(prompt_ids) - 1) // bs * bs], bs)
+        hashes = block_hashes(prompt_ids[:(len(prompt_ids) - 1) // bs * bs], bs, prev=seed or None)
         return len(self.block_manager.cached_blocks(hashes)) * bs
 
     def _waits_for_prefix(self, seq: Sequence) -> bool:

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
+from scheduler.prefix_cache import scope_seed
 from scheduler.speculation import Acceptance
 
 
@@ -56,6 +57,15 @@ class Sequence:
     @property
     def seq_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def cache_seed(self) -> bytes:
+        """What the name of its first block is chained to: its cache scope and salt (none: b"")."""
+        return scope_seed(self.request.cache_scope, self.request.cache_salt)
 
     @property
     def priority(self) -> int:

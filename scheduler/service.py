@@ -175,6 +175,13 @@ class SchedulerService:
         if self.is_known(req.request_id):  # a claimed pending entry of a request recovered from its record
             self.num_duplicates += 1
             log.info("dropping a duplicate submit", request_id=req.request_id)
+            # or the entry came back because a Redis failover lost our ack of it, and with it (written
+            # before it, so lost too) the request's record: written again, with its outputs at the next write
+            admitted = self.cluster.request_of(req.request_id)
+            if admitted is not None:
+                self.cluster.ops.append(("record", self.keys.request_record(req.request_id), admitted.to_wire()))
+                if req.request_id in self.cluster.outputs_written:
+                    self.cluster.outputs_written[req.request_id] = 0
             return
         if req.params.seed is None and not req.params.greedy:
             # a seed of its own, kept in the record: a recompute (worker lost, scheduler fail-over) then
@@ -406,7 +413,7 @@ class SchedulerService:
 
 
 async def serve(args) -> None:
-    client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler")
+    client = connect_async(args.redis_url, name=f"{args.key_prefix}:scheduler", key_prefix=args.key_prefix)
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold, kv_transport=args.kv_transport,
                           itl_target=args.itl_target, itl_patience_s=args.itl_patience,

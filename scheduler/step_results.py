@@ -80,6 +80,11 @@ class StepResults:
         seq = self._seqs.get(seq_id)
         return None if seq is None else seq.output_ids
 
+    def request_of(self, seq_id: str):
+        """A live sequence's SubmitRequest as admitted (with the seed drawn for it), or None."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.request
+
     def _settle(self, sampled: list[Sequence], accepted: set[Sequence], step_id: int) -> None:
         """Close a step's expected samples; a live sequence whose sample never came is recomputed."""
         for seq in sampled:

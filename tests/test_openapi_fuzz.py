@@ -21,7 +21,9 @@ def test_no_request_is_answered_5xx(stack):
     schema = schemathesis.openapi.from_url(stack.base_url + "/openapi.json")
     operations = [op.ok() for op in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                              "/v1/models/{model}", "/tokenize", "/detokenize", "/version"}
+                                              "/v1/models/{model}", "/tokenize", "/detokenize", "/version",
+                                              "/v1/responses", "/v1/responses/{response_id}",
+                                              "/v1/responses/{response_id}/cancel"}
     statuses: list[int] = []
     for op in operations:
         @given(case=op.as_strategy())

@@ -240,3 +240,34 @@ async def test_a_slow_prefill_and_a_queue_are_progress_not_a_stall(model_dir, re
         await runner.cleanup()
         await stop(client, sched, gw, tasks)
         worker.stop()
+
+
+async def test_a_submit_read_again_after_a_failover_writes_its_lost_record_again(redis_server):
+    """A Redis failover can lose a request's record together with the ack of its read (the record is
+    written first, and the promoted replica holds a prefix of the writes): the submit comes back, and
+    the scheduler, which still holds the request, writes the record again as admitted (with its seed)."""
+    keys = Keys("t-failover")
+    r = aioredis.Redis.from_url(redis_server)
+    await r.sadd(keys.workers, "w")  # a heartbeat only: the request stays in flight
+    await r.set(keys.worker_heartbeat("w"), WorkerInfo("w", "mixed", "m", 64, 16, 2048, 1, 1.0).to_wire(), px=60_000)
+    client, sched, gw, tasks = await start(redis_server, keys)
+    record = keys.request_record("s")
+    try:
+        await gw.submit("s", [5, 6, 7], params=SamplingParams(max_tokens=8, temperature=0.8))  # unseeded
+        await gw.wait(lambda: "s" in sched.owner, 10)
+        deadline = time.monotonic() + 10
+        while not await r.hexists(record, "submit"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        admitted = SubmitRequest.from_wire(await r.hget(record, "submit"))
+        assert admitted.params.seed is not None  # drawn at admission
+        await r.delete(record)  # lost with the failover
+        await gw.submit("s", [5, 6, 7], params=SamplingParams(max_tokens=8, temperature=0.8))  # read again
+        while not await r.hexists(record, "submit"):
+            assert time.monotonic() < deadline, "the record was not written again"
+            await asyncio.sleep(0.02)
+        assert SubmitRequest.from_wire(await r.hget(record, "submit")) == admitted
+        assert sched.num_duplicates == 1
+    finally:
+        await stop(client, sched, gw, tasks)
+        await r.aclose()

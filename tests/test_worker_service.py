@@ -361,3 +361,25 @@ def test_a_sequence_the_model_cannot_embed_fails_alone_not_its_batch(runner):
     later = runner.execute(StepPlan(2, "w", chunks=[ScheduledChunk("ok", 3, 1, [0]), ScheduledChunk("bad", 2, 1, [1])]))
     assert [e.seq_id for e in later.events] == ["ok"]
     runner.reset()
+
+
+def test_a_plan_delivered_twice_runs_once(runner, redis_server):
+    """A Redis failover can roll a steps stream back to before the relay's read (the promoted replica had
+    not seen it), so a plan already run is read again: acked only, the sequence's tokens are not sampled
+    twice. A new scheduler (epoch) or adoption (reset) starts its step ids over, and is run."""
+    service = WorkerService(runner, redis_server, Keys("twice"), "w7")
+    relay_end, service.writes = Pipe(duplex=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = StepPlan(0, "w7", [SeqStart("d", "gw", [5, 6, 7], params)], [ScheduledChunk("d", 0, 3, [4])], epoch=5)
+    decode = StepPlan(1, "w7", [], [ScheduledChunk("d", 3, 1, [4])], epoch=5)
+    plans = [first, decode, first, decode,  # read again after a rollback: dropped
+             StepPlan(-1, "w7", epoch=6, reset=True),
+             StepPlan(0, "w7", [SeqStart("d", "gw", [5, 6, 7], params)], [ScheduledChunk("d", 0, 3, [4])], epoch=6)]
+    for i, plan in enumerate(plans):
+        service.run_step(f"0-{i}".encode(), plan.to_wire())
+    writes = [msgpack.unpackb(relay_end.recv_bytes()) for _ in plans]
+    assert [w[1] is None for w in writes] == [False, False, True, True, False, False]
+    results = [StepResult.from_wire(w[1]) for w in writes if w[1] is not None]
+    assert [(r.step_id, r.epoch) for r in results] == [(0, 5), (1, 5), (-1, 6), (0, 6)]
+    # the new scheduler's prefill sampled the same first token as the first one's
+    assert results[3].events[0].token_ids == results[0].events[0].token_ids

@@ -26,6 +26,8 @@ def samples() -> dict[str, bytes]:
     return {
         "submit": SubmitRequest("r1", "gw0", [1, 2, 3], PARAMS, priority=2, arrival_time=12.5).to_wire(),
         "submit_defaults": SubmitRequest("r2", "gw0", [4], SamplingParams()).to_wire(),
+        "submit_tenant": SubmitRequest("r3", "gw0", [5, 6], SamplingParams(), tenant="team-a", tenant_weight=2.0,
+                                       cache_scope="shared", cache_salt="s1").to_wire(),
         "cancel": CancelRequest("r1", "stop_string").to_wire(),
         "plan": StepPlan(9, "w0", starts, chunks, ["s9"], epoch=3, timeout_s=1.5,
                          receives=[KVReceive("s4", "t0", "redis", [1, 2], 32, 3.0)]).to_wire(),

@@ -66,7 +66,7 @@ class KVHandoffs:
         if self._client is None:
             if not self.redis_url:
                 raise KVTransferError("the Redis KV transport needs the worker's --redis-url")
-            self._client = connect(self.redis_url, name=f"{self.key_prefix}:kv-transfer")
+            self._client = connect(self.redis_url, name=f"{self.key_prefix}:kv-transfer", key_prefix=self.key_prefix)
         return self._client
 
     def shm_dir(self):

@@ -212,7 +212,8 @@ class Relay:
         self.worker_id = self.info.worker_id
         self.keys = Keys(config.key_prefix)
         self.steps_key = self.keys.steps(self.worker_id)
-        self.client = connect(config.redis_url, name=f"{config.key_prefix}:relay:{self.worker_id}")
+        self.client = connect(config.redis_url, name=f"{config.key_prefix}:relay:{self.worker_id}",
+                              key_prefix=config.key_prefix)
         self.liveness = ModelLiveness(config.step_timeout)
         self.heartbeat = Heartbeat(self.client, self.keys, self.info, config.heartbeat_interval,
                                    config.heartbeat_ttl, self.liveness, self._no_scheduler)

@@ -85,6 +85,7 @@ class WorkerService:
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
                                         heartbeat_ttl, block_ms, log_level, log_json, relay_cpus, step_timeout)
         self.epoch = 0  # the newest scheduler epoch seen in a plan
+        self.last_step_id = -1  # of the newest plan run (step ids grow within an adoption)
         self.relay: subprocess.Popen | None = None
         self.plans = self.writes = None  # our ends of the two pipes, once the relay runs
         self.steps_run = 0
@@ -165,7 +166,17 @@ class WorkerService:
                         current_epoch=self.epoch)
             self._send(StepWrites(entry_id).to_pipe())
             return
+        if plan.step_id >= 0 and (plan.epoch, plan.step_id) <= (self.epoch, self.last_step_id):
+            # delivered again: a Redis failover rolled the stream back to before our read of it (the
+            # promoted replica had not seen it). It ran already; its writes went out then.
+            log.warning("dropping a plan delivered twice", step_id=plan.step_id, epoch=plan.epoch)
+            self._send(StepWrites(entry_id).to_pipe())
+            return
+        if plan.epoch != self.epoch or plan.reset:  # a new scheduler, or a new adoption: its step ids start over
+            self.last_step_id = -1
         self.epoch = plan.epoch
+        if plan.step_id >= 0:
+            self.last_step_id = plan.step_id
         if plan.drained:  # the scheduler holds nothing on us and sends nothing more: leave
             self._send(StepWrites(entry_id).to_pipe())
             if self.draining:

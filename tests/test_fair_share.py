@@ -1,0 +1,250 @@
+"""Tenants in the scheduler, step by step with no Redis and no model: the pure fair-share helpers
+(scheduler/fair_share.py), then `WorkerPolicy` sharing tokens, slots and blocks between tenants by weight,
+ordering within a tenant by priority, and naming prefix blocks per cache scope and salt. The fake worker of
+tests/test_scheduler_policy.py runs every plan, so a wrong block, start or recompute changes the tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from scheduler.fair_share import TenantShares, fair_order, most_over_share, usage_over_share, weighted_split
+from scheduler.policy import SchedulerConfig, WorkerPolicy
+from tests.test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
+
+
+def tenant_req(rid: str, prompt_len: int, tenant: str, weight: float = 1.0, max_tokens: int = 4,
+               priority: int = 0, scope: str | None = None, salt: str = "", prompt_of: str | None = None):
+    req = make_req(prompt_of or rid, prompt_len, max_tokens=max_tokens, priority=priority)
+    return replace(req, request_id=rid, tenant=tenant, tenant_weight=weight,
+                   cache_scope=tenant if scope is None else scope, cache_salt=salt)
+
+
+# ---------------------------------------------------------------------------- the pure helpers
+
+
+def test_fair_order_interleaves_tenants_by_weight_and_keeps_each_tenant_s_order():
+    items = [("a", i) for i in range(6)] + [("b", i) for i in range(6)]
+    order = fair_order(items, lambda x: x[0], {}, {"a": 1.0, "b": 2.0}, lambda x: 10)
+    # b (weight 2) advances half as fast: two of b's for each of a's once both start level
+    assert [t for t, _ in order[:9]] == ["a", "b", "b", "a", "b", "b", "a", "b", "b"]
+    assert [i for t, i in order if t == "a"] == list(range(6))  # within a tenant: the given order
+    assert [i for t, i in order if t == "b"] == list(range(6))
+
+
+def test_fair_order_lets_the_tenant_behind_in_virtual_time_go_first_and_leaves_one_tenant_alone():
+    items = [("a", 0), ("a", 1), ("b", 0)]
+    assert fair_order(items, lambda x: x[0], {"a": 100.0, "b": 0.0}, {}, lambda x: 10)[0] == ("b", 0)
+    level = fair_order(items, lambda x: x[0], {"a": 5.0, "b": 5.0}, {}, lambda x: 10, tiebreak={"a": 2.0})
+    assert level[0] == ("b", 0)  # level in virtual time: the one holding less of the worker first
+    single = [("a", i) for i in range(5)]
+    assert fair_order(single, lambda x: x[0], {}, {}, lambda x: 10) == single
+
+
+def test_a_tenant_coming_back_from_idle_has_no_banked_credit():
+    shares = TenantShares()
+    shares.join("a", 1.0)
+    shares.join("b", 1.0)
+    shares.charge("a", 500)
+    shares.charge("b", 300)
+    shares.leave("b")  # b idle while a keeps going
+    shares.charge("a", 1000)
+    shares.join("b", 1.0)
+    assert shares.vtime["b"] == pytest.approx(1500)  # the least busy virtual time, not its old 300
+    assert shares.is_shared
+    shares.leave("a")
+    shares.leave("b")
+    assert not shares.is_shared and shares.vtime == {}
+
+
+def test_usage_over_share_and_the_tenant_most_over_it():
+    usage = usage_over_share({"a": 60, "b": 20}, {"a": 1.0, "b": 1.0, "c": 2.0}, 100)
+    assert usage == pytest.approx({"a": 2.4, "b": 0.8, "c": 0.0})  # shares 25, 25, 50
+    assert most_over_share(usage, ["b", "a"]) == "a"
+    assert most_over_share(usage, []) is None
+
+
+def test_weighted_split_is_max_min_fair_by_weight():
+    assert weighted_split(400, {"a": 1000, "b": 1000}, {"a": 1.0, "b": 3.0}) == pytest.approx({"a": 100, "b": 300})
+    # b wants less than its part: it gets what it wants, a the rest (nothing held back while there is work)
+    assert weighted_split(400, {"a": 1000, "b": 20}, {"a": 1.0, "b": 3.0}) == pytest.approx({"a": 380, "b": 20})
+    split = weighted_split(300, {"a": 1000, "b": 50, "c": 1000}, {"a": 1.0, "b": 1.0, "c": 2.0})
+    assert split == pytest.approx({"b": 50, "a": 250 / 3, "c": 500 / 3})
+    assert weighted_split(100, {"a": 0}, {}) == {}
+
+
+# ---------------------------------------------------------------------------- the policy with tenants
+
+
+def test_one_named_tenant_plans_exactly_as_no_tenant():
+    cfg = SchedulerConfig(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=128, watermark=0.0)
+    runs = []
+    for tenant in ("", "team-a"):
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+        reqs = [tenant_req(f"r{i}", 5 + 7 * i, tenant, max_tokens=12, priority=i % 3) for i in range(8)]
+        plans = drive(sched, worker, arrivals={0: reqs[:5], 3: reqs[5:]})
+        runs.append([(p.starts and [s.seq_id for s in p.starts], [(c.seq_id, c.start_pos, c.num_tokens)
+                                                                   for c in p.chunks], p.releases) for p in plans])
+        assert sched.stats()["num_fair_share_preemptions"] == 0
+    assert runs[0] == runs[1]
+
+
+def test_a_flood_of_one_tenant_does_not_hold_back_another_s_request():
+    """Tenant A fills every slot and queues more; B's request starts on the next plan (A's latest is preempted
+    for it), where without tenants it would wait for A's queue to drain."""
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+                          max_model_len=2048, watermark=0.0, long_prefill_threshold=0)
+    first: dict[str, int] = {}
+    for tenants in (("a", "b"), ("", "")):
+        sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+        flood = [tenant_req(f"a{i}", 300, tenants[0], max_tokens=40) for i in range(10)]
+        b = tenant_req("b0", 20, tenants[1], max_tokens=8)  # arrives while A's four slots are full, six queued
+        starts: dict[str, int] = {}
+        plans: list[int] = []
+        add = sched.add_request
+        sched.add_request = lambda r: (starts.setdefault("arrived", len(plans)) if r is b else None, add(r))
+
+        def on_plan(i, plan):
+            plans.append(i)
+            for s in plan.starts:
+                starts.setdefault(s.seq_id, i)
+
+        drive(sched, worker, arrivals={0: flood, 8: [b]}, on_plan=on_plan)
+        first[tenants[0] or "none"] = starts["b0"] - starts["arrived"]
+        assert_reference(worker, flood + [b], cfg.max_model_len)
+        assert_idle(sched)
+        if tenants[0]:
+            assert sched.stats()["num_fair_share_preemptions"] >= 1
+    assert first["a"] == 0  # B starts on the first plan after it arrives
+    assert first["none"] > 40  # FCFS: behind A's queue
+
+
+def test_prefill_tokens_are_shared_by_weight():
+    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
+                          max_model_len=4096, watermark=0.0, long_prefill_threshold=0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    a = [tenant_req(f"a{i}", 1500, "a", weight=1.0, max_tokens=2) for i in range(4)]
+    b = [tenant_req(f"b{i}", 1500, "b", weight=3.0, max_tokens=2) for i in range(4)]
+    tokens = {"a": 0, "b": 0}
+
+    def count(i, plan):
+        if i < 16:  # while both still have prompts to prefill
+            for c in plan.chunks:
+                tokens[c.seq_id[0]] += c.num_tokens
+
+    drive(sched, worker, arrivals={0: a + b}, on_plan=count)
+    assert tokens["b"] / tokens["a"] == pytest.approx(3.0, rel=0.15), tokens
+    assert_reference(worker, a + b, cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_a_decode_short_of_a_block_preempts_the_tenant_most_over_its_share():
+    cfg = SchedulerConfig(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=64, watermark=0.0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    # a holds three sequences (most blocks), b one that arrived last: without tenants b would be the victim
+    reqs = [tenant_req(f"a{i}", 3, "a", max_tokens=12) for i in range(3)] + [tenant_req("b0", 3, "b", max_tokens=12)]
+    for r in reqs:
+        sched.add_request(r)
+    while True:
+        plan = sched.schedule()
+        if sched.num_preemptions:
+            break
+        sched.update(worker.run(plan))
+    assert plan.releases and plan.releases[0].startswith("a"), plan.releases
+    sched.update(worker.run(plan))
+    drive(sched, worker)
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+
+
+def test_priority_orders_within_a_tenant_not_across_tenants():
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_seqs=1, max_num_batched_tokens=256,
+                          max_model_len=2048, watermark=0.0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    reqs = [tenant_req("a-low", 8, "a", priority=5), tenant_req("a-high", 8, "a", priority=0),
+            tenant_req("b-low", 8, "b", priority=9)]
+    order: list[str] = []
+    drive(sched, worker, arrivals={0: reqs}, on_plan=lambda i, p: order.extend(s.seq_id for s in p.starts))
+    assert order.index("a-high") < order.index("a-low")  # within a: by priority
+    assert order.index("b-low") < order.index("a-low")  # across tenants: b's turn comes, whatever a claims
+
+
+def test_a_high_priority_request_behind_a_full_queue_gets_its_first_token_in_one_round():
+    """A full queue of low-priority prompts, then a high-priority one: it starts on the very next plan and
+    that plan samples its first token (its prompt fits the head's reserve)."""
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    low = [tenant_req(f"low{i}", 300, "a", priority=10) for i in range(40)]
+    high = tenant_req("high", 60, "a", priority=0)
+    sampled_at: dict[str, int] = {}
+
+    def on_plan(i, plan):
+        for c in plan.chunks:
+            if c.seq_id == "high" and c.start_pos + c.num_tokens == 60:
+                sampled_at.setdefault("high", i)
+
+    drive(sched, worker, arrivals={0: low, 3: [high]}, on_plan=on_plan)
+    assert sampled_at["high"] == 3
+    assert worker.published["high"]
+    assert_reference(worker, low + [high], cfg.max_model_len)
+
+
+def test_prefix_blocks_are_shared_within_a_cache_scope_only():
+    cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
+                          max_model_len=2048, watermark=0.0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    cached: dict[str, int] = {}
+
+    def run(req):
+        drive(sched, worker, arrivals={0: [req]},
+              on_plan=lambda i, p: cached.update({s.seq_id: s.cached_tokens for s in p.starts}))
+
+    run(tenant_req("a1", 200, "a", prompt_of="p"))
+    run(tenant_req("a2", 200, "a", prompt_of="p"))  # same tenant: hits
+    run(tenant_req("b1", 200, "b", prompt_of="p"))  # another tenant, same prompt: misses
+    run(tenant_req("a3", 200, "a", salt="s1", prompt_of="p"))  # a salt of one key: misses
+    run(tenant_req("c1", 200, "c", scope="a", prompt_of="p"))  # a tenant the operator lets share a's: hits
+    assert cached == {"a1": 0, "a2": 192, "b1": 0, "a3": 0, "c1": 192}
+    # and routing sees the same: a's prompt is cached for a's scope only
+    prompt = make_req("p", 200).prompt_ids
+    from scheduler.prefix_cache import scope_seed
+    assert sched.num_cached_tokens(prompt, scope_seed("a", "")) == 192
+    assert sched.num_cached_tokens(prompt, scope_seed("b", "")) == 192  # b1 ran: b's own copy now
+    assert sched.num_cached_tokens(prompt, scope_seed("d", "")) == 0
+    assert sched.num_cached_tokens(prompt) == 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_load_of_three_tenants_keeps_every_invariant_and_matches_reference(depth, chunked, caching):
+    """Random prompts, weights, priorities, salts and arrivals of three tenants on a small pool (preemptions,
+    fair-share ones among them): every plan passes the policy's checks (budget, blocks, decodes first) and
+    every stream is the unscheduled reference's."""
+    import random
+
+    rng = random.Random(11 + depth)
+    cfg = SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=6, max_num_batched_tokens=128,
+                          max_model_len=320, enable_chunked_prefill=chunked, attention_horizon=100,
+                          long_prefill_threshold=48, enable_prefix_caching=caching)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5}
+    arrivals: dict[int, list] = {}
+    reqs = []
+    for i in range(45):
+        t = rng.choice("aab c".replace(" ", "c"))
+        r = tenant_req(f"{t}{i}", rng.randint(1, 200), t, weights[t], max_tokens=rng.randint(1, 30),
+                       priority=rng.choice([0, 0, 1]), salt=rng.choice(["", "", "s"]),
+                       prompt_of=f"p{rng.randint(0, 6)}")  # shared prompts: hits within a scope only
+        reqs.append(r)
+        arrivals.setdefault(rng.randint(0, 120), []).append(r)
+    drive(sched, worker, depth=depth, arrivals=arrivals)
+    st = sched.stats()
+    assert st["num_preemptions"] > 0 and st["num_finished"] == 45 and st["num_resyncs"] == 0
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert_idle(sched)
+    assert not sched.shares.active and not sched.shares.vtime
