@@ -350,7 +350,7 @@ class Generation:
         gw.quotas.release(self.caller, completion)
         if self.stream is None:
             return  # refused before anything was submitted
-        usage = self._usage()
+        usage = self.usage()
         cached = usage["prompt_tokens_details"]["cached_tokens"] if usage.get("prompt_tokens_details") else 0
         gw.metrics.tenant_request(self.caller.tenant.name, self.num_prompt_tokens, cached, completion)
         gw.backend.add_usage(self.caller.name, {"requests": 1, "prompt_tokens": self.num_prompt_tokens,
