@@ -65,13 +65,22 @@ def test_a_worker_stopped_in_its_first_seconds_as_pid_1_exits(tmp_path):
                              "redis://127.0.0.1:1/0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+
+        def pid_1_inside() -> int | None:
+            """unshare's child once it runs as PID 1 of the new namespace (NSpid: <ours> 1)."""
+            for pid in children.read_text().split():
+                try:
+                    nspid = Path(f"/proc/{pid}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
+                except (OSError, IndexError):
+                    continue
+                if len(nspid) == 2 and nspid[1] == "1":
+                    return int(pid)
+            return None
+
         deadline = time.monotonic() + 10
-        while not children.read_text().split():
-            assert time.monotonic() < deadline
+        while (worker := pid_1_inside()) is None:
+            assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.01)
-        worker = int(children.read_text().split()[0])  # PID 1 inside
-        assert Path(f"/proc/{worker}/status").read_text().count("NSpid") == 1
-        assert Path(f"/proc/{worker}/status").read_text().split("NSpid:")[1].split()[-1] == "1"
         time.sleep(1.0)  # starting: importing, resolving the model, timing its threads
         os.kill(worker, signal.SIGTERM)
         assert proc.wait(timeout=15) == 128 + signal.SIGTERM, proc.stdout.read().decode()[-2000:]

@@ -47,7 +47,8 @@ def _get(url: str) -> tuple[int, dict]:
 
 
 def test_a_frozen_worker_and_a_dead_scheduler_turn_their_probes(e2e_model, tmp_path):
-    with running_stack(e2e_model, tmp_path, prefill_workers=1, decode_workers=1) as stack:
+    # a worker with no learned step costs yet gets --step-timeout for a step: the frozen one is found in that
+    with running_stack(e2e_model, tmp_path, prefill_workers=1, decode_workers=1, step_timeout=8.0) as stack:
         procs = stack.stack.procs
         by_role = {role: procs[name] for name, role in stack.stack.roles.items()}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": stack.redis_url,
@@ -83,7 +84,7 @@ def test_a_frozen_worker_and_a_dead_scheduler_turn_their_probes(e2e_model, tmp_p
             request.start()
             assert wait_for(lambda: metric(stack.base_url, "kv_handoff_sequences") >= 1, 60)
             # its relay withdraws the heartbeat once a step overruns its deadline: not live
-            assert wait_for(lambda: probe("worker", "live", decode.pid) == 1, 30, 0.5)
+            assert wait_for(lambda: probe("worker", "live", decode.pid) == 1, 45, 0.5)
             assert probe("worker", "live", prefill.pid) == 0
             status, body = _get(stack.base_url + "/health")
             assert status == 200 and body["status"] == DEGRADED, body
