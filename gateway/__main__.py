@@ -26,8 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     # run_app turns SIGINT/SIGTERM into a graceful shutdown: stop accepting, let handlers finish
     # (their finally blocks cancel unfinished sequences), then close the Redis side.
     # handler_cancellation: a client that disconnects cancels its handler, even a non-streaming one.
+    # keepalive_timeout: aiohttp closes a connection still waiting for a whole request's headers then (idle, or
+    # sending them slowly); a body's own deadline is read_body's.
     try:
         web.run_app(app, host=ns.host, port=ns.port, handler_cancellation=True, shutdown_timeout=10.0,
+                    keepalive_timeout=ns.keepalive_timeout,
                     access_log=None, print=None, loop=new_event_loop())
     except OSError as e:
         if e.errno != errno.EADDRINUSE:

@@ -11,15 +11,17 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import auth_middleware, caller, load_api_keys
-from gateway.errors import MAX_BODY_BYTES, error_middleware, model_not_found
+from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware, model_not_found
 from gateway.generate import create_chat_completion, create_completion
 from gateway.health import UNAVAILABLE, Health, assess
+from gateway.live_view import LIVE_VIEW, LiveView, stack_events
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
 from gateway.state import GATEWAY, Gateway
 from gateway.tenants import KeyDirectory
 from gateway.tokenize_routes import detokenize, tokenize
+from gateway.ui import add_ui_routes
 from phaseserve import __version__
 
 log = structlog.get_logger("gateway")
@@ -111,7 +113,9 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[GATEWAY] = gw
     app[MAX_BODY_BYTES] = settings.max_body_bytes
-    app[OPENAPI] = openapi_document()
+    app[BODY_TIMEOUT] = settings.body_timeout
+    app[OPENAPI] = openapi_document(gw.grammars.budgets)
+    app[LIVE_VIEW] = live = LiveView(gw.backend, gw.keys, gw.metrics)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
@@ -129,14 +133,18 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/stack/events", stack_events)  # under /v1: keyed like the API
+    add_ui_routes(app)
 
     async def redis_side(app: web.Application):
         await gw.backend.start()
+        live.start()
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))
         watcher = (asyncio.create_task(api_keys.watch(settings.api_keys_reload_interval), name="api-keys")
                    if api_keys.path else None)
         yield
+        await live.close()
         if watcher is not None:
             watcher.cancel()
         if gw.background_tasks:  # ended by end_open_requests: let them store their failure while Redis is open
@@ -151,6 +159,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
         # on shutdown, before the server waits for the handlers: each ends with an error its client sees
         # (an error event then [DONE] in a stream, a 503 otherwise), not a connection cut mid-stream
         gw.backend.fail_open_requests()
+        live.end_streams()
 
     app.on_shutdown.append(end_open_requests)
     return app

@@ -11,11 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
+from gateway.limits import MAX_CHOICES, MAX_PROMPTS
+
 INT64_MAX = (1 << 63) - 1
-# prompts in one request, and choices (prompts x best_of, or x n) in one request: each choice is a
-# sequence the scheduler holds and a stream the gateway follows
-MAX_PROMPTS = 128
-MAX_CHOICES = 256
 
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]
 _Text = Annotated[str, Field(min_length=1)]

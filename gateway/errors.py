@@ -6,6 +6,7 @@ traceback: unexpected exceptions are logged with theirs and answered with 500.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import redis.exceptions
@@ -15,6 +16,7 @@ from aiohttp import web
 log = structlog.get_logger("gateway.errors")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -22,9 +24,11 @@ class APIError(Exception):
     """An error answer: raise anywhere in a handler, the middleware renders it."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 close_connection: bool = False):
         super().__init__(message)
         self.headers = headers or {}
+        self.close_connection = close_connection  # the connection is closed after the answer
         self.status = status
         self.message = message
         self.type = type
@@ -35,7 +39,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -79,6 +86,22 @@ def invalid_api_key(given: bool) -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
+def request_timeout(seconds: float) -> APIError:
+    """The body did not arrive in time: the rest of it is never read, so the connection closes."""
+    return APIError(408, f"The request body did not arrive within {seconds:g} s.", "invalid_request_error", None,
+                    "request_timeout", close_connection=True)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's whole body within the app's BODY_TIMEOUT (408 beyond), at most its client_max_size (413)."""
+    seconds = request.app.get(BODY_TIMEOUT) or None
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.read()
+    except TimeoutError:
+        raise request_timeout(seconds) from None
+
+
 def gateway_timeout(message: str) -> APIError:
     return APIError(504, message, "server_error", None, "timeout")
 
@@ -118,12 +141,14 @@ async def error_middleware(request: web.Request, handler):
     request_id = uuid.uuid4().hex
     request[REQUEST_ID] = request_id
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    closing = False
     try:
         response = await handler(request)
     except APIError as e:
         if e.status >= 500:
             log.warning("request failed", status=e.status, error=e.message)
         response = e.response()
+        closing = e.close_connection
     except web.HTTPException as e:
         if e.status < 400:  # redirects and the like are not errors
             raise
@@ -136,4 +161,8 @@ async def error_middleware(request: web.Request, handler):
         response = internal_error().response()
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
+    if closing:  # the answer, then the connection closes: aiohttp would linger reading the unread rest for seconds
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()
     return response

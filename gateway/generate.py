@@ -26,8 +26,8 @@ from gateway.best_of import best_of
 from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, resume_not_found, stream_in_use, too_many_requests,
-                            unavailable)
+                            internal_error, model_not_found, read_body, resume_not_found, stream_in_use,
+                            too_many_requests, unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
@@ -39,7 +39,7 @@ from gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -73,16 +73,21 @@ async def _completion_prompt(gw: Gateway, prompt: str | list[int], echo: bool, m
     return Prompt(list(prompt), gw.tokenizer.decode(prompt) if echo else "")
 
 
+def client_of(request: web.Request) -> bytes | str | None:
+    """Who sent the request, for the fair share of the grammar checks: its API key, else its address."""
+    return request.get(CLIENT_KEY) or request.remote
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = P.parse_body(P.CompletionRequest, await request.read())
+    req = P.parse_body(P.CompletionRequest, await read_body(request))
     check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
-    spec, param = requested_grammar(req)
+    spec, param = requested_grammar(req, gw.grammars.budgets)
     if spec is not None:
-        await gw.check_grammar(spec, param)
-    return await Generation(request, gw, req, "completion", prompts, grammar=spec).run()
+        await gw.check_grammar(spec, param, client_of(request))
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec, grammar_param=param).run()
 
 
 @dataclass
@@ -94,18 +99,21 @@ class ChatPlan:
     tool_parser: HermesParser | None
     reasoning: ReasoningFormat | None  # the output's thinking is split off by these tags
     reasoning_opened: bool  # the prompt ends inside the thinking (the template opened it)
+    grammar_param: str | None = None  # the field that asked for the grammar
 
 
-async def plan_chat(gw: Gateway, req: P.ChatCompletionRequest, messages: list[dict]) -> ChatPlan:
+async def plan_chat(gw: Gateway, req: P.ChatCompletionRequest, messages: list[dict], client=None) -> ChatPlan:
     """Tools, output constraint, reasoning and the rendered prompt of a chat request (a 400 naming the field
-    for what is malformed). The Responses API renders its conversations through here too."""
+    for what is malformed; `client` has one grammar proof at a time). The Responses API renders its
+    conversations through here too."""
     template = gw.tokenizer.chat_templates.get("default", "") or next(iter(gw.tokenizer.chat_templates.values()), "")
     tools = plan_tools(req, messages, gw.tool_parser, template)
-    spec, param = requested_grammar(req)
+    spec, param = requested_grammar(req, gw.grammars.budgets)
     if tools.grammar is not None:
         if spec is not None:
             raise bad_request(f"'tool_choice' forces a tool call; it cannot be combined with '{param}'", param)
         spec, param = tools.grammar, "tool_choice" if req.tool_choice is not None else "tools"
+        gw.grammars.budgets.check_size(spec, param)
     kwargs = {**(req.chat_template_kwargs or {}), **tools.template_kwargs}
     if req.reasoning_effort is not None and "reasoning_effort" in template:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)  # only a template that reads it gets it
@@ -118,17 +126,20 @@ async def plan_chat(gw: Gateway, req: P.ChatCompletionRequest, messages: list[di
     if fmt is not None:
         opened = fmt.opened_by(gw.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False))
         if spec is not None:  # the constraint holds for the answer, after the thinking
-            spec = grammar.after_reasoning(spec, fmt.start, fmt.end, opened)
+            try:
+                spec = grammar.after_reasoning(spec, fmt.start, fmt.end, opened)
+            except grammar.GrammarError as e:
+                raise bad_request(f"Invalid output constraint in '{param}': {e}", param) from None
     if spec is not None:
-        await gw.check_grammar(spec, param)
-    return ChatPlan(prompt_ids, spec, tools.parser, fmt, opened)
+        await gw.check_grammar(spec, param, client)
+    return ChatPlan(prompt_ids, spec, tools.parser, fmt, opened, param)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = P.parse_body(P.ChatCompletionRequest, await request.read())
+    req = P.parse_body(P.ChatCompletionRequest, await read_body(request))
     check_request(gw, req)
-    plan = await plan_chat(gw, req, [m.model_dump(exclude_none=True) for m in req.messages])
+    plan = await plan_chat(gw, req, [m.model_dump(exclude_none=True) for m in req.messages], client_of(request))
     return await Generation(request, gw, req, "chat", [Prompt(plan.prompt_ids)], plan=plan).run()
 
 
@@ -137,10 +148,11 @@ class Generation:
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
                  kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
-                 plan: ChatPlan | None = None):
+                 plan: ChatPlan | None = None, grammar_param: str | None = None):
         self.request = request
-        # what the output must follow (checked by the engine already)
+        # what the output must follow (checked by the engine already), and the field that asked for it
         self.grammar = plan.grammar if plan is not None else grammar
+        self.grammar_param = plan.grammar_param if plan is not None else grammar_param
         self.plan = plan  # chat: how the output is read back (tool calls, reasoning)
         self.gw = gw
         self.req = req
@@ -233,6 +245,9 @@ class Generation:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
         if out.error_kind == ERROR_REJECTED:
             return context_length_exceeded(out.error or "The request does not fit any worker.", self._what)
+        if out.error_kind == ERROR_GRAMMAR:
+            return bad_request(f"The output constraint of '{self.grammar_param}' failed while generating: "
+                               f"{out.error}", self.grammar_param)
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
         if out.error_kind == ERROR_SHUTDOWN:
@@ -471,7 +486,8 @@ class Generation:
                 break  # answered 400 whatever its other choices do (they are cancelled)
         failed = [o for o in self.outputs if o.finish_reason == "error"]
         if failed:
-            raise self.failure(next((o for o in failed if o.error_kind == ERROR_REJECTED), failed[0]))
+            bad_input = (o for o in failed if o.error_kind in (ERROR_REJECTED, ERROR_GRAMMAR))
+            raise self.failure(next(bad_input, failed[0]))
         model = self.gw.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)

@@ -11,11 +11,8 @@ from typing import Annotated
 from pydantic import Field
 
 from gateway.errors import bad_request
+from gateway.limits import MAX_LOGIT_BIAS
 from phaseserve.params import LOGIT_BIAS_LIMIT
-
-# like stop_token_ids: the cap keeps a request's validation, its wire size and the worker's per-sequence
-# bias tensors small, whatever a client sends
-MAX_LOGIT_BIAS = 1024
 
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]],
                       Field(max_length=MAX_LOGIT_BIAS, description=(

@@ -1,4 +1,5 @@
-"""The OpenAPI 3.1 document of the gateway (request schemas come from the pydantic models)."""
+"""The OpenAPI 3.1 document of the gateway (request schemas come from the pydantic models, with the bounds of
+gateway/limits.py as maxItems / maximum; the grammar budgets, which are settings, are written in here)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pydantic.json_schema import models_json_schema
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses_protocol import ResponsesRequest
+from gateway.structured import GrammarBudgets
 from gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from phaseserve import __version__
 
@@ -21,11 +23,36 @@ def _sse(description: str) -> dict:
     return {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
-def openapi_document() -> dict:
+def _with_grammar_budgets(request: dict, budgets: GrammarBudgets) -> None:
+    """The grammar fields of a request schema with this server's budgets (bytes are UTF-8: a string within
+    maxLength characters may still be over)."""
+    props = request["properties"]
+    for variant in props["guided_choice"]["anyOf"]:
+        if variant.get("type") == "array":
+            variant["maxItems"] = budgets.max_choices
+    for name in ("guided_regex", "guided_grammar"):
+        for variant in props[name]["anyOf"]:
+            if variant.get("type") == "string":
+                variant["maxLength"] = budgets.max_grammar_bytes
+    props["guided_choice"]["description"] = (f"at most {budgets.max_choices} options, "
+                                             f"{budgets.max_grammar_bytes} bytes together")
+    props["guided_regex"]["description"] = f"at most {budgets.max_grammar_bytes} bytes"
+    props["guided_grammar"]["description"] = (f"a Lark grammar (llguidance's dialect), at most "
+                                              f"{budgets.max_grammar_bytes} bytes")
+    schema_note = (f"; a JSON schema is at most {budgets.max_schema_bytes} bytes and may not set `x-guidance` "
+                   "(the grammar engine's options are the server's)")
+    for name in ("response_format", "structured_outputs", "guided_json"):
+        props[name]["description"] = props[name].get("description", "a JSON schema") + schema_note
+
+
+def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
+    budgets = budgets or GrammarBudgets.defaults()
     _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
                                                               ResponsesRequest, TokenizeRequest, DetokenizeRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        _with_grammar_budgets(schemas[request], budgets)
     schemas["Error"] = {
         "type": "object", "required": ["error"],
         "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
@@ -44,12 +71,15 @@ def openapi_document() -> dict:
                        **counts, "this_gateway": {"type": "object", "properties": {"tenant": holding,
                                                                                    "key": holding}}}}
     errors = {str(code): _json("#/components/schemas/Error", why) for code, why in (
-        (400, "invalid request, or a prompt (plus max_tokens) longer than the context: in tokens, or in "
-              "characters before it is tokenized (code context_length_exceeded)"), (404, "unknown model"), (413, "body too large"),
+        (400, "invalid request (a list over its bound, a grammar over its budgets or refused by the engine), or "
+              "a prompt (plus max_tokens) longer than the context: in tokens, or in characters before it is "
+              "tokenized (code context_length_exceeded)"), (404, "unknown model"), (413, "body too large"),
         (401, "a key is required (`--api-key`, `--api-keys-file`) and none, or an unknown one, was given"),
-        (429, "too many requests in flight, or a tenant's or key's limit reached (concurrent requests, tokens per "
-              "minute, queued prompt tokens; the message names it, `Retry-After` says when to retry)"),
-        (503, "no worker alive or Redis unavailable"))}
+        (408, "the body did not arrive within --body-timeout (the connection is then closed)"),
+        (429, "too many requests in flight, a tenant's or key's limit reached (concurrent requests, tokens per "
+              "minute, queued prompt tokens; the message names it, `Retry-After` says when to retry), or a "
+              "grammar of the same client still being checked"),
+        (503, "no worker alive, Redis unavailable, or every grammar check thread busy"))}
 
     response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
     not_found = _json("#/components/schemas/Error", "unknown, expired, or created with another API key")
@@ -111,9 +141,10 @@ def openapi_document() -> dict:
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json({"type": "object"}, "model card"), "404": errors["404"]}}},
             "/tokenize": post_json("Tokenize a prompt, or messages through the chat template (vLLM's shape)",
-                                   "TokenizeRequest", "{count, max_model_len, tokens, token_strs}", (400, 404, 413)),
+                                   "TokenizeRequest", "{count, max_model_len, tokens, token_strs}",
+                                   (400, 404, 408, 413)),
             "/detokenize": post_json("Token ids to text (vLLM's shape)", "DetokenizeRequest", "{prompt}",
-                                     (400, 404, 413)),
+                                     (400, 404, 408, 413)),
             "/version": {"get": {"summary": "The server's version",
                                  "responses": {"200": _json({"type": "object"}, "{version}")}}},
             "/health": {"get": {"summary": "The stack as this gateway sees it: ok or degraded (200, with the "

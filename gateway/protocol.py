@@ -15,15 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.best_of import check_request as check_best_of
 from gateway.completion_prompts import CompletionPrompt, check_choice_count, check_shape, prompt_list
 from gateway.errors import APIError, bad_request
+from gateway.limits import (MAX_CONTENT_PARTS, MAX_LOGPROBS, MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS,
+                            MAX_STOP_TOKEN_IDS, MAX_TOOL_CALLS, MAX_TOOLS)
 from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
 from phaseserve.params import InvalidParams, SamplingParams
 
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
-# A stop list is a handful of ids (a model's end tokens); the cap keeps a request's validation, its wire size
-# and the worker's per-sequence stop mask small, whatever a client sends.
-MAX_STOP_TOKEN_IDS = 1024
 # Integers travel as msgpack and torch int64: a wider one is a 400 naming the field, not a failure later.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # The names the server renders a chat template with itself (and encode_chat's own arguments).
@@ -62,9 +58,10 @@ class ToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back with the tools' results
+    # an assistant's calls, sent back with the tools' results
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
@@ -212,13 +209,13 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions"""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # given to the chat template as `reasoning_effort` when the template reads it (else accepted and ignored)

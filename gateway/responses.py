@@ -21,8 +21,8 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import CLIENT_KEY
-from gateway.errors import APIError, bad_request
-from gateway.generate import SSE_JSON, Generation, Prompt, check_request, plan_chat
+from gateway.errors import APIError, bad_request, read_body
+from gateway.generate import SSE_JSON, Generation, Prompt, check_request, client_of, plan_chat
 from gateway.output import Delta
 from gateway.responses_events import ResponseBuilder, usage
 from gateway.responses_protocol import ResponsesRequest, chat_messages, chat_request, responses_error
@@ -203,7 +203,7 @@ class ResponseRun:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = P.parse_body(ResponsesRequest, await request.read())
+    req = P.parse_body(ResponsesRequest, await read_body(request))
     if req.background and not req.store:
         raise bad_request("'background' responses are stored: 'store' must not be false with it", "background")
     if req.background and req.stream:
@@ -220,7 +220,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         chat = chat_request(req, chat_messages(req.instructions, items))
         check_request(gw, chat)
-        plan = await plan_chat(gw, chat, [m.model_dump(exclude_none=True) for m in chat.messages])
+        plan = await plan_chat(gw, chat, [m.model_dump(exclude_none=True) for m in chat.messages],
+                               client_of(request))
         gen = Generation(request, gw, chat, "chat", [Prompt(plan.prompt_ids)], plan=plan)
         run = ResponseRun(request, gw, req, gen, items, owner)
         if req.background:

@@ -13,7 +13,7 @@ from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_encoder import PromptEncoder
 from gateway.quotas import Quotas
-from gateway.structured import GrammarChecker
+from gateway.structured import GrammarBudgets, GrammarChecker
 from gateway.reasoning import reasoning_format
 from gateway.responses_store import ResponseStore
 from gateway.tools import PARSERS
@@ -35,7 +35,7 @@ class Gateway:
         self.model_name = settings.served_model_name or model.name
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.prompts = PromptEncoder(self.tokenizer)
-        self.grammars = GrammarChecker(self.tokenizer)
+        self.grammars = GrammarChecker(self.tokenizer, GrammarBudgets.from_settings(settings))
         self.tool_parser = PARSERS[settings.tool_call_parser]()
         self.reasoning = reasoning_format(settings.reasoning_parser)
         config = read_json(os.path.join(self.model_path, "config.json"))
@@ -61,9 +61,10 @@ class Gateway:
         self.quotas = Quotas(settings.retry_after)  # each tenant's and key's limits (docs/tenants.md)
         self.created = int(time.time())
 
-    async def check_grammar(self, spec: GrammarSpec, param: str) -> None:
-        """Compile a request's grammar before it is enqueued (a 400 naming `param` if the engine refuses it)."""
-        self.metrics.grammar_compile.observe(await self.grammars.check(spec, param))
+    async def check_grammar(self, spec: GrammarSpec, param: str, client=None) -> None:
+        """Prove a request's grammar before it is enqueued (a 400 naming `param` if the engine refuses it, or
+        it is over a budget); `client` has one proof at a time."""
+        self.metrics.grammar_compile.observe(await self.grammars.check(spec, param, client))
 
     def max_model_len(self, workers: list[WorkerInfo]) -> int:
         """The longest sequence every live worker accepts, capped by --max-model-len when set."""

@@ -14,13 +14,11 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Field, model_validator
 
-from gateway.errors import bad_request, model_not_found
+from gateway.errors import bad_request, model_not_found, read_body
+from gateway.limits import MAX_DETOKENIZE_TOKENS
 from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
 from gateway.state import GATEWAY, Gateway
 from phaseserve.models.tokenizer import ChatTemplateError
-
-# a detokenize request's ids: as many as a long context holds, and no more (the body cap bounds it too)
-MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
 class TokenizeRequest(StrictModel):
@@ -59,7 +57,7 @@ def _check_model(gw: Gateway, model: str | None) -> None:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = parse_body(TokenizeRequest, await request.read())
+    req = parse_body(TokenizeRequest, await read_body(request))
     _check_model(gw, req.model)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     if req.prompt is not None:
@@ -79,7 +77,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = parse_body(DetokenizeRequest, await request.read())
+    req = parse_body(DetokenizeRequest, await read_body(request))
     _check_model(gw, req.model)
     outside = [t for t in req.tokens if t >= gw.tokenizer.vocab_size]
     if outside:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +67,8 @@ class HermesParser:
         """Exactly one call, of one of `functions`, whose arguments follow that function's parameters."""
         rules, names = [], []
         for i, f in enumerate(functions):
-            schema = dict(f.get("parameters") or {"type": "object"})
-            schema.setdefault("x-guidance", grammar.JSON_OPTIONS)
+            schema = {**(f.get("parameters") or {"type": "object"}),
+                      grammar.ENGINE_OPTIONS_KEY: grammar.JSON_OPTIONS}  # the client's may not set it (plan_tools)
             head = grammar.lark_string(f'{{"name": {json.dumps(f["name"])}, "arguments": ')
             rules.append(f"fn{i}: {head} args{i} \"}}\"\nargs{i}: %json {json.dumps(schema, ensure_ascii=False)}")
             names.append(f"fn{i}")
@@ -180,17 +181,23 @@ def plan_tools(req, messages: list[dict], parser: HermesParser, template_source:
     """What to render and submit for a chat request's tools (see the module's docstring)."""
     _check_conversation(messages)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    for i, t in enumerate(tools):
+        try:
+            grammar.refuse_engine_options(t["function"].get("parameters") or {})
+        except grammar.GrammarError as e:
+            raise bad_request(f"'tools[{i}].function.parameters': {e}", "tools") from None
     names = [t["function"]["name"] for t in tools]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, count in Counter(names).items() if count > 1)
     if dup:
-        raise bad_request(f"'tools' has more than one function named {', '.join(map(repr, dup))}", "tools")
+        raise bad_request(f"'tools' has more than one function named {', '.join(map(repr, dup[:5]))}", "tools")
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     if not isinstance(choice, str):  # a named function
-        if choice.function.name not in names:
+        if choice.function.name not in set(names):
             raise bad_request(f"'tool_choice' names the function {choice.function.name!r}, which is not in 'tools' "
-                              f"({', '.join(map(repr, names)) or 'none given'})", "tool_choice")
+                              f"({', '.join(map(repr, names[:10])) or 'none given'}"
+                              f"{', ...' if len(names) > 10 else ''})", "tool_choice")
     elif choice == "required" and not tools:
         raise bad_request("'tool_choice' is 'required' but the request has no 'tools'", "tool_choice")
     uses_tools = choice != "none" and bool(tools)

@@ -4,8 +4,13 @@ The engine is llguidance (docs/decisions.md has the figures against xgrammar on 
 sub-millisecond compiles, microseconds a mask). Nothing here parses a grammar by hand: a spec becomes an
 llguidance grammar, a matcher follows the sampled tokens, and its bitmask says which tokens may come next.
 
-- the gateway: `check(spec, tokenizer)` builds a matcher once; a schema, regex or grammar the engine refuses
-  raises GrammarError with the engine's message (-> HTTP 400), so it never reaches a worker.
+- the gateway: `check(spec, tokenizer)` proves a spec before it is queued: it builds a matcher, computes its
+  first mask, and walks a few tokens of one path (the lowest-id token allowed each time, which keeps the
+  grammar's alternatives most open: an Earley row too wide, a regex whose lexer blows up, show there). A
+  schema, regex or grammar the engine refuses raises GrammarError with the engine's message, cleaned of its
+  parser state and of a panic's backtrace (-> HTTP 400), so it never reaches a worker.
+- both sides build matchers with ENGINE_LIMITS (the engine's own fuel and size limits: every compile and
+  every mask is bounded by them), so what the gateway proved is what a worker runs.
 - the worker: one `GrammarMatcher` per constrained sequence, built from its spec and advanced over the
   output tokens it already has (a recompute or a handed-over sequence continues where it was), then
   `fill_masks` for a step's rows (in llguidance's threads, without the GIL) and `advance` per sampled token.
@@ -29,9 +34,18 @@ import torch
 from phaseserve.wire import GRAMMAR_KINDS, GrammarSpec
 
 # JSON is generated compact (no free whitespace between tokens): at a high temperature a small model would
-# otherwise wander into whitespace until max_tokens, leaving the document unfinished. A schema's own
-# "x-guidance" options override this.
+# otherwise wander into whitespace until max_tokens, leaving the document unfinished. The engine reads its
+# options from a schema's "x-guidance" key too: a client's schema may not have one (GrammarError), so these,
+# and every keyword enforced (no "lenient"), hold.
 JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+ENGINE_OPTIONS_KEY = "x-guidance"
+
+# The engine's defaults bound each compile (lexer fuel, grammar symbols) and each mask (Earley items, lexer
+# fuel per step); errors without its parser state and grammar (which may be a client's whole schema).
+ENGINE_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+# tokens of one path the gateway walks after the first mask (each a mask: microseconds for a sound grammar)
+PROBE_TOKENS = 8
 
 # mask time histogram (seconds), for /metrics: a mask costs microseconds, a pathological one milliseconds
 MASK_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
@@ -50,6 +64,7 @@ def engine_grammar(spec: GrammarSpec) -> str:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object (or true/false)")
+        refuse_engine_options(schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
@@ -59,6 +74,13 @@ def engine_grammar(spec: GrammarSpec) -> str:
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
     raise GrammarError(f"unknown grammar kind {spec.kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
+
+
+def refuse_engine_options(schema: dict | bool) -> None:
+    """A client's JSON schema may not set the engine's options (GrammarError): they are the server's."""
+    if isinstance(schema, dict) and ENGINE_OPTIONS_KEY in schema:
+        raise GrammarError(f"'{ENGINE_OPTIONS_KEY}' (the grammar engine's options) is set by the server, not by "
+                           "a schema: remove it")
 
 
 def json_schema(schema: dict | bool) -> GrammarSpec:
@@ -71,8 +93,10 @@ def lark_string(text: str) -> str:
 
 
 def choice(options: list[str]) -> GrammarSpec:
-    """Exactly one of the strings."""
-    return GrammarSpec("lark", "start: " + " | ".join(lark_string(o) for o in options))
+    """Exactly one of the strings: one terminal (the engine's lexer matches the alternatives together), not a
+    rule of as many alternatives, whose Earley rows would grow with the option count past the engine's
+    limit once a prefix they share is sampled."""
+    return GrammarSpec("lark", "start: CHOICE\nCHOICE: " + " | ".join(lark_string(o) for o in options))
 
 
 def after_reasoning(spec: GrammarSpec, start_tag: str, end_tag: str, opened: bool) -> GrammarSpec:
@@ -108,18 +132,46 @@ def engine_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[
         return llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 
-def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> float:
-    """Compile `spec` as a worker will; raises GrammarError naming the problem. Returns the seconds it took."""
+def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, probe_tokens: int = PROBE_TOKENS) -> float:
+    """Prove `spec` as a worker will run it: compile it, compute its first mask, then walk `probe_tokens`
+    tokens of one path (the lowest-id token that is not an end token, each with its mask). Raises
+    GrammarError naming the problem. Returns the seconds it took."""
     t = time.perf_counter()
-    matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0)
-    if matcher.is_error():
-        raise GrammarError(_first_line(matcher.get_error()))
+    matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0, limits=ENGINE_LIMITS)
+    end_tokens = tokenizer.eos_tokens
+    for _ in range(probe_tokens + 1):
+        if matcher.is_error():
+            raise GrammarError(clean_error(matcher.get_error()))
+        if matcher.is_stopped():
+            break
+        mask = bytearray(matcher.compute_bitmask())
+        if matcher.is_error():
+            raise GrammarError(clean_error(matcher.get_error()))
+        token = _lowest_token(mask, end_tokens)
+        if token is None:  # only an end is allowed: the document is complete
+            break
+        matcher.consume_token(token)
     return time.perf_counter() - t
 
 
-def _first_line(error: str) -> str:
-    # the engine may append its parser state and the grammar it compiled: what comes before names the problem
-    head = re.split(r"\n\s*<(?:state|grammar)>", error.strip(), maxsplit=1)[0]
+def _lowest_token(mask: bytearray, excluded: list[int]) -> int | None:
+    """The lowest token id a bitmask allows (bit t of the mask is byte t // 8, bit t % 8), but `excluded`."""
+    for t in excluded:
+        if t // 8 < len(mask):
+            mask[t // 8] &= ~(1 << (t % 8)) & 0xFF
+    rest = mask.lstrip(b"\0")
+    if not rest:
+        return None
+    low = rest[0]
+    return (len(mask) - len(rest)) * 8 + (low & -low).bit_length() - 1
+
+
+def clean_error(error: str) -> str:
+    """The engine's error as a client may read it: what names the problem, without the parser state, the
+    grammar it compiled, or a panic's backtrace (a panic is an internal limit of the engine)."""
+    head = re.split(r"\s*<(?:state|grammar|backtrace|non-verbose/)>", error.strip(), maxsplit=1)[0]
+    if head.startswith("panic") or "panicked at" in head:
+        return "the grammar is too large or complex for the grammar engine (one of its internal limits)"
     lines = [ln.strip() for ln in head.splitlines() if ln.strip() and not re.match(r"^\d+ \|", ln.strip())]
     return " ".join(lines)[:500] or "the grammar does not compile"
 
@@ -128,13 +180,13 @@ class GrammarMatcher:
     """One sequence's position in its grammar."""
 
     def __init__(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, output_ids: list[int] = ()):
-        self.matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0)
+        self.matcher = llguidance.LLMatcher(tokenizer, engine_grammar(spec), log_level=0, limits=ENGINE_LIMITS)
         if output_ids:  # a token the grammar refuses leaves `error` set: the runner fails that sequence
             self.matcher.consume_tokens(list(output_ids))
 
     @property
     def error(self) -> str | None:
-        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+        return clean_error(self.matcher.get_error()) if self.matcher.is_error() else None
 
     @property
     def is_stopped(self) -> bool:

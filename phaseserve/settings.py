@@ -135,6 +135,32 @@ SETTINGS: list[Setting] = [
             "the format of the model's tool calls, parsed out of chat outputs into `tool_calls` (vLLM's flag); "
             "`hermes`: `<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`", ("gateway", "up"),
             choices=("hermes",)),
+    Setting("max_grammar_choices", "PHASESERVE_MAX_GRAMMAR_CHOICES", 10000, int,
+            "options a `guided_choice` (or `structured_outputs.choice`) may list; 400 beyond", ("gateway", "up")),
+    Setting("max_grammar_bytes", "PHASESERVE_MAX_GRAMMAR_BYTES", "64KiB", parse_size,
+            "size of a client's regex or Lark grammar (`guided_regex`, `guided_grammar`, `structured_outputs`), "
+            "and of a choice's options together, in UTF-8 bytes; 400 beyond", ("gateway", "up")),
+    Setting("max_schema_bytes", "PHASESERVE_MAX_SCHEMA_BYTES", "256KiB", parse_size,
+            "size of a JSON schema (`response_format`, `guided_json`, `structured_outputs.json`) and of the "
+            "grammar a forced tool call makes of the tools' parameters, in UTF-8 bytes; 400 beyond",
+            ("gateway", "up")),
+    Setting("grammar_check_timeout", "PHASESERVE_GRAMMAR_CHECK_TIMEOUT", 5.0, float,
+            "seconds the gateway's proof of a grammar (compile, first mask, a few tokens walked) may take; "
+            "beyond, the request is a 400 and its client's slot stays taken until the engine returns",
+            ("gateway", "up")),
+    Setting("grammar_check_threads", "PHASESERVE_GRAMMAR_CHECK_THREADS", 2, int,
+            "threads that prove grammars at a gateway; a client (an API key, or an address when keys are off) "
+            "has one proof at a time, so one client never holds more than one of them", ("gateway", "up")),
+    Setting("grammar_queue_timeout", "PHASESERVE_GRAMMAR_QUEUE_TIMEOUT", 10.0, float,
+            "seconds a constrained request waits for its client's proof slot (429 beyond) and then for a free "
+            "thread (503 beyond)", ("gateway", "up")),
+    Setting("keepalive_timeout", "PHASESERVE_KEEPALIVE_TIMEOUT", 20.0, float,
+            "seconds a connection may go without a complete request's headers, from when it opened or answered "
+            "its last request: an idle keep-alive connection, and a client sending its headers slowly, are "
+            "closed then (aiohttp has one timer for both)", ("gateway", "up")),
+    Setting("body_timeout", "PHASESERVE_BODY_TIMEOUT", 30.0, float,
+            "seconds a client has to send a request's whole body once its headers are in; a slower one gets "
+            "408 and its connection is closed", ("gateway", "up")),
     Setting("reasoning_parser", "PHASESERVE_REASONING_PARSER", "none", str,
             "how a reasoning model's thinking is split from its answer (vLLM's flag): `deepseek_r1`, `qwen3` "
             "(`<think>…</think>`) put it in `reasoning_content` (chat) and a reasoning item (Responses), and "

@@ -91,6 +91,16 @@ class Keys:
         num_steps_past_itl_patience, updated_at. Read by the gateway's /metrics."""
         return f"{self.prefix}:scheduler:stats"
 
+    def stack_view(self) -> str:
+        """A StackView (phaseserve/stack_view.py) the scheduler writes at most every STACK_VIEW_INTERVAL_S,
+        with a TTL: what the gateway's live view shows (docs/ui.md)."""
+        return f"{self.prefix}:scheduler:view"
+
+    def stack_view_wanted(self) -> str:
+        """Set with a short TTL by a gateway while someone watches its live view: the scheduler writes
+        `stack_view` only then."""
+        return f"{self.prefix}:scheduler:view-wanted"
+
     # --- delivery and client leases (gateway side)
 
     def token_log(self, seq_id: str) -> str:
@@ -564,6 +574,10 @@ class StepPlan(Message):
 # gateway answers 400 (context_length_exceeded) with `error` as the message. Any other error (error_kind
 # None) is a failure while serving: 500.
 ERROR_REJECTED = "rejected"
+# ... or the sequence's grammar failed at a later token (the engine refused a mask or a token the gateway's
+# proof did not reach): the request's grammar was bad input, a 400 naming its field (an error event in a
+# stream), never a 500.
+ERROR_GRAMMAR = "grammar"
 
 
 @dataclass
@@ -572,7 +586,7 @@ class TokenEvent(Row):
 
     `logprobs`, when asked for, has one entry per token: [chosen_logprob, [[id, logprob], ...top-N]].
     `finish_reason` is "stop", "length", "abort" or "error" on the last event of a sequence.
-    `error_kind` says what an "error" was (ERROR_REJECTED, or None: a serving failure).
+    `error_kind` says what an "error" was (ERROR_REJECTED, ERROR_GRAMMAR, or None: a serving failure).
     `cached_tokens` (on a sequence's first token): prompt positions its prefill found in the prefix cache.
     """
 
@@ -681,6 +695,8 @@ class WorkerInfo(Message):
     # and whether the scheduler chooses fewer by acceptance and step cost (docs/speculative.md)
     speculative_tokens: int = sent_if_set(0)
     speculative_fixed: bool = sent_if_set(False)
+    # the CPU threads its model runs with (torch's; 0: unknown, or CUDA), for people (the live view)
+    threads: int = sent_if_set(0)
 
 
 # --------------------------------------------------------------- delivery (gateway side)

@@ -116,6 +116,15 @@ class StepBudget:
         return (self.overhead_units + self.decode_units + self.prefill_units
                 + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
 
+    @property
+    def target_s(self) -> float:
+        """The ITL target's bound on the step's predicted time (0: no bound: the target is off, no cost model
+        is learned, or no decode runs in the step): r x the pure-decode step's, or the milliseconds set."""
+        if not self.decode_units or math.isinf(self.target_base) or not self.unit_s:
+            return 0.0
+        return (self.overhead_units + self.decode_units + self.target_base
+                + self.target_slope * self.decode_units) * self.unit_s
+
     def is_long(self, prefill_len: int) -> bool:
         """`prefill_len`: the positions a prefill computes, its cached prefix excluded (a resent history
         that only adds a question is a short prefill, however long the prompt)."""

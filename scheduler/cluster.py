@@ -24,6 +24,9 @@ from phaseserve.wire import (
     ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch,
     TokenEvent, WireError, WorkerInfo,
 )
+from phaseserve.stack_view import (
+    STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
+)
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts, scope_seed
 from scheduler.speculation import SpeculationStats
@@ -42,6 +45,13 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
 MAX_PENDING_HANDOFFS = 4096  # handoffs whose transport is remembered until their receive is reported
+
+
+def share_of(shares: dict[str, TenantShare], req: SubmitRequest) -> TenantShare:
+    share = shares.get(req.tenant)
+    if share is None:
+        share = shares[req.tenant] = TenantShare(req.tenant, req.tenant_weight)
+    return share
 
 
 def live_workers(members: list[str], heartbeats: list[bytes | None]) -> dict[str, WorkerInfo]:
@@ -86,6 +96,11 @@ class WorkerSlot:
     # the worker's step time learned from its results, and (tokens, keys, prefill chunks) of each plan in flight
     step_costs: StepCostModel = field(default_factory=StepCostModel)
     plan_features: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # the live view (phaseserve/stack_view.py): each plan in flight as a StepSample without its time, and
+    # the last steps that answered
+    plan_samples: dict[int, StepSample] = field(default_factory=dict)
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=STEPS_SHOWN))
+    last_step_at: float = 0.0  # when the newest of them answered (monotonic)
 
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
@@ -181,6 +196,7 @@ class Cluster:
         self.num_stale_results = 0  # results refused: of a plan given up, a retired life, an older epoch
         self.handoffs = HandoffCounters()
         self.grammar_masks: list[float] = []  # StepResult.grammar_masks summed: the gateway's mask histogram
+        self.watched = False  # a live view is open (the service says): steps are sampled for it
         self.stats_dirty = True
 
     # ------------------------------------------------------------------ workers
@@ -500,6 +516,10 @@ class Cluster:
                 plan.timeout_s = timeout_of(plan, slot.step_costs.expected_bound(*features))
                 slot.in_flight.append((plan.step_id, now, plan.timeout_s + deadline_margin))
                 slot.plan_features[plan.step_id] = features
+                if self.watched:
+                    budget = slot.policy.last_budget
+                    slot.plan_samples[plan.step_id] = StepSample(*slot.policy.last_split, 0.0, budget.predicted_s,
+                                                                 budget.target_s)
                 plans.append((wid, plan))
         if plans:
             self.stats_dirty = True
@@ -531,6 +551,7 @@ class Cluster:
         slot.in_flight.popleft()
         slot.head_since = now
         self.learn_step_cost(slot, result)
+        self.sample_step(slot, result, now)
         policy = slot.policy
         before = {}
         for ev in result.events:
@@ -581,6 +602,50 @@ class Cluster:
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.limits.itl_target),
                      verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
+
+    @staticmethod
+    def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:
+        """The step's plan and measured time, for the live view (a speculative step as it ran)."""
+        samples = slot.plan_samples
+        if not samples:  # nobody watches
+            return
+        for step_id in [k for k in samples if k < result.step_id]:  # given up or lost
+            del samples[step_id]
+        sample = samples.pop(result.step_id, None)
+        if sample is None:
+            return
+        sample.step_s = result.step_time_s
+        if len(result.ran) == 3:  # speculation verified what the worker proposed, not what was allowed
+            sample.decode_tokens = result.ran[0] - sample.prefill_tokens
+        slot.recent_steps.append(sample)
+        slot.last_step_at = now
+
+    def view(self, taken_at: float, now: float) -> StackView:
+        """The live view's picture of the cluster now (phaseserve/stack_view.py): built every few hundred
+        milliseconds from what the policies hold, never per step. `taken_at`: unix time; `now`: monotonic."""
+        workers, unprefilled, tenants = [], [], {}
+        for wid, slot in self.workers.items():
+            p = slot.policy
+            pstats = p.stats()
+            workers.append(WorkerView(
+                wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
+                p.num_used_blocks, pstats["num_cached_blocks"], p.num_free_blocks, slot.info.num_blocks,
+                p.num_handoffs_in_flight, pstats["prefix_cache_queries"], pstats["prefix_cache_hits"],
+                p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps),
+                round(now - slot.last_step_at, 3) if slot.recent_steps else 0.0))
+            for seq, total, done in p.unprefilled():
+                unprefilled.append((seq.request, wid, total, done))
+            for seq in p.running_sequences():
+                share_of(tenants, seq.request).num_running += 1
+        unprefilled += [(req, "", len(req.prompt_ids) + len(outputs or ()), 0) for req, outputs in self.parked]
+        for req, *_ in unprefilled:
+            share_of(tenants, req).num_waiting += 1
+        unprefilled.sort(key=lambda x: x[0].arrival_time)
+        waiting = [WaitingSequence(req.request_id, wid, req.arrival_time, total, done, req.tenant)
+                   for req, wid, total, done in unprefilled[:WAITING_SHOWN]]
+        shares = [] if set(tenants) <= {""} else [tenants[t] for t in sorted(tenants)]  # no tenants: no table
+        return StackView(taken_at, str(self.limits.itl_target), self.limits.max_num_batched_tokens, workers,
+                         len(unprefilled), waiting, shares)
 
     def give_up_overdue_steps(self, now: float) -> float | None:
         """Steps whose deadline passed with no result: their plan or result was lost (a hung worker is

@@ -76,6 +76,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         # the worker's learned step costs (the service sets them from measured steps; None: not yet)
         self.step_costs: StepCosts | None = None
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
+        self.last_split = (0, 0, 0)  # the last plan's (decode tokens with drafts, prefill tokens, prefill chunks)
         self._num_steps_held_by_itl_target = 0
         self._num_steps_past_itl_patience = 0
         self._clock_s = 0.0  # the planned steps' predicted time, summed: what the ITL target's patience counts
@@ -335,7 +336,9 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._inflight[step_id] = step.sampled  # every plan gets a result, even one with nothing to sample
         releases, self._releases = self._releases, []
         self._num_decode_tokens += len(step.decodes)
-        self._num_prefill_tokens += sum(c.num_tokens for c in step.prefills)
+        prefill_tokens = sum(c.num_tokens for c in step.prefills)
+        self._num_prefill_tokens += prefill_tokens
+        self.last_split = (sum(c.num_tokens for c in step.decodes), prefill_tokens, len(step.prefills))
         return StepPlan(step_id, self.worker_id, step.starts, step.decodes + step.prefills, releases,
                         receives=step.receives)
 
@@ -528,6 +531,20 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    @property
+    def num_handoffs_in_flight(self) -> int:
+        """Sequences whose KV is moving: prefilled here for a decode worker, or handed in and not yet applied."""
+        return sum(1 for s in self._running if s.awaiting_handoff or s.kv_receive is not None)
+
+    def running_sequences(self) -> list[Sequence]:
+        return list(self._running)
+
+    def unprefilled(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, tokens to prefill, of them computed or planned) of the waiting sequences and those part
+        way through their prefill, in rank order of each."""
+        return ([(s, s.num_prompt_tokens + len(s.output_ids), 0) for s in self._waiting]
+                + [(s, s.prefill_len, s.num_computed_tokens) for s in self._running if s.is_prefilling])
 
     def stats(self) -> dict:
         return {

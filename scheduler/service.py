@@ -35,6 +35,7 @@ from redis.exceptions import ResponseError
 from phaseserve import event_loop, token_log
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
+from phaseserve.stack_view import STACK_VIEW_IDLE_INTERVAL_S, STACK_VIEW_INTERVAL_S, STACK_VIEW_TTL_S
 from phaseserve.wire import (
     FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepPlan, StepResult,
     SubmitRequest, WireError, WorkerInfo, peek_kind,
@@ -83,6 +84,8 @@ class SchedulerService:
         self.stopping = getattr(self, "stopping", None) or asyncio.Event()
         self._next_refresh = 0.0
         self._stats_written_at = 0.0
+        self.view_wanted = False  # a gateway's live view is open (Keys.stack_view_wanted, read each refresh)
+        self._view_written_at = 0.0
         self._last_stats: dict | None = None
         self._acks: list[tuple[str, list]] = []
         self._next_claim = 0.0
@@ -134,7 +137,10 @@ class SchedulerService:
         pipe.set(self.keys.scheduler_seen(self.consumer), self.leadership.epoch, px=alive_ms)
         await pipe.execute()
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
-        beats = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]) if members else []
+        # the live view's flag rides with the heartbeats: no round trip of its own
+        *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]
+                                                + [self.keys.stack_view_wanted()])
+        self.view_wanted = self.cluster.watched = wanted is not None
         live = live_workers(members, beats)
         self.cluster.gone_workers(live)
         for wid, info in live.items():
@@ -242,6 +248,19 @@ class SchedulerService:
             pipe.set(self.keys.scheduler_stats(), msgpack.packb(stats))
             self._stats_written_at = now
         return None
+
+    def maybe_write_view(self, pipe, now: float) -> float | None:
+        """Queue the live view's snapshot (phaseserve/stack_view.py) if someone watches and it is due;
+        returns seconds until the next is due (None: nobody watches)."""
+        if not self.view_wanted:
+            return None
+        busy = bool(self.cluster.owner or self.cluster.parked)
+        wait = self._view_written_at + (STACK_VIEW_INTERVAL_S if busy else STACK_VIEW_IDLE_INTERVAL_S) - now
+        if wait > 0:
+            return wait
+        pipe.set(self.keys.stack_view(), self.cluster.view(time.time(), now).to_wire(), px=int(STACK_VIEW_TTL_S * 1000))
+        self._view_written_at = now
+        return STACK_VIEW_INTERVAL_S if busy else STACK_VIEW_IDLE_INTERVAL_S
 
     def _flush_ops(self, pipe) -> None:
         for op in self.cluster.ops:
@@ -381,8 +400,9 @@ class SchedulerService:
                 pipe.xdel(stream, *ids)  # acknowledged entries are history nobody reads
             self._acks.clear()
             stats_wait = self.maybe_write_stats(pipe, now)
+            view_wait = self.maybe_write_view(pipe, now)
             block_s = self._next_refresh - now
-            for wait in (stats_wait, next_deadline, self.leadership.renew_at - now):
+            for wait in (stats_wait, view_wait, next_deadline, self.leadership.renew_at - now):
                 if wait is not None:
                     block_s = min(block_s, wait)
             block_ms = max(1, int(block_s * 1000))

@@ -4,8 +4,11 @@ parts (which grammar a request asks for; tool calls in and out)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -14,7 +17,7 @@ import torch
 from bench.grammar_schemas import NESTED
 from gateway import protocol as P
 from gateway.errors import APIError
-from gateway.structured import requested_grammar
+from gateway.structured import GrammarBudgets, GrammarChecker, requested_grammar
 from gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar, settings
 from phaseserve.models.tokenizer import Tokenizer
@@ -58,6 +61,85 @@ def test_check_names_the_problem_of_what_the_engine_refuses(engine_tokenizer):
         grammar.check(GrammarSpec("lark", "start: undefined_rule"), engine_tokenizer)
     with pytest.raises(grammar.GrammarError, match="not valid JSON"):
         grammar.check(GrammarSpec("json_schema", "{"), engine_tokenizer)
+
+
+# a Rust panic's text as the engine reported it for a 100,000-alternative grammar (before the choice was one
+# terminal and before the budgets)
+PANIC = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
+         "   1: <unknown>\n")
+
+
+def test_check_proves_past_the_first_mask_and_cleans_the_engine_errors(engine_tokenizer):
+    """What fails only once a token is sampled (an Earley row over the engine's limit, a regex its lexer cannot
+    expand) is found by the walk after the first mask; messages carry no parser state and no backtrace."""
+    wide = GrammarSpec("lark", "start: " + " | ".join(f'"w{i}"' for i in range(2500)))
+    with pytest.raises(grammar.GrammarError, match="row has 2501 items") as e:
+        grammar.check(wide, engine_tokenizer)
+    assert "<" not in str(e.value)
+    with pytest.raises(grammar.GrammarError, match="lexer"):
+        grammar.check(GrammarSpec("regex", "a{1000000000}"), engine_tokenizer)
+    # a choice is one terminal: thousands of options sharing a prefix are no wider a row than two
+    grammar.check(grammar.choice([f"option number {i}" for i in range(2001)]), engine_tokenizer)
+    grammar.check(grammar.choice(["", "a", "ab"]), engine_tokenizer)
+    cleaned = grammar.clean_error(PANIC)
+    assert "panic" not in cleaned and "backtrace" not in cleaned and "unknown" not in cleaned
+    assert "too large or complex" in cleaned
+
+
+def test_a_schema_may_not_set_the_engines_options(engine_tokenizer, tokenizer):
+    """`x-guidance` (whitespace_flexible, lenient, ...) is the server's: a schema setting it is refused, and a
+    forced tool call's grammar carries the server's own."""
+    flexible = grammar.json_schema({"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    with pytest.raises(grammar.GrammarError, match="x-guidance"):
+        grammar.check(flexible, engine_tokenizer)
+    with pytest.raises(APIError) as e:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                            "x-guidance": {"lenient": True}}}}
+        plan_tools(_chat(tools=[tool], tool_choice="required"), [{"role": "user", "content": "hi"}],
+                   HermesParser(), "")
+    assert e.value.param == "tools" and "x-guidance" in e.value.message
+    m = grammar.GrammarMatcher(grammar.json_schema({"type": "object"}), engine_tokenizer)
+    assert m.accepted_prefix(tokenizer.encode('{ "a": 1}', add_special_tokens=False)) == 1  # compact: no space
+
+
+async def test_the_checker_has_a_time_budget_and_one_proof_per_client(tokenizer):
+    """A proof past its time budget is its request's 400 at once; its client's next grammar waits for the engine
+    to return (429 past the queue budget) instead of taking a second thread; another client's is proved
+    meanwhile; and the client's slot frees up once the engine returns."""
+    budgets = replace(GrammarBudgets.defaults(), check_timeout=0.05, threads=2, queue_timeout=0.2)
+    checker = GrammarChecker(tokenizer, budgets)
+    slow = GrammarSpec("regex", "a{1000000000}")  # the engine spends its lexer fuel on it before it refuses
+    quick = grammar.json_schema({"type": "object"})
+    try:
+        await checker.check(quick, "response_format", "warm-up")  # the engine's tokenizer is built
+        first = asyncio.create_task(checker.check(slow, "guided_regex", "attacker"))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(checker.check(slow, "guided_regex", "attacker"))
+        assert await asyncio.wait_for(checker.check(quick, "response_format", "victim"), 5) >= 0
+        with pytest.raises(APIError) as e:
+            await first
+        assert e.value.status == 400 and "longer than 0.05 s" in e.value.message and e.value.param == "guided_regex"
+        with pytest.raises(APIError) as e:
+            await second
+        assert e.value.status == 429
+        deadline = time.monotonic() + 30
+        while True:  # the attacker's slot is back once the engine has given up on its regex
+            try:
+                await checker.check(quick, "response_format", "attacker")
+                break
+            except APIError as e:
+                assert e.status == 429 and time.monotonic() < deadline
+    finally:
+        checker.close()
+
+
+def test_tools_are_bounded_and_their_names_checked_once_each():
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(P.MAX_TOOLS)]
+    with pytest.raises(APIError) as e:
+        _chat(tools=many + many[:1])
+    assert e.value.param == "tools" and str(P.MAX_TOOLS) in e.value.message
+    with pytest.raises(APIError, match="more than one function named 'f0', 'f1'") as e:
+        plan_tools(_chat(tools=many[:-2] + many[:2]), [{"role": "user", "content": "hi"}], HermesParser(), "")
 
 
 def test_matcher_rebuilt_from_outputs_and_the_speculation_hook(tokenizer, engine_tokenizer):
@@ -172,7 +254,7 @@ def _chat(**fields) -> P.ChatCompletionRequest:
     ({"structured_outputs": {"json_object": True}}, "json_schema"),
 ])
 def test_requested_grammar_reads_every_form(fields, kind):
-    spec, param = requested_grammar(_chat(**fields))
+    spec, param = requested_grammar(_chat(**fields), GrammarBudgets.defaults())
     assert spec.kind == kind and param == next(iter(fields))
 
 
@@ -182,10 +264,12 @@ def test_requested_grammar_reads_every_form(fields, kind):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_choice": ["x"] * (GrammarBudgets.defaults().max_choices + 1)}, "guided_choice"),  # over budget
+    ({"structured_outputs": {"choice": ["x" * 70_000]}}, "structured_outputs"),
 ])
 def test_requested_grammar_refuses_malformed_forms(fields, param):
     with pytest.raises(APIError) as e:
-        requested_grammar(_chat(**fields))
+        requested_grammar(_chat(**fields), GrammarBudgets.defaults())
     assert e.value.status == 400 and e.value.param == param
 
 

@@ -21,7 +21,7 @@ import kernels
 from phaseserve import grammar
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
-from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
+from phaseserve.wire import ERROR_GRAMMAR, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.linear import QuantizedLinear
@@ -557,7 +557,7 @@ class ModelRunner:
             if k in errors:
                 log.error("grammar failed", seq_id=seq.seq_id, error=errors[k])
                 seq.finished = True
-                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, errors[k]))
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, errors[k], ERROR_GRAMMAR))
                 continue
             kept = draws[:accepted_run(list(d), draws) + 1]
             matcher = seq.matcher.result() if seq.matcher is not None else None
@@ -580,7 +580,8 @@ class ModelRunner:
                 self.proposer.kept(seq.seq_id, len(seq.token_ids) - n, n - 1)
                 seq.num_computed = len(seq.token_ids) - 1
             if reason == "error":
-                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, f"grammar: {matcher.error}"))
+                events.append(TokenEvent(seq.seq_id, offset, [], "error", None, f"grammar: {matcher.error}",
+                                         ERROR_GRAMMAR))
                 continue
             events.append(TokenEvent(seq.seq_id, offset, kept[:n], reason, lps[:n] if lps[0] is not None else None,
                                      cached_tokens=seq.cached_tokens if offset == 0 else 0))

@@ -66,6 +66,8 @@ class WorkerService:
         self.gateway_of: dict[str, str] = {}  # seq id -> gateway id (from SeqStart), to route tokens
         # before the heartbeat exists: every kernel is compiled or loaded now, never inside a planned step
         # (a compile there overran the step deadline and retired the worker)
+        import torch
+
         t0 = time.perf_counter()
         implementations = runner.warm_up()
         cpu_level = "" if runner.device.type == "cuda" else cpu_isa.level()
@@ -80,6 +82,7 @@ class WorkerService:
             vocab_size=runner.vocab_size,
             speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
             speculative_fixed=bool(runner.speculative and not runner.speculative.adaptive),
+            threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
