@@ -11,10 +11,11 @@ from aiohttp import web
 
 from gateway import protocol as P
 from gateway.auth import auth_middleware, caller, load_api_keys
-from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware, model_not_found
+from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
 from gateway.health import UNAVAILABLE, Health, assess
 from gateway.live_view import LIVE_VIEW, LiveView, stack_events
+from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document
 from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
@@ -30,15 +31,21 @@ log = structlog.get_logger("gateway")
 async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     workers = await gw.backend.alive_workers()
-    return web.json_response(P.models_response(gw.model_name, gw.created, gw.max_model_len(workers) or None))
+    max_len = gw.max_model_len(workers) or None
+    body = P.models_response(gw.model_name, gw.created, max_len)
+    body["data"] += [P.lora_model_card(a.name, a.path, gw.model_name, gw.created, max_len)
+                     for a in await gw.loras.adapters()]
+    return web.json_response(body)
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if request.match_info["model"] != gw.model_name:
-        raise model_not_found(request.match_info["model"])
-    workers = await gw.backend.alive_workers()
-    return web.json_response(P.model_card(gw.model_name, gw.created, gw.max_model_len(workers) or None))
+    name = request.match_info["model"]
+    adapter = await gw.loras.resolve(name)  # 404 for a name that is neither the base model nor an adapter
+    max_len = gw.max_model_len(await gw.backend.alive_workers()) or None
+    if adapter is not None:
+        return web.json_response(P.lora_model_card(adapter.name, adapter.path, gw.model_name, gw.created, max_len))
+    return web.json_response(P.model_card(gw.model_name, gw.created, max_len))
 
 
 async def version(_request: web.Request) -> web.Response:
@@ -125,6 +132,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # a model id may hold "/" (org/name)
     app.router.add_get("/v1/usage", usage)
+    add_lora_routes(app)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
@@ -138,6 +146,7 @@ def create_app(settings: argparse.Namespace) -> web.Application:
 
     async def redis_side(app: web.Application):
         await gw.backend.start()
+        await gw.loras.add_at_start(settings.lora_modules or [])
         live.start()
         log.info("gateway ready", gateway_id=gw.gateway_id, model=gw.model_name, model_path=gw.model_path,
                  api_keys=len(api_keys))

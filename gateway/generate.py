@@ -26,8 +26,8 @@ from gateway.best_of import best_of
 from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, model_not_found, read_body, resume_not_found, stream_in_use,
-                            too_many_requests, unavailable)
+                            internal_error, read_body, resume_not_found, stream_in_use, too_many_requests,
+                            unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
@@ -39,7 +39,7 @@ from gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED, GrammarSpec, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED, GrammarSpec, LoraRef, SubmitRequest, TokenEvent, WorkerInfo
 
 log = structlog.get_logger("gateway")
 
@@ -48,11 +48,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
-    """What the request schema alone cannot check: the model's name and vocabulary."""
-    if req.model is not None and req.model != gw.model_name:
-        raise model_not_found(req.model)
+async def check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> LoraRef | None:
+    """What the request schema alone cannot check: the model's name (the LoRA adapter it names, or None for the
+    base model; 404 for neither) and vocabulary."""
+    lora = await gw.loras.resolve(req.model)
     req.check_token_ids(gw.tokenizer.vocab_size)
+    return lora
 
 
 @dataclass
@@ -81,13 +82,14 @@ def client_of(request: web.Request) -> bytes | str | None:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.CompletionRequest, await read_body(request))
-    check_request(gw, req)
+    lora = await check_request(gw, req)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     prompts = [await _completion_prompt(gw, p, req.echo, max_len) for p in req.prompts]
     spec, param = requested_grammar(req, gw.grammars.budgets)
     if spec is not None:
         await gw.check_grammar(spec, param, client_of(request))
-    return await Generation(request, gw, req, "completion", prompts, grammar=spec, grammar_param=param).run()
+    return await Generation(request, gw, req, "completion", prompts, grammar=spec, grammar_param=param,
+                            lora=lora).run()
 
 
 @dataclass
@@ -138,9 +140,9 @@ async def plan_chat(gw: Gateway, req: P.ChatCompletionRequest, messages: list[di
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     req = P.parse_body(P.ChatCompletionRequest, await read_body(request))
-    check_request(gw, req)
+    lora = await check_request(gw, req)
     plan = await plan_chat(gw, req, [m.model_dump(exclude_none=True) for m in req.messages], client_of(request))
-    return await Generation(request, gw, req, "chat", [Prompt(plan.prompt_ids)], plan=plan).run()
+    return await Generation(request, gw, req, "chat", [Prompt(plan.prompt_ids)], plan=plan, lora=lora).run()
 
 
 class Generation:
@@ -148,8 +150,10 @@ class Generation:
 
     def __init__(self, request: web.Request, gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest,
                  kind: str, prompts: list[Prompt], grammar: GrammarSpec | None = None,
-                 plan: ChatPlan | None = None, grammar_param: str | None = None):
+                 plan: ChatPlan | None = None, grammar_param: str | None = None, lora: LoraRef | None = None):
         self.request = request
+        self.lora = lora  # the LoRA adapter its `model` names (None: the base model)
+        self.model_name = lora.name if lora is not None else gw.model_name  # what the response says it ran
         # what the output must follow (checked by the engine already), and the field that asked for it
         self.grammar = plan.grammar if plan is not None else grammar
         self.grammar_param = plan.grammar_param if plan is not None else grammar_param
@@ -273,7 +277,7 @@ class Generation:
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
                                          self.req.priority, arrival_wall, self.grammar, tenant.name, tenant.weight,
-                                         tenant.cache_scope, self.req.cache_salt or ""))
+                                         tenant.cache_scope, self.req.cache_salt or "", lora=self.lora))
         self.stream = gw.backend.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
@@ -488,7 +492,7 @@ class Generation:
         if failed:
             bad_input = (o for o in failed if o.error_kind in (ERROR_REJECTED, ERROR_GRAMMAR))
             raise self.failure(next(bad_input, failed[0]))
-        model = self.gw.model_name
+        model = self.model_name
         returned = (best_of(self.outputs, self.per_prompt, self.req.n) if self.per_prompt > self.req.n
                     else self.outputs)
         if self.kind == "chat":
@@ -531,7 +535,7 @@ class Generation:
         self.stream.max_events = settings.stream_buffer_events
         self.stream.on_overflow = lambda: drop(self.request)
         include_usage, continuous_usage = self.req.include_usage, self.req.continuous_usage
-        model = self.gw.model_name
+        model = self.model_name
         chat = self.kind == "chat"
         chunk = P.chat_chunk if chat else P.completion_chunk
         readers = {o.index: self.reader() for o in self.outputs} if chat else {}

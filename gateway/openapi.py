@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
+from gateway.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses_protocol import ResponsesRequest
 from gateway.structured import GrammarBudgets
@@ -48,7 +49,8 @@ def _with_grammar_budgets(request: dict, budgets: GrammarBudgets) -> None:
 def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
     budgets = budgets or GrammarBudgets.defaults()
     _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest)],
+                                                              ResponsesRequest, TokenizeRequest, DetokenizeRequest,
+                                                              LoadLoraAdapterRequest, UnloadLoraAdapterRequest)],
                                  ref_template=_REF)
     schemas = dict(defs.get("$defs", {}))
     for request in ("CompletionRequest", "ChatCompletionRequest"):
@@ -103,6 +105,14 @@ def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
                          "responses": {"200": _json({"type": "object"}, answer),
                                        **{str(c): errors[str(c)] for c in statuses}}}}
 
+    def post_text(summary: str, schema: str, statuses: tuple[int, ...]) -> dict:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": {"$ref": _REF.format(model=schema)}}}},
+                         "responses": {"200": {"description": "done: vLLM's `Success: ...` text",
+                                               "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                       **{str(c): errors[str(c)] for c in statuses}}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "phaseserve gateway", "version": __version__,
@@ -134,10 +144,10 @@ def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
                 "responses": {"200": _json({"type": "object"}, "the Response, status cancelled"),
                               "400": _json("#/components/schemas/Error", "the response has ended"),
                               "404": not_found}}},
-            "/v1/models": {"get": {"summary": "List the served model",
+            "/v1/models": {"get": {"summary": "List the served model and its LoRA adapters",
                                    "responses": {"200": _json({"type": "object"}, "model list")}}},
             "/v1/models/{model}": {"get": {
-                "summary": "The served model's card",
+                "summary": "The served model's card, or a LoRA adapter's",
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json({"type": "object"}, "model card"), "404": errors["404"]}}},
             "/tokenize": post_json("Tokenize a prompt, or messages through the chat template (vLLM's shape)",
@@ -145,6 +155,11 @@ def openapi_document(budgets: GrammarBudgets | None = None) -> dict:
                                    (400, 404, 408, 413)),
             "/detokenize": post_json("Token ids to text (vLLM's shape)", "DetokenizeRequest", "{prompt}",
                                      (400, 404, 408, 413)),
+            "/v1/load_lora_adapter": post_text(
+                "Serve a LoRA adapter (a PEFT folder every worker can read) as the model `lora_name` (vLLM's)",
+                "LoadLoraAdapterRequest", (400, 413)),
+            "/v1/unload_lora_adapter": post_text("Stop serving the LoRA adapter `lora_name` (vLLM's)",
+                                                 "UnloadLoraAdapterRequest", (400, 404, 413)),
             "/version": {"get": {"summary": "The server's version",
                                  "responses": {"200": _json({"type": "object"}, "{version}")}}},
             "/health": {"get": {"summary": "The stack as this gateway sees it: ok or degraded (200, with the "

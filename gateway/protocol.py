@@ -380,6 +380,11 @@ def model_card(model: str, created: int, max_model_len: int | None) -> dict:
     return card
 
 
+def lora_model_card(name: str, path: str, base_model: str, created: int, max_model_len: int | None) -> dict:
+    """A LoRA adapter's card, as vLLM writes it: `root` its folder, `parent` the base model."""
+    return {**model_card(name, created, max_model_len), "root": path, "parent": base_model}
+
+
 def models_response(model: str, created: int, max_model_len: int | None) -> dict:
     return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 

@@ -51,7 +51,7 @@ def _response_object(gw: Gateway, req: ResponsesRequest, response_id: str, creat
     return {
         "id": response_id, "object": "response", "created_at": created, "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "model": gw.model_name, "output": [],
+        "max_output_tokens": req.max_output_tokens, "model": req.model or gw.model_name, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
@@ -219,10 +219,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     items = history + req.input_items()
     try:
         chat = chat_request(req, chat_messages(req.instructions, items))
-        check_request(gw, chat)
+        lora = await check_request(gw, chat)
         plan = await plan_chat(gw, chat, [m.model_dump(exclude_none=True) for m in chat.messages],
                                client_of(request))
-        gen = Generation(request, gw, chat, "chat", [Prompt(plan.prompt_ids)], plan=plan)
+        gen = Generation(request, gw, chat, "chat", [Prompt(plan.prompt_ids)], plan=plan, lora=lora)
         run = ResponseRun(request, gw, req, gen, items, owner)
         if req.background:
             return web.json_response(await run.start_background())

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.backend import Backend, DeliveryConfig
 from gateway.metrics import GatewayMetrics
+from gateway.lora_registry import LoraRegistry
 from gateway.prompt_encoder import PromptEncoder
 from gateway.quotas import Quotas
 from gateway.structured import GrammarBudgets, GrammarChecker
@@ -54,6 +55,8 @@ class Gateway:
         self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl,
                                        self.backend.replicas_to_wait_for, self.backend.wait_timeout_ms)
         self.metrics = GatewayMetrics(self.model_name)
+        self.loras = LoraRegistry(self.backend.redis, self.keys.lora_adapters(), self.model_name,
+                                  settings.max_lora_rank)
         self.max_in_flight = settings.max_waiting_requests
         self.in_flight = 0
         self.max_queued_prompt_tokens = settings.max_queued_prompt_tokens

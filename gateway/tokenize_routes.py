@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Field, model_validator
 
-from gateway.errors import bad_request, model_not_found, read_body
+from gateway.errors import bad_request, read_body
 from gateway.limits import MAX_DETOKENIZE_TOKENS
 from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
 from gateway.state import GATEWAY, Gateway
@@ -50,15 +50,15 @@ class DetokenizeRequest(StrictModel):
     tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
-def _check_model(gw: Gateway, model: str | None) -> None:
-    if model is not None and model != gw.model_name:
-        raise model_not_found(model)
+async def _check_model(gw: Gateway, model: str | None) -> None:
+    """404 unless `model` is unset, the base model or one of its LoRA adapters (they share its tokenizer)."""
+    await gw.loras.resolve(model)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse_body(TokenizeRequest, await read_body(request))
-    _check_model(gw, req.model)
+    await _check_model(gw, req.model)
     max_len = gw.max_model_len(await gw.backend.alive_workers())
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -78,7 +78,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse_body(DetokenizeRequest, await read_body(request))
-    _check_model(gw, req.model)
+    await _check_model(gw, req.model)
     outside = [t for t in req.tokens if t >= gw.tokenizer.vocab_size]
     if outside:
         raise bad_request(f"'tokens' has token ids outside the vocabulary (size {gw.tokenizer.vocab_size}): "

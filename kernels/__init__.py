@@ -30,7 +30,8 @@ log = structlog.get_logger(__name__)
 
 _OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache", "rotary_and_write_kv", "paged_attention",
         "argmax", "sample", "pack_quantized", "quant_linear", "int8_activations_available", "pack_bf16_linear", "bf16_linear",
-        "pack_bf16_weight_f32", "bf16_weight_linear_f32", "decode_layer_available", "decode_layer", "DecodeLayers")
+        "pack_bf16_weight_f32", "bf16_weight_linear_f32", "decode_layer_available", "decode_layer", "DecodeLayers",
+        "lora_add", "LORA_TILE_ROWS")
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
@@ -504,6 +505,29 @@ def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | 
     if x.stride(-1) != 1:
         x = x.contiguous()
     return _native_bf16_gemm().bf16_linear(x, weight.data, bias, weight.shape[0])
+
+
+LORA_TILE_ROWS = reference.LORA_TILE_ROWS
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
+             groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    # the torch reference on every device: its batched matmuls are small next to the linear they follow
+    # (rank <= --max-lora-rank), and it keeps a row's bits whatever shares its step (docs/lora.md).
+    # On CPU on one thread: matmuls this small gain nothing from a second one, and an OpenMP region waits
+    # for every thread (on a busy machine, for a thread that is not running); and a row's bits then never
+    # depend on the thread count.
+    threads = torch.get_num_threads() if not x.is_cuda else 1
+    if threads == 1:
+        return reference.lora_add(y, x, rows, keep, dest, groups)
+    torch.set_num_threads(1)
+    try:
+        return reference.lora_add(y, x, rows, keep, dest, groups)
+    finally:
+        torch.set_num_threads(threads)
+
+
+lora_add.__doc__ = reference.lora_add.__doc__
 
 
 __all__ = list(_OPS) + ["decode_reads_own_lengths", "native_quant_available", "native_quant_kernel"]

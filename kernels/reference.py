@@ -429,3 +429,34 @@ def _top_k_top_p_prefix(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -
     thresh = sorted_x.gather(1, keep_sorted.sum(dim=1, keepdim=True) - 1)
     thresh = torch.where(whole & (tp >= 1.0), float("-inf"), thresh)  # unfiltered rows keep everything
     return x.masked_fill(x < thresh, float("-inf"))
+
+
+# Rows per tile of lora_add: every tile's matmuls have this many rows, whatever the step holds, so a row's
+# product never depends on how many rows share its adapter (one numerics; tests/test_lora.py).
+LORA_TILE_ROWS = 4
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
+             groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The LoRA adapters' low-rank products added to a linear's output, per group of rows (punica's
+    shrink-expand; base-model rows are in no group and keep their bits): y[dest] += (x[rows] @ a) @ b per
+    tile, in place, returns y.
+
+    x [T, in], y [T, out] (the linear's input and output over the packed rows); rows [tiles * LORA_TILE_ROWS]:
+    the packed row of each tile slot (a group's last tile padded with any of its rows); groups: (first tile,
+    end tile, a, b), float32, the scaling folded into b: one adapter over the tiles (a [in, R], b [R, out]), or
+    one adapter per tile (a [tiles, in, R], b [tiles, R, out]); keep: the slots holding
+    real rows, dest: their rows of y, in the same order (each row once). Every tile is one matrix of a batched
+    matmul of fixed shape (the adapter's matrices expanded over the group's tiles, not copied), in float32
+    whatever y's dtype (CPU bf16 bmm and index_add_ are slow paths); the sum is rounded once to y's dtype."""
+    tiles = rows.shape[0] // LORA_TILE_ROWS
+    xs = x.index_select(0, rows).float().view(tiles, LORA_TILE_ROWS, x.shape[1])
+    delta = torch.empty(tiles, LORA_TILE_ROWS, groups[0][3].shape[-1], dtype=torch.float32, device=x.device)
+    for start, end, a, b in groups:
+        if a.dim() == 2:  # one adapter over the group's tiles
+            a, b = a.expand(end - start, -1, -1), b.expand(end - start, -1, -1)
+        torch.bmm(torch.bmm(xs[start:end], a), b, out=delta[start:end])
+    delta = delta.view(tiles * LORA_TILE_ROWS, -1).index_select(0, keep)
+    out = y.index_select(0, dest)
+    out = out.add_(delta) if out.dtype == torch.float32 else (out.float() + delta).to(y.dtype)
+    return y.index_copy_(0, dest, out)

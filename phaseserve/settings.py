@@ -18,6 +18,7 @@ from phaseserve.models import model_source
 from phaseserve.models.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
 from phaseserve.itl_target import ItlTarget, parse_itl_target
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
+from phaseserve.lora import DEFAULT_MAX_LORA_RANK, parse_lora_module
 
 
 def parse_size(text: str | int) -> int:
@@ -60,6 +61,15 @@ def parse_itl_target_arg(text: str | ItlTarget) -> ItlTarget:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def lora_module_arg(text: str) -> str:
+    """One --lora-modules value, checked (`name=path` or vLLM's JSON form) and kept as given."""
+    try:
+        parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parse_speculative_config_arg(text: str) -> SpeculativeConfig | None:
     try:
         return parse_speculative_config(text)
@@ -79,6 +89,9 @@ class Setting:
     # `up` hands it to its children in their environment, not on their command lines (which every local
     # user can read in /proc/<pid>/cmdline)
     secret: bool = False
+    # takes several values (vLLM's `--lora-modules a=PATH b=PATH`, or the flag repeated; whitespace-separated
+    # in the environment variable): a list
+    repeatable: bool = False
 
     @property
     def flag(self) -> str:
@@ -300,6 +313,20 @@ SETTINGS: list[Setting] = [
             "--kv-cache-memory); each decode verifies up to that many tokens the worker proposes, and the scheduler chooses fewer (or none) per sequence and step from measured "
             "acceptance and the worker's learned step cost (\"adaptive\": false: always the most); off when unset "
             "(docs/speculative.md)", ("worker", "up")),
+    Setting("lora_modules", "PHASESERVE_LORA_MODULES", None, lora_module_arg,
+            "LoRA adapters served as models from the start, vLLM's form `name=PATH` (or JSON {\"name\": ..., "
+            "\"path\": ...}), several allowed: PEFT folders (adapter_config.json + adapter_model.safetensors) "
+            "that every worker can read (a shared volume across hosts); more are loaded and unloaded at run time "
+            "by POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md)", ("gateway", "up"),
+            repeatable=True),
+    Setting("max_loras", "PHASESERVE_MAX_LORAS", 8, int,
+            "LoRA adapters a worker keeps loaded; past it the least recently used is dropped (and loaded again "
+            "from its folder when a request needs it); a step needing more holds them all until it ends",
+            ("worker", "up")),
+    Setting("max_lora_rank", "PHASESERVE_MAX_LORA_RANK", DEFAULT_MAX_LORA_RANK, int,
+            "the highest LoRA rank served (a higher one is refused when loaded); every adapter is padded to it "
+            "so the LoRA op's shapes never depend on the batch (one numerics): keep it as low as the adapters "
+            "allow", ("gateway", "worker", "up")),
     Setting("heartbeat_interval", "PHASESERVE_HEARTBEAT_INTERVAL", 1.0, float,
             "seconds between worker heartbeats", ("worker", "scheduler", "up")),
     Setting("heartbeat_ttl", "PHASESERVE_HEARTBEAT_TTL", 5.0, float,
@@ -343,9 +370,15 @@ def settings_for(service: str) -> list[Setting]:
 def add_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     """Add the flags of `service`; defaults come from the environment, then the table."""
     for s in settings_for(service):
-        default = s.type(os.environ[s.env]) if s.env in os.environ else s.default
+        env = os.environ.get(s.env)
+        if s.repeatable:
+            default = [s.type(v) for v in env.split()] if env else []
+        else:
+            default = s.type(env) if env is not None else s.default
         kwargs: dict[str, Any] = dict(default=default, help=help_text(s, default))
-        if s.type is parse_bool:
+        if s.repeatable:
+            kwargs.update(type=s.type, nargs="+", action="extend")
+        elif s.type is parse_bool:
             kwargs.update(type=parse_bool, nargs="?", const=True, metavar="BOOL")
         else:
             kwargs.update(type=s.type)

@@ -119,6 +119,12 @@ class Keys:
         resume token (gateway/sse_ids.py), shared by the stack's gateways."""
         return f"{self.prefix}:resume-secret"
 
+    def lora_adapters(self) -> str:
+        """Hash: LoRA adapter name -> its LoraRef (msgpack), the adapters the stack serves as models: written by
+        the gateway (--lora-modules at start, POST /v1/load_lora_adapter and unload), so every gateway knows
+        them (docs/lora.md)."""
+        return f"{self.prefix}:lora:adapters"
+
     def key_usage(self, key_name: str) -> str:
         """Hash: one API key's usage so far (requests, prompt, cached and completion tokens), added to by every
         gateway as its requests end; read by GET /v1/usage (docs/tenants.md)."""
@@ -411,6 +417,21 @@ class GrammarSpec(Record):
 
 
 @dataclass
+class LoraRef(Record):
+    """A LoRA adapter a sequence runs with: its served name and the folder (PEFT's adapter_config.json and
+    adapter_model.safetensors) every worker loads it from. `name` and `path` together are its identity: the
+    prefix cache keys blocks by them (an adapter reloaded from another folder under the same name shares
+    nothing with the old one), and a worker keeps an adapter loaded under them."""
+
+    name: str
+    path: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}\0{self.path}"
+
+
+@dataclass
 class SubmitRequest(Message):
     """One sequence to generate (a request with n > 1 is n of these)."""
 
@@ -429,6 +450,7 @@ class SubmitRequest(Message):
     tenant_weight: float = sent_if_set(1.0)
     cache_scope: str = sent_if_set("")
     cache_salt: str = sent_if_set("")
+    lora: LoraRef | None = sent_if_set(None)  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass
@@ -468,6 +490,7 @@ class SeqStart(Record):
     # the request's grammar: the worker builds the matcher and advances it over output_ids (a recompute or a
     # handed-over sequence continues valid)
     grammar: GrammarSpec | None = sent_if_set(None)
+    lora: LoraRef | None = sent_if_set(None)  # its LoRA adapter: the worker loads it on demand (workers/lora.py)
 
     @property
     def num_tokens(self) -> int:
@@ -697,6 +720,9 @@ class WorkerInfo(Message):
     speculative_fixed: bool = sent_if_set(False)
     # the CPU threads its model runs with (torch's; 0: unknown, or CUDA), for people (the live view)
     threads: int = sent_if_set(0)
+    # how many LoRA adapters it keeps loaded (--max-loras; docs/lora.md): the scheduler, which sends it every
+    # sequence's adapter, follows which ones it holds and routes a sequence to a worker holding its own
+    max_loras: int = sent_if_set(0)
 
 
 # --------------------------------------------------------------- delivery (gateway side)

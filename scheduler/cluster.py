@@ -27,8 +27,9 @@ from phaseserve.wire import (
 from phaseserve.stack_view import (
     STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
 )
+from scheduler.lora_routing import AdapterRecency
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts, scope_seed
+from scheduler.prefix_cache import RecentPrompts, request_seed
 from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
@@ -79,6 +80,7 @@ class WorkerSlot:
     drain_deadline: float | None = None  # draining: when its running sequences are handed back (monotonic)
     handing_back: bool = False  # the deadline passed: no more plans; the rest moves once none is in flight
     drained: bool = False  # told it holds nothing and may exit
+    loras: AdapterRecency = field(default_factory=AdapterRecency)  # the LoRA adapters it holds (lora_routing.py)
 
     @property
     def draining(self) -> bool:
@@ -227,7 +229,7 @@ class Cluster:
         self.adoptions += 1
         policy = WorkerPolicy(cfg, info.worker_id, first_step_id=self.adoptions * STEP_IDS_PER_ADOPTION,
                               transfer_prefix=f"{epoch}-{self.adoptions}")
-        slot = self.workers[info.worker_id] = WorkerSlot(info, policy)
+        slot = self.workers[info.worker_id] = WorkerSlot(info, policy, loras=AdapterRecency(info.max_loras))
         self.stats_dirty = True
         log.info("worker joined", worker_id=info.worker_id, model=info.model, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len,
@@ -316,16 +318,19 @@ class Cluster:
                     s.policy.num_waiting + s.policy.num_running, -s.policy.num_free_blocks,
                     s.last_admission, s.info.worker_id)
         tokens = list(req.prompt_ids) + list(output_ids or ())
-        seed = scope_seed(req.cache_scope, req.cache_salt)
+        seed = request_seed(req)
         cached = {s.info.worker_id: s.policy.num_cached_tokens(tokens, seed) for s in fits}
-        if not any(cached.values()):
+        adapter = req.lora.key if req.lora is not None else None
+        holds = {s.info.worker_id: s.loras.holds(adapter) for s in fits}
+        if not any(cached.values()) and not any(holds.values()):
             return min(fits, key=by_load)
-        # the longest cached prefix among the workers loaded within a slack of the least loaded one
+        # the longest cached prefix, then the request's LoRA adapter loaded, among the workers loaded within a
+        # slack of the least loaded one
         loads = {s.info.worker_id: s.policy.num_waiting + s.policy.num_running for s in fits}
         least = min(loads.values())
         slack = max(PREFIX_SLACK_SEQS, least)
         near = [s for s in fits if loads[s.info.worker_id] <= least + slack]
-        return min(near, key=lambda s: (-cached[s.info.worker_id], *by_load(s)))
+        return min(near, key=lambda s: (-cached[s.info.worker_id], not holds[s.info.worker_id], *by_load(s)))
 
     def place_parked(self) -> None:
         parked, self.parked = self.parked, []
@@ -348,6 +353,7 @@ class Cluster:
             self.fail_request(req, str(e), ERROR_REJECTED if rejected else None)
             return False
         self.owner[req.request_id] = slot.info.worker_id
+        slot.loras.use(req.lora.key if req.lora is not None else None)
         self.admissions += 1
         slot.last_admission = self.admissions
         if self.limits.enable_prefix_caching and not output_ids:
@@ -364,7 +370,7 @@ class Cluster:
         has little of it cached: where the two first differ (a chat template writing an early token
         differently, a timestamp in a system prompt) is what a user cannot see from the hit rate."""
         prompt = req.prompt_ids
-        seed = scope_seed(req.cache_scope, req.cache_salt)
+        seed = request_seed(req)
         other, first, agreed = self.recent_prompts.most_similar(prompt, seed)
         self.recent_prompts.add(req.request_id, prompt, seed)
         if agreed < SHARED_PREFIX_LOG_TOKENS:

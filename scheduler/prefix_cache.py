@@ -24,14 +24,21 @@ import numpy as np
 BlockHash = bytes
 
 
-def scope_seed(scope: str, salt: str) -> BlockHash:
+def scope_seed(scope: str, salt: str, lora: str = "") -> BlockHash:
     """What a sequence's first block name is chained to: its cache scope (the tenant, or a group of tenants the
-    operator lets share) and its request's `cache_salt`. So blocks are shared only within one scope and salt,
-    and a tenant can neither hit nor probe another's prefixes (docs/tenants.md). b"" without either: names
-    are what they were before tenants."""
-    if not scope and not salt:
+    operator lets share), its request's `cache_salt` and its LoRA adapter (LoraRef.key; an adapter computes
+    other KV from the same tokens, docs/lora.md). So blocks are shared only within one scope, salt and
+    adapter, and a tenant can neither hit nor probe another's prefixes (docs/tenants.md). b"" without any:
+    names are what they were before tenants (and a scope without an adapter is named as before adapters)."""
+    if not scope and not salt and not lora:
         return b""
-    return hashlib.sha256(b"phaseserve cache scope\0" + scope.encode() + b"\0" + salt.encode()).digest()
+    seed = b"phaseserve cache scope\0" + scope.encode() + b"\0" + salt.encode()
+    return hashlib.sha256(seed + (b"\0lora\0" + lora.encode() if lora else b"")).digest()
+
+
+def request_seed(req) -> BlockHash:
+    """scope_seed of a SubmitRequest: its cache scope, salt and LoRA adapter."""
+    return scope_seed(req.cache_scope, req.cache_salt, req.lora.key if req.lora is not None else "")
 
 
 def block_hashes(token_ids: list[int], block_size: int, start_block: int = 0,

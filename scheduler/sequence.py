@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
-from scheduler.prefix_cache import scope_seed
+from scheduler.prefix_cache import request_seed
 from scheduler.speculation import Acceptance
 
 
@@ -64,8 +64,8 @@ class Sequence:
 
     @property
     def cache_seed(self) -> bytes:
-        """What the name of its first block is chained to: its cache scope and salt (none: b"")."""
-        return scope_seed(self.request.cache_scope, self.request.cache_salt)
+        """What the name of its first block is chained to: its cache scope, salt and LoRA adapter (none: b"")."""
+        return request_seed(self.request)
 
     @property
     def priority(self) -> int:
@@ -107,7 +107,7 @@ class Sequence:
     def seq_start(self, num_cached: int = 0, cached_tokens: int = 0) -> SeqStart:
         r = self.request
         return SeqStart(r.request_id, r.gateway_id, list(r.prompt_ids), r.params, list(self.output_ids),
-                        num_cached, self.kv_send, cached_tokens, r.grammar)
+                        num_cached, self.kv_send, cached_tokens, r.grammar, r.lora)
 
 
 def by_rank(seq: Sequence) -> tuple:

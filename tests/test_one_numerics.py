@@ -26,7 +26,7 @@ from kernels import cpu_isa, native
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
-from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
+from phaseserve.wire import LoraRef, ScheduledChunk, SeqStart, StepPlan
 from workers.runner import ModelRunner
 
 LENGTH = 700  # two attention partitions (512 keys each)
@@ -64,6 +64,7 @@ class Path:
     prompt_len: int | None = None  # < len(tokens): the rest are outputs (a recompute)
     num_cached: int = 0  # positions already in its blocks (a reused prefix)
     after: str | None = None  # starts once this sequence has computed all its tokens
+    lora: LoraRef | None = None  # its LoRA adapter
     computed: int = field(default=0, init=False)
     sizes: object = field(default=None, init=False)
 
@@ -111,7 +112,8 @@ def run_paths(runner: ModelRunner, paths: list[Path]) -> dict[tuple[str, int], l
             if p.after is None or p.after in done:
                 waiting.remove(p)
                 prompt = p.tokens[:p.prompt_len] if p.prompt_len else p.tokens
-                starts.append(SeqStart(p.seq_id, "gw", prompt, GREEDY, p.tokens[len(prompt):], num_cached=p.num_cached))
+                starts.append(SeqStart(p.seq_id, "gw", prompt, GREEDY, p.tokens[len(prompt):], num_cached=p.num_cached,
+                                       lora=p.lora))
                 p.computed = p.num_cached
                 live.append(p)
         if not live:
@@ -195,3 +197,50 @@ def test_every_path_gives_a_position_the_same_logits(tmp_path_factory, monkeypat
         assert all(computed[p.seq_id] == list(range(len(p.tokens))) for p in paths if p.num_cached == 0)
     # float32 with int4 weights packed for int8 activations, no biases (llama): its decode steps took that path
     assert bool(one_call) == (level == "avx2" and quantization == "int4" and model == "llama")
+
+
+def test_lora_rows_keep_one_numerics(tmp_path_factory, monkeypatch, level):
+    """The paths above with a LoRA adapter (trained with peft) on one sequence and another adapter on the
+    other, beside each other in every step: each position's logits have the bits of its sequence's one
+    prefill alone with its adapter. At the avx2 level with int4 weights, decode steps holding LoRA rows run
+    layer by layer (kernels.DecodeLayers takes no adapter), and their rows still have those bits."""
+    from lora_factory import make_adapter
+
+    dtype = LEVELS[level][0]
+    kind, overrides = MODELS["llama"]
+    path = make_model(tmp_path_factory.mktemp("one_numerics"), kind, dtype=dtype, **overrides)
+    out = tmp_path_factory.mktemp("one_numerics_adapters")
+    lora_a = LoraRef("a", str(make_adapter(path, out, seed=3, steps=5)))
+    lora_b = LoraRef("b", str(make_adapter(path, out, seed=4, target_modules=("q_proj", "down_proj"), r=4,
+                                           steps=5)))
+    # int4 weights at the avx2 level: the model whose base decode steps run in one native call
+    runner = ModelRunner(path, dtype=dtype, num_blocks=16 * 46, quantization="int4" if level == "avx2" else "none")
+    bs = runner.block_size
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(3, runner.vocab_size, (LENGTH,), generator=g).tolist()
+    other = tokens[:PREFIX] + torch.randint(3, runner.vocab_size, (LENGTH - PREFIX,), generator=g).tolist()
+
+    def with_adapters(paths: list[Path]) -> list[Path]:
+        for p in paths:  # `other` with adapter b but where it reuses a's prefix (it must then be a's too)
+            p.lora = lora_b if p.seq_id == "other-whole" else lora_a
+        return paths
+
+    with torch_threads(1):
+        ref_paths = with_adapters(_paths(tokens, other, bs)[0])
+        alone = run_paths(runner, [p for p in ref_paths if p.seq_id == "whole"])
+        alone |= run_paths(runner, [p for p in ref_paths if p.seq_id == "other-whole"])
+    one_call = []
+    decode_layers = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda *a: one_call.append(1) or decode_layers(*a))
+    for threads in (1, 2):
+        with torch_threads(threads):
+            paths, seq_of = _paths(tokens, other, bs)
+            record = run_paths(runner, with_adapters(paths))
+        for (seq_id, pos), rows in record.items():
+            want = alone[("other-whole", pos) if seq_id == "other-whole" else ("whole", pos)][0] \
+                if seq_of[seq_id] is tokens or seq_id == "other-whole" else None
+            if want is None:  # prefix-reused: `other`'s tokens with adapter a, no reference of its own here
+                continue
+            for got in rows:
+                assert torch.equal(got, want), f"{seq_id} at position {pos} on {threads} threads"
+    assert not one_call  # every step held LoRA rows

@@ -10,8 +10,10 @@ from test_scheduler_cluster import KEYS
 from test_scheduler_policy import VOCAB, FakeWorker
 
 from phaseserve.params import SamplingParams
-from phaseserve.wire import SubmitRequest, WorkerInfo
+from phaseserve.wire import LoraRef, SubmitRequest, WorkerInfo
 from scheduler.cluster import Cluster, PolicyLimits
+from scheduler.lora_routing import DEFAULT_MAX_LORAS, AdapterRecency
+from scheduler.prefix_cache import request_seed, scope_seed
 
 
 def info(wid: str, num_blocks: int = 256, started_at: float = 1.0) -> WorkerInfo:
@@ -178,3 +180,60 @@ def test_a_prompt_that_shares_a_long_prefix_but_missed_the_cache_says_where_they
     line = lines[0]
     assert line["request_id"] == "r2" and line["similar_request_id"] == "r1" and line["first_difference"] == 40
     assert line["cached_tokens"] == 32 and line["tokens_in_common"] == 150 and line["log_level"] == "debug"
+
+
+def lora_req(rid: str, prompt: list[int], adapter: str | None, max_tokens: int = 6) -> SubmitRequest:
+    lora = LoraRef(adapter, f"/adapters/{adapter}") if adapter else None
+    return SubmitRequest(rid, "gw", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), lora=lora)
+
+
+def test_blocks_are_named_with_the_adapter_so_none_is_shared_between_adapters():
+    sim = Sim("a")
+    c = sim.cluster
+    prompt = tokens("shared", 100)
+    c.admit(lora_req("x", prompt, "sql"))
+    while c.owner:
+        sim.step()
+    policy = c.workers["a"].policy
+
+    def cached(adapter: str | None, path: str | None = None) -> int:
+        return policy.num_cached_tokens(prompt, request_seed(lora_req("probe", prompt, adapter)) if path is None
+                                        else scope_seed("", "", LoraRef(adapter, path).key))
+
+    assert cached("sql") == 96
+    assert cached(None) == 0 and cached("chat") == 0
+    assert cached("sql", "/elsewhere/sql") == 0  # the same name from another folder is another adapter
+    for rid, adapter in (("base", None), ("chat", "chat"), ("sql-again", "sql")):
+        c.admit(lora_req(rid, prompt, adapter))
+    while c.owner:
+        sim.step()
+    assert cached(None) == 96 and cached("chat") == 96
+    # a tenant's scope and an adapter together: a seed of its own, and the base model's names are unchanged
+    assert scope_seed("team-a", "", "k") not in (scope_seed("team-a", ""), scope_seed("", "", "k"))
+    assert scope_seed("", "") == b""
+
+
+def test_a_request_goes_to_a_worker_holding_its_adapter_within_the_load_slack():
+    sim = Sim("a", "b")
+    c = sim.cluster
+    c.admit(lora_req("first", tokens("p1", 20), "sql"))
+    assert c.owner["first"] == "a"
+    c.admit(lora_req("other", tokens("p2", 20), None))
+    assert c.owner["other"] == "b"  # the least loaded, with no adapter to prefer a worker
+    # b is idle but a holds the adapter: within the slack, a
+    for i in range(3):
+        c.admit(lora_req(f"more{i}", tokens(f"p3{i}", 20), "sql"))
+    assert [c.owner[f"more{i}"] for i in range(3)] == ["a", "a", "a"]
+    # past the slack (a holds 5 sequences more than b's 1), load wins: b gets it, and holds the adapter then
+    for i in range(2):
+        c.workers["a"].policy.add_request(lora_req(f"load{i}", tokens(f"p4{i}", 20), None))
+    c.admit(lora_req("spill", tokens("p5", 20), "sql"))
+    assert c.owner["spill"] == "b" and c.workers["b"].loras.holds(LoraRef("sql", "/adapters/sql").key)
+
+
+def test_a_worker_forgets_the_least_recently_used_adapters_past_its_max_loras():
+    recency = AdapterRecency(2)
+    for key in ("a", "b", "a", "c"):
+        recency.use(key)
+    assert recency.keys() == ["a", "c"] and not recency.holds("b") and not recency.holds(None)
+    assert AdapterRecency(0).limit == DEFAULT_MAX_LORAS  # an older worker that does not say

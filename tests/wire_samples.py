@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 from phaseserve.params import SamplingParams
-from phaseserve.wire import (CancelRequest, GatewayInfo, KVHandoffResult, KVReceive, KVSend, ScheduledChunk,
-                             SeqStart, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent,
-                             WorkerInfo)
+from phaseserve.wire import (CancelRequest, GatewayInfo, KVHandoffResult, KVReceive, KVSend, LoraRef,
+                             ScheduledChunk, SeqStart, SequenceProgress, StepPlan, StepResult, SubmitRequest,
+                             TokenBatch, TokenEvent, WorkerInfo)
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop_token_ids=[2, 3],
                         logprobs=2, min_tokens=1)
@@ -41,6 +41,11 @@ def samples() -> dict[str, bytes]:
         "worker": WorkerInfo("w0", "mixed", "m", 64, 16, 2048, 77, 1.5, 900, "host-a", True, "bfloat16", "avx2",
                              {"attention": "native avx2"}, 32000).to_wire(),
         "worker_defaults": WorkerInfo("w1", "decode", "m", 8, 16, 256).to_wire(),
+        # the LoRA fields (sent only when set): a request for an adapter, its start on a worker, a worker holding it
+        "submit_lora": SubmitRequest("r3", "gw0", [4], SamplingParams(), lora=LoraRef("sql", "/a/sql")).to_wire(),
+        "plan_lora": StepPlan(10, "w0", [SeqStart("s7", "gw0", [4], SamplingParams(),
+                                                  lora=LoraRef("sql", "/a/sql"))]).to_wire(),
+        "worker_lora": WorkerInfo("w2", "mixed", "m", 8, 16, 256, max_loras=4).to_wire(),
         "gateway": GatewayInfo("gw0", 55, 3.25, 4.0, 9.0).to_wire(),
     }
 

@@ -18,6 +18,7 @@ import kernels
 from kernels.native_quant_i8 import PackedQuantI8Weight
 from workers.kv_cache import KVCache
 from workers.loader import ModelConfig, ModelLoadError
+from workers.lora import LoraStep
 from workers.quantization import Quantization, embed
 
 log = structlog.get_logger(__name__)
@@ -44,6 +45,8 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[AttentionGroup]
     logits_indices: torch.Tensor  # [R] int64: the packed rows whose next token is sampled, ascending
+    # the step's LoRA rows by adapter (workers/lora.py); None when every row runs the base model
+    lora: LoraStep | None = None
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -76,7 +79,9 @@ def build_cos_sin_cache(cfg: ModelConfig, max_positions: int, device) -> torch.T
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, quant: Quantization):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], index: int, quant: Quantization):
+        prefix = f"model.layers.{index}."
+        self.index = index
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = w.pop(prefix + name, None)
             if t is None and required:
@@ -107,7 +112,10 @@ class DecoderLayer:
         else:
             x, residual = kernels.rms_norm(h, self.input_norm, cfg.rms_norm_eps, residual)
 
+        lora = inp.lora  # each LoRA row's low-rank product is added to the linears' outputs
         qkv = self.qkv(x)
+        if lora is not None:
+            qkv = lora.apply(qkv, x, self.index, "qkv")
         T = qkv.shape[0]
         # heads of q, k and v as views of qkv: one view and one split, fewer dispatches than a split and 3 views
         q, k, v = qkv.view(T, self.qkv_heads, cfg.head_dim).split_with_sizes(self.head_split, 1)
@@ -123,11 +131,16 @@ class DecoderLayer:
                                         g.query_start_loc, self.scale, g.max_query_len)
                 for g in groups
             ])
-        h = self.o(attn.reshape(T, self.q_size))
+        attn = attn.reshape(T, self.q_size)
+        h = self.o(attn)
+        if lora is not None:
+            h = lora.apply(h, attn, self.index, "o")
 
         x, residual = kernels.rms_norm(h, self.post_attn_norm, cfg.rms_norm_eps, residual)
-        h = self.down(kernels.silu_and_mul(self.gate_up(x)))
-        return h, residual
+        if lora is None:
+            return self.down(kernels.silu_and_mul(self.gate_up(x))), residual
+        act = kernels.silu_and_mul(lora.apply(self.gate_up(x), x, self.index, "gate_up"))
+        return lora.apply(self.down(act), act, self.index, "down"), residual
 
     def takes_decode_layer(self) -> bool:
         """True when kernels.decode_layer can run this layer: float32 norms, and every linear bias-free and packed
@@ -168,7 +181,7 @@ class LlamaFamilyModel:
         self.quantization = quantization
         self.activation_quant = quant.activation_quant  # "int8" | "none": what --activation-quant means here
         self.embed = quant.embedding(embed_weight)
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", quant) for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, w, i, quant) for i in range(cfg.num_layers)]
         self.norm = w.pop("model.norm.weight", None)
         if self.norm is None:
             raise ModelLoadError("checkpoint is missing weight model.norm.weight")
@@ -215,7 +228,9 @@ class LlamaFamilyModel:
         """Logits [R, vocab] for the rows in `inp.logits_indices`: in fp32, or with fp32=False as the lm_head
         gives them (the activations' dtype; the sampler upcasts only what it needs, a greedy batch nothing)."""
         h = embed(self.embed, inp.input_ids, self.dtype)
-        if self._decode_in_one_call(inp, h, kv):  # every layer in one native call: the same bits
+        # a step with LoRA rows runs layer by layer: the one-call decode has no place for the adapters' products
+        # (its base rows get the same bits either way)
+        if inp.lora is None and self._decode_in_one_call(inp, h, kv):  # every layer in one native call: the same bits
             g = inp.groups[0]
             h, residual = self._decode_layers(h, inp.positions, self.cos_sin_cache, kv.k, kv.v, inp.slot_mapping,
                                               g.block_tables, g.seq_lens)

@@ -19,13 +19,15 @@ import torch
 
 import kernels
 from phaseserve import grammar
+from phaseserve.lora import DEFAULT_MAX_LORA_RANK, LoraError
 from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
-from phaseserve.wire import ERROR_GRAMMAR, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
+from phaseserve.wire import ERROR_GRAMMAR, LoraRef, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
 from workers.cpu_memory import keep_heap_memory, release_free_heap
 from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
+from workers.lora import LoadedAdapters, LoraStep
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
 from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 from workers.speculation import NgramDrafts, accepted_run
@@ -96,6 +98,7 @@ class SequenceState:
     unchecked_cached: int = 0
     # a constrained sequence's matcher, built on the grammar thread (GrammarMatcher once it is done)
     matcher: Future | None = None
+    lora: LoraRef | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_outputs(self) -> int:
@@ -108,7 +111,8 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None, seed: int | None = None,
         num_threads: int | None = None, quantization: str = "auto", activation_quant: str = "auto",
-        speculative: SpeculativeConfig | dict | str | None = None,
+        speculative: SpeculativeConfig | dict | str | None = None, max_loras: int = 8,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -163,6 +167,8 @@ class ModelRunner:
                                 quantization=spec.quantization)
             self.proposer = DraftModelDrafts(draft, self)
         self.seqs: dict[str, SequenceState] = {}
+        # LoRA adapters, loaded from their folders when a sequence first needs them (docs/lora.md)
+        self.loras = LoadedAdapters(cfg, max_loras, max_lora_rank, self.device)
         # grammar matchers are built on this thread (a large grammar, or a recomputed sequence's rebuild over
         # many outputs, takes a while), beside the steps of the other sequences
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
@@ -239,6 +245,7 @@ class ModelRunner:
             num_computed=s.num_cached, cached_tokens=s.cached_tokens,
             unchecked_cached=s.num_cached if s.cached_tokens else 0,
             matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
+            lora=s.lora,
         )
 
     def _engine_tokenizer(self):
@@ -318,7 +325,7 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.forget(s.seq_id)
             self._start(s)
-            problem = self._check_start(s)
+            problem = self._check_start(s) or self._load_lora(s.lora)
             if problem:  # fails this sequence alone: its chunks are skipped below, the batch runs
                 log.error("bad sequence", seq_id=s.seq_id, error=problem)
                 self.seqs[s.seq_id].finished = True
@@ -341,7 +348,7 @@ class ModelRunner:
                 log.warning("chunk after a missing one; skipped", seq_id=c.seq_id, start_pos=c.start_pos,
                             computed=seq.num_computed, step_id=plan.step_id)
                 continue
-            problem = self._check_chunk(c, seq)
+            problem = self._check_chunk(c, seq) or self._load_lora(seq.lora)
             if problem:
                 log.error("bad chunk", seq_id=c.seq_id, error=problem)
                 seq.finished = True
@@ -363,6 +370,7 @@ class ModelRunner:
                                             (c.start_pos + c.num_tokens - 1) // self.block_size + 1])
         if chunks:
             events.extend(self._run(chunks, drafts))
+        self.loras.evict_beyond_limit({seq.lora.key for c in chunks if (seq := self.seqs[c.seq_id]).lora})
         num_tokens = sum(c.num_tokens for c in chunks)
         # a speculating worker reports every step's shape: the scheduler learns a verification's extra cost
         # against the steps without one
@@ -426,6 +434,17 @@ class ModelRunner:
             return f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
+    def _load_lora(self, ref: LoraRef | None) -> str | None:
+        """Why the sequence's adapter cannot be loaded (its folder gone or changed since the gateway checked
+        it), or None: loaded, and now the most recently used."""
+        if ref is None:
+            return None
+        try:
+            self.loras.get(ref)
+        except LoraError as e:
+            return f"LoRA adapter {ref.name!r}: {e}"
+        return None
+
     def _check_chunk(self, c: ScheduledChunk, seq: SequenceState) -> str | None:
         end = c.start_pos + c.num_tokens
         if c.num_tokens < 1 or c.start_pos < 0 or end > len(seq.token_ids):
@@ -468,8 +487,11 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        lora_rows: dict[str, list[int]] = {}  # adapter key -> its packed rows
         for c in ordered:
-            tokens = seqs[c.seq_id].token_ids
+            seq = seqs[c.seq_id]
+            tokens = seq.token_ids
+            first_row = len(ids)
             start = c.start_pos
             end = start + c.num_tokens
             d = drafts.get(c.seq_id) if drafts else None
@@ -491,6 +513,8 @@ class ModelRunner:
                 sample_rows += range(len(ids) - len(d) - 1, len(ids))
             elif end == len(tokens):
                 sample_rows.append(len(ids) - 1)
+            if seq.lora is not None:
+                lora_rows.setdefault(seq.lora.key, []).extend(range(first_row, len(ids)))
         nd = len(decodes)
         if self._split_decodes:
             if self._bucket_decodes:
@@ -509,8 +533,14 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
             groups=groups,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=d),
+            lora=self._lora_step(lora_rows) if lora_rows else None,
         )
         return inp, ordered
+
+    def _lora_step(self, lora_rows: dict[str, list[int]]) -> LoraStep:
+        """The step's LoRA rows by adapter (each loaded by the chunk checks of this step)."""
+        held = self.loras.held
+        return LoraStep([(held(key), rows) for key, rows in lora_rows.items()], self.device, self.loras.stacked)
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:

@@ -83,6 +83,7 @@ class WorkerService:
             speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
             speculative_fixed=bool(runner.speculative and not runner.speculative.adaptive),
             threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
+            max_loras=runner.loras.max_loras,
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
         self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
@@ -333,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(model_dir, dtype=args.dtype, device=device, block_size=args.block_size,
                              kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None,
                              quantization=args.quantization, activation_quant=args.activation_quant,
-                             speculative=args.speculative_config)
+                             speculative=args.speculative_config, max_loras=args.max_loras,
+                             max_lora_rank=args.max_lora_rank)
     except KeyboardInterrupt:
         log.info("stopped during model load")
         return 0

@@ -15,14 +15,15 @@ from pathlib import Path
 import structlog
 
 from phaseserve.params import SamplingParams
-from phaseserve.wire import GrammarSpec, SubmitRequest
+from phaseserve.wire import GrammarSpec, LoraRef, SubmitRequest
 from scheduler.policy import SchedulerConfig, WorkerPolicy
 from workers.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 
 _RUNNER_SETTINGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory_bytes", "max_model_len", "seed",
-                    "num_threads", "quantization", "activation_quant", "speculative")
+                    "num_threads", "quantization", "activation_quant", "speculative", "max_loras",
+                    "max_lora_rank")
 _SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "watermark",
                        "attention_horizon", "long_prefill_threshold", "enable_prefix_caching")
 
@@ -40,7 +41,7 @@ class Completion:
 class Engine:
     """`Engine(model_dir, **settings)`: runner settings (dtype, device, block_size, num_blocks,
     kv_cache_memory_bytes, max_model_len, seed, num_threads, quantization, activation_quant, speculative: a SpeculativeConfig, its
-    dict or JSON) and scheduler settings (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+    dict or JSON, max_loras, max_lora_rank) and scheduler settings (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
     watermark, long_prefill_threshold, enable_prefix_caching, attention_horizon: None or absent = the runner's
     estimate for the model, 0 = every token costs 1 budget unit)."""
 
@@ -77,8 +78,10 @@ class Engine:
 
     def generate(self, prompts: list[list[int]] | list[str],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 grammars: list[GrammarSpec | None] | None = None) -> list[Completion]:
-        """`grammars`: each prompt's structured-output constraint (phaseserve.grammar builds them), or None."""
+                 grammars: list[GrammarSpec | None] | None = None,
+                 loras: list[LoraRef | None] | None = None) -> list[Completion]:
+        """`grammars`: each prompt's structured-output constraint (phaseserve.grammar builds them), or None.
+        `loras`: each prompt's LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -97,9 +100,10 @@ class Engine:
         now = time.time()
         added = []
         try:
-            for rid, p, sp, g in zip(request_ids, ids, params, grammars or [None] * len(ids)):
+            for rid, p, sp, g, lora in zip(request_ids, ids, params, grammars or [None] * len(ids),
+                                           loras or [None] * len(ids)):
                 self.scheduler.add_request(SubmitRequest(rid, "local", p, sp.validate(), arrival_time=now,
-                                                         grammar=g))
+                                                         grammar=g, lora=lora))
                 added.append(rid)
         except Exception:
             for rid in added:  # all or nothing: no half-submitted batch left in the queue

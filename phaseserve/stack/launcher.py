@@ -62,6 +62,9 @@ def child_argv(service: str, values: dict) -> list[str]:
             continue
         if isinstance(value, bool):
             value = "true" if value else "false"
+        if isinstance(value, list):  # a repeatable setting: every value after one flag (none: no flag)
+            argv += [s.flag, *map(str, value)] if value else []
+            continue
         argv += [s.flag, str(value)]
     return argv
 
