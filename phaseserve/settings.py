@@ -225,6 +225,10 @@ SETTINGS: list[Setting] = [
             "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
     Setting("worker_id", "PHASESERVE_WORKER_ID", None, str,
             "worker identity; default: hostname-pid", ("worker",)),
+    Setting("host_id", "PHASESERVE_HOST_ID", None, str,
+            "the host this worker reports: workers with the same host id hand KV over through shared memory "
+            "(--kv-transport auto), others through Redis; default: hostname/net:<network namespace>, so "
+            "network namespaces of one machine count as hosts of their own", ("worker",)),
     Setting("role", "PHASESERVE_ROLE", "mixed", str,
             "worker phase role: mixed (prefill and decode), prefill (hands each sequence to a decode worker "
             "after its first token), decode (takes them; prefills only when no other worker exists)",

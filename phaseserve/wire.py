@@ -75,6 +75,12 @@ class Keys:
         """Set by the scheduler every worker refresh, expiring after a few: its liveness for health checks."""
         return f"{self.prefix}:scheduler:alive"
 
+    def scheduler_seen(self, consumer: str) -> str:
+        """Set by each scheduler process, the active one every worker refresh and a standby every look at
+        the lease, expiring after a few: that process's own liveness (`python -m phaseserve.healthcheck
+        scheduler`), where `scheduler_alive` is the stack's."""
+        return f"{self.prefix}:scheduler:seen:{consumer}"
+
     def kv_transfer(self, transfer_id: str) -> str:
         """Stream: one KV transfer's chunks over Redis (workers/kv_transfer/redis_transport.py), with a TTL."""
         return f"{self.prefix}:kv:{transfer_id}"
@@ -699,7 +705,8 @@ class WorkerInfo(Message):
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
-    # the machine it runs on: workers on one host hand KV over through shared memory, others through Redis
+    # the host it runs on (phaseserve/host_identity.py: hostname and network namespace, or --host-id): workers
+    # on one host hand KV over through shared memory, others through Redis
     host: str = ""
     # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a

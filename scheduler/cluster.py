@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import (
-    ERROR_QUARANTINED, ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch,
-    TokenEvent, WireError, WorkerInfo,
+    ERROR_QUARANTINED, ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest,
+    TokenBatch, TokenEvent, WireError, WorkerInfo,
 )
 from phaseserve.stack_view import (
     STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
@@ -48,6 +48,7 @@ OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
 # a policy's counters kept when its worker goes away (the cluster's stats are since the scheduler started)
 RETIRED_COUNTERS = (*PREFIX_COUNTERS, "num_sat_out")
+MAX_PENDING_HANDOFFS = 4096  # handoffs whose transport is remembered until their receive is reported
 
 
 def share_of(shares: dict[str, TenantShare], req: SubmitRequest) -> TenantShare:
@@ -151,11 +152,31 @@ class HandoffCounters:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0  # receive time, summed
+    # bytes received per transport (KV_TRANSPORTS): whether KV between hosts went over the network
+    bytes_by_transport: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_TRANSPORTS, 0))
+    # transfer id -> transport of handoffs whose receive is not reported yet (oldest first, bounded: a
+    # decode worker that died never reports its own)
+    pending: dict[str, str] = field(default_factory=dict)
+
+    def handed(self, transfer_id: str, transport: str) -> None:
+        self.sequences += 1
+        self.pending[transfer_id] = transport
+        while len(self.pending) > MAX_PENDING_HANDOFFS:
+            del self.pending[next(iter(self.pending))]
+
+    def received_kv(self, transfer_id: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.received += 1
+        self.blocks += num_blocks
+        self.bytes += num_bytes
+        self.seconds += seconds
+        transport = self.pending.pop(transfer_id, None)
+        if transport is not None:
+            self.bytes_by_transport[transport] = self.bytes_by_transport.get(transport, 0) + num_bytes
 
     def as_stats(self) -> dict:
         return {"handoff_sequences": self.sequences, "handoff_kept": self.kept, "handoff_received": self.received,
                 "handoff_failed": self.failed, "handoff_blocks": self.blocks, "handoff_bytes": self.bytes,
-                "handoff_seconds": round(self.seconds, 6)}
+                "handoff_seconds": round(self.seconds, 6), "handoff_bytes_by_transport": dict(self.bytes_by_transport)}
 
 
 class Cluster:
@@ -178,6 +199,7 @@ class Cluster:
         self.adoptions = 0
         self.admissions = 0
         self.num_steps_given_up = 0
+        self.num_stale_results = 0  # results refused: of a plan given up, a retired life, an older epoch
         self.handoffs = HandoffCounters()
         self.grammar_masks: list[float] = []  # StepResult.grammar_masks summed: the gateway's mask histogram
         self.watched = False  # a live view is open (the service says): steps are sampled for it
@@ -438,7 +460,7 @@ class Cluster:
             dst.policy.accept_handoff(handoff)
             self.owner[rid] = dst.info.worker_id
             self.ops.append(("hset", self.keys.request_record(rid), "worker", dst.info.worker_id))
-            self.handoffs.sequences += 1
+            self.handoffs.handed(handoff.kv_send.transfer_id, handoff.kv_send.transport)
             log.info("handed to a decode worker", request_id=rid, source=src.info.worker_id,
                      worker_id=dst.info.worker_id, num_cached=handoff.num_cached,
                      transfer_id=handoff.kv_send.transfer_id, transport=handoff.kv_send.transport)
@@ -446,10 +468,7 @@ class Cluster:
     def count_handoff_results(self, result: StepResult) -> None:
         for h in result.handoffs:
             if h.ok:
-                self.handoffs.received += 1
-                self.handoffs.blocks += h.num_blocks
-                self.handoffs.bytes += h.num_bytes
-                self.handoffs.seconds += h.seconds
+                self.handoffs.received_kv(h.transfer_id, h.num_blocks, h.num_bytes, h.seconds)
             else:
                 self.handoffs.failed += 1
                 log.warning("KV handoff failed; recomputing the sequence", request_id=h.seq_id,
@@ -547,6 +566,8 @@ class Cluster:
             # an earlier scheduler's plan, a worker we gave up on, a step given up, or a duplicate
             log.debug("ignoring stale step result", worker_id=result.worker_id, step_id=result.step_id,
                       epoch=result.epoch)
+            self.num_stale_results += 1
+            self.stats_dirty = True
             return
         # the worker runs plans in order: the open steps before this one lost their plan or result (the
         # policy recomputes what they sampled when it applies this result)
@@ -692,6 +713,11 @@ class Cluster:
         policies = [s.policy for s in self.workers.values()]
         return {
             "num_waiting": sum(p.num_waiting for p in policies) + len(self.parked),
+            # prompt tokens not prefilled yet (queued, parked, or mid-prompt): the unmet demand a deployment
+            # scales its workers on
+            "num_waiting_tokens": sum(p.queued_prefill_tokens for p in policies)
+            + sum(len(r.prompt_ids) + len(o or ()) for r, o in self.parked),
+            "num_stale_results": self.num_stale_results,
             "num_running": sum(p.num_running for p in policies),
             "kv_blocks_used": sum(p.num_used_blocks for p in policies),
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),

@@ -73,6 +73,8 @@ class Leadership:
         while not stopping.is_set():
             if await self.client.set(self.keys.scheduler_lease(), self.consumer, nx=True, px=self.lease_ttl_ms):
                 break
+            # a standby is alive too (its probe reads this): it looks a few times per lease
+            await self.client.set(self.keys.scheduler_seen(self.consumer), 0, px=max(3000, self.lease_ttl_ms))
             if not waiting_logged:
                 holder = await self.client.get(self.keys.scheduler_lease())
                 log.info("standby: another scheduler holds the lease", holder=holder.decode() if holder else None)

@@ -135,8 +135,11 @@ class SchedulerService:
 
     async def refresh_workers(self, now: float) -> None:
         self._next_refresh = now + self.refresh_interval
-        await self.client.set(self.keys.scheduler_alive(), self.consumer,
-                              px=max(3000, int(3000 * self.refresh_interval)))
+        alive_ms = max(3000, int(3000 * self.refresh_interval))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.scheduler_alive(), self.consumer, px=alive_ms)
+        pipe.set(self.keys.scheduler_seen(self.consumer), self.leadership.epoch, px=alive_ms)
+        await pipe.execute()
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
         # the live view's flag rides with the heartbeats: no round trip of its own
         *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]

@@ -320,10 +320,16 @@ async def test_models_openapi_and_metrics(gw):
     assert "temperature" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
     await gw.redis.set(gw.keys.scheduler_stats(), __import__("msgpack").packb(
         {"num_waiting": 3, "num_running": 2, "kv_blocks_used": 25, "kv_blocks_total": 100, "num_preemptions": 1,
-         "num_quarantined": 2, "num_sat_out": 7, "updated_at": 1.0}))
+         "num_waiting_tokens": 700, "handoff_bytes_by_transport": {"redis": 4096}, "num_quarantined": 2,
+         "num_sat_out": 7, "updated_at": 1.0}))
     async with gw.http.get(gw.url + "/metrics") as r:
         text = await r.text()
     assert "phaseserve_num_requests_waiting 3.0" in text and "phaseserve_kv_cache_usage_ratio 0.25" in text
+    # the names an inference gateway reads (vLLM's, under our prefix), and the demand KEDA scales on
+    assert "phaseserve_num_requests_running 2.0" in text and "phaseserve_kv_cache_usage_perc 0.25" in text
+    assert "phaseserve_num_prefill_tokens_waiting 700.0" in text
+    assert 'phaseserve_kv_handoff_transport_bytes{transport="redis"} 4096.0' in text
+    assert 'phaseserve_kv_handoff_transport_bytes{transport="shm"} 0.0' in text
     assert "phaseserve_requests_quarantined 2.0" in text and "phaseserve_num_steps_sat_out 7.0" in text
     assert "phaseserve_workers_alive 1.0" in text and "phaseserve_time_to_first_token_seconds_bucket" in text
 
