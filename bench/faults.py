@@ -351,7 +351,7 @@ async def send_poison(session: aiohttp.ClientSession, url: str, model: str, opti
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         return f"{type(e).__name__}: {e} after {time.monotonic() - t:.1f} s"
     error = answer.get("error") if isinstance(answer, dict) else None
-    what = (f"{error.get('code')}: {str(error.get('message'))[:160]}" if isinstance(error, dict)
+    what = (f"{error.get('code') or error.get('type')}: {str(error.get('message'))[:160]}" if isinstance(error, dict)
             else repr(answer["choices"][0]["text"]))
     return f"HTTP {status} {what} after {time.monotonic() - t:.1f} s"
 
