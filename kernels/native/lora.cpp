@@ -1,0 +1,181 @@
+// The LoRA adapters' low-rank products added to a linear's output (kernels.lora_add; kernels/reference.py is the
+// oracle and the fallback), for CPUs with AVX2 + FMA, float32 or bf16 activations and adapter matrices:
+//   lora_add(y [T, out], x [T, in], rows [n], a [M*r, in], b [r, out], cols [M+1]) -> bool
+// For each of the n rows i of one adapter, in place: h = a . x[i] (r values per module), then for each module m,
+// y[i, cols[m]:cols[m+1]] += h[m*r:(m+1)*r] . b[:, cols[m]:cols[m+1]], summed in float32 and rounded once to
+// y's dtype (nearest even, as torch rounds). A fused linear's modules (q/k/v, gate/up) each expand only into
+// their own output columns: no zero blocks are read.
+//
+// One numerics: every row is computed alone, in an order fixed by the shapes of x, a and b (never by n, the
+// other rows or the thread count), so a row's bits do not depend on what shares its step. Returns false,
+// doing nothing, for dtypes or layouts it does not take (the caller runs torch).
+//
+// Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_lora.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <immintrin.h>
+
+#include "cpu_features.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int64_t WORK_PER_THREAD = 1 << 20;  // multiply-adds: below this a call stays on the calling thread
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// f rounded to bf16 as c10::BFloat16 rounds it (nearest even on the bits, NaN -> 0x7fc0)
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+AVX2_FMA inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+AVX2_FMA inline __m256 load8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+
+// sum of a[0:n] * x[0:n] (x float32): four 8-lane accumulators over blocks of 32, then 8, then the tail one
+// by one, the lanes added in a fixed tree: the order depends on n only.
+template <typename W>
+AVX2_FMA float dot(const W* a, const float* x, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(x + i), s0);
+    s1 = _mm256_fmadd_ps(load8(a + i + 8), _mm256_loadu_ps(x + i + 8), s1);
+    s2 = _mm256_fmadd_ps(load8(a + i + 16), _mm256_loadu_ps(x + i + 16), s2);
+    s3 = _mm256_fmadd_ps(load8(a + i + 24), _mm256_loadu_ps(x + i + 24), s3);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(x + i), s0);
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  float total = _mm_cvtss_f32(q);
+  for (; i < n; i++) total = std::fma(load1(a + i), x[i], total);
+  return total;
+}
+
+// acc[0:n] = sum over j < r of h[j] * b[j * ldb + 0:n], j in order (b's rows may be bf16)
+template <typename W>
+AVX2_FMA void expand(const float* h, const W* b, int64_t ldb, int64_t r, int64_t n, float* acc) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t j = 0; j < r; j++) {
+      const __m256 hj = _mm256_set1_ps(h[j]);
+      a0 = _mm256_fmadd_ps(hj, load8(b + j * ldb + c), a0);
+      a1 = _mm256_fmadd_ps(hj, load8(b + j * ldb + c + 8), a1);
+    }
+    _mm256_storeu_ps(acc + c, a0);
+    _mm256_storeu_ps(acc + c + 8, a1);
+  }
+  for (; c < n; c++) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < r; j++) s = std::fma(h[j], load1(b + j * ldb + c), s);
+    acc[c] = s;
+  }
+}
+
+template <typename Y, typename W>
+void run(Tensor& y, const Tensor& x, const int64_t* rows, int64_t n, const Tensor& a, const Tensor& b,
+         const int64_t* cols, int64_t modules) {
+  const int64_t in = x.size(1), out = y.size(1), r = b.size(0);
+  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+  // untyped: bf16 is read and written as its bits (uint16_t)
+  const Y* xp = static_cast<const Y*>(x.const_data_ptr());
+  Y* yp = static_cast<Y*>(y.mutable_data_ptr());
+  const W* ap = static_cast<const W*>(a.const_data_ptr());
+  const W* bp = static_cast<const W*>(b.const_data_ptr());
+  const int64_t work = r * modules * in + r * out;
+  torch::stable::parallel_for(0, n, std::max<int64_t>(1, WORK_PER_THREAD / std::max<int64_t>(1, work)),
+                              [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(in), h(r * modules), acc(out);
+    for (int64_t k = begin; k < end; k++) {
+      const int64_t row = rows[k];
+      const Y* xr = xp + row * ldx;
+      for (int64_t i = 0; i < in; i++) xf[i] = load1(xr + i);
+      for (int64_t j = 0; j < r * modules; j++) h[j] = dot(ap + j * in, xf.data(), in);
+      for (int64_t m = 0; m < modules; m++)
+        expand(h.data() + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc.data() + cols[m]);
+      Y* yr = yp + row * ldy;
+      for (int64_t c = 0; c < out; c++) {
+        if constexpr (sizeof(Y) == 4) yr[c] = yr[c] + acc[c];
+        else yr[c] = float_to_bf16(bf16_to_float(yr[c]) + acc[c]);
+      }
+    }
+  });
+}
+
+bool is_rows(const Tensor& t) { return t.dim() == 2 && t.stride(1) == 1; }
+
+bool lora_add(Tensor y, Tensor x, Tensor rows, Tensor a, Tensor b, Tensor cols) {
+  STD_TORCH_CHECK(cpu_supports_avx2_fma(), "lora_add: this CPU lacks AVX2 and FMA");
+  const ScalarType yt = y.scalar_type(), wt = a.scalar_type();
+  const bool dtypes = (yt == ScalarType::Float || yt == ScalarType::BFloat16) && x.scalar_type() == yt &&
+                      (wt == ScalarType::Float || wt == ScalarType::BFloat16) && b.scalar_type() == wt &&
+                      rows.scalar_type() == ScalarType::Long && cols.scalar_type() == ScalarType::Long;
+  if (!dtypes || !y.is_cpu() || !x.is_cpu() || !a.is_cpu() || !b.is_cpu() || !rows.is_cpu() || !cols.is_cpu() ||
+      !is_rows(y) || !is_rows(x) || !a.is_contiguous() || !b.is_contiguous() || !rows.is_contiguous() ||
+      !cols.is_contiguous() || rows.dim() != 1 || cols.dim() != 1 || cols.size(0) < 2)
+    return false;
+  const int64_t modules = cols.size(0) - 1, r = b.size(0), n = rows.size(0);
+  const int64_t* cp = cols.const_data_ptr<int64_t>();
+  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == modules * r && a.size(1) == x.size(1) &&
+                      b.size(1) == y.size(1) && cp[0] == 0 && cp[modules] == y.size(1) && x.size(0) == y.size(0),
+                  "lora_add: a must be [modules * r, in], b [r, out] and cols the modules' column bounds of y");
+  for (int64_t m = 0; m < modules; m++) STD_TORCH_CHECK(cp[m] <= cp[m + 1], "lora_add: cols must not decrease");
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; k++)
+    STD_TORCH_CHECK(rp[k] >= 0 && rp[k] < y.size(0), "lora_add: row ", rp[k], " is outside y");
+  if (n == 0 || r == 0) return true;
+  if (yt == ScalarType::Float) {
+    if (wt == ScalarType::Float) run<float, float>(y, x, rp, n, a, b, cp, modules);
+    else run<float, uint16_t>(y, x, rp, n, a, b, cp, modules);
+  } else {
+    if (wt == ScalarType::Float) run<uint16_t, float>(y, x, rp, n, a, b, cp, modules);
+    else run<uint16_t, uint16_t>(y, x, rp, n, a, b, cp, modules);
+  }
+  return true;
+}
+
+bool supported() { return cpu_supports_avx2_fma(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(phaseserve_lora, m) {
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor b, Tensor cols) -> bool");
+  m.def("supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_lora, CPU, m) { m.impl("lora_add", TORCH_BOX(&lora_add)); }
+
+STABLE_TORCH_LIBRARY_IMPL(phaseserve_lora, CompositeExplicitAutograd, m) {
+  m.impl("supported", TORCH_BOX(&supported));
+}
