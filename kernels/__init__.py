@@ -517,14 +517,14 @@ def _native_lora():
     return _choose(_lora_choice, None, "lora", None, "CPU LoRA products", wrap=lambda ops: ops.lora_add.default)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             cols: torch.Tensor) -> torch.Tensor:
-    # on CPU the native op (kernels/native/lora.cpp): each row alone, in one fixed order, reading the
-    # adapter's matrices in their own dtype; the torch reference where it is unavailable or declines (a
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],
+             b: list[torch.Tensor], cols: list[int]) -> torch.Tensor:
+    # on CPU the native op (kernels/native/lora.cpp): every adapter's rows in one call, each row alone in one
+    # fixed order, reading the adapters' matrices in their own dtype; the torch reference where it is unavailable or declines (a
     # layout it does not take), and on CUDA.
     if not x.is_cuda:
         native_add = _native_lora()
-        if native_add is not None and native_add(y, x, rows, a, b, cols):
+        if native_add is not None and native_add(y, x, rows, ends, a, b, cols):
             return y
         # torch on one thread: matmuls this small gain nothing from a second one, and an OpenMP region waits
         # for every thread (on a busy machine, for a thread that is not running)
@@ -532,10 +532,10 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tens
         if threads > 1:
             torch.set_num_threads(1)
             try:
-                return reference.lora_add(y, x, rows, a, b, cols)
+                return reference.lora_add(y, x, rows, ends, a, b, cols)
             finally:
                 torch.set_num_threads(threads)
-    return reference.lora_add(y, x, rows, a, b, cols)
+    return reference.lora_add(y, x, rows, ends, a, b, cols)
 
 
 lora_add.__doc__ = reference.lora_add.__doc__

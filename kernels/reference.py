@@ -436,29 +436,37 @@ def _top_k_top_p_prefix(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -
 LORA_TILE_ROWS = 4
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             cols: torch.Tensor) -> torch.Tensor:
-    """One adapter's low-rank products added to a linear's output for its rows (punica's shrink-expand;
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],
+             b: list[torch.Tensor], cols: list[int]) -> torch.Tensor:
+    """The LoRA adapters' low-rank products added to a linear's output for their rows (punica's shrink-expand;
     the other rows keep their bits), in place, returns y.
 
-    x [T, in], y [T, out]: the linear's input and output over the packed rows; rows [n]: the adapter's rows
-    (each once); a [M * r, in]: the A matrices of the linear's M modules (q/k/v: 3), r rows each; b [r, out]:
-    their B matrices transposed side by side, module m's in y's columns cols[m]:cols[m + 1] (cols [M + 1],
-    int64), the scaling folded in. y[rows, cols[m]:cols[m+1]] += (x[rows] @ a[m*r:(m+1)*r].T) @ b[:, cols...],
-    summed in float32 and rounded once to y's dtype. The rows run in tiles of LORA_TILE_ROWS (the last one
-    padded with the last row), each tile one matrix of a batched matmul of fixed shape (the adapter's
-    matrices expanded over the tiles, not copied), so a row's bits do not depend on the other rows."""
-    n, tile = rows.shape[0], LORA_TILE_ROWS
+    x [T, in], y [T, out]: the linear's input and output over the packed rows; rows [n]: the LoRA rows (each
+    once) in groups, one per adapter, group g ending at ends[g]; a[g] [M * r, in]: the group's adapter's A
+    matrices of the linear's M modules (q/k/v: 3), r rows each; b[g] [r, out]: their B matrices transposed side
+    by side, module m's in y's columns cols[m]:cols[m + 1], the scaling folded in (r = 0: no product).
+    y[row, cols[m]:cols[m+1]] += (x[row] @ a[g][m*r:(m+1)*r].T) @ b[g][:, cols[m]:cols[m+1]], summed in
+    float32 and rounded once to y's dtype. A group's rows run in tiles of LORA_TILE_ROWS (the last one padded
+    with its last row), each tile one matrix of a batched matmul of fixed shape (the adapter's matrices
+    expanded over the tiles, not copied), so a row's bits do not depend on the other rows."""
+    start = 0
+    for end, ag, bg in zip(ends, a, b):
+        if end > start and bg.shape[0] > 0:
+            _lora_add_group(y, x, rows[start:end], ag, bg, cols)
+        start = end
+    return y
+
+
+def _lora_add_group(y, x, rows, a, b, cols):
+    n, tile, r = rows.shape[0], LORA_TILE_ROWS, b.shape[0]
     tiles = -(-n // tile)
     padded = torch.cat([rows, rows[-1:].expand(tiles * tile - n)])
     xs = x.index_select(0, padded).float().view(tiles, tile, x.shape[1])
-    r = b.shape[0]
     h = torch.bmm(xs, a.float().t().expand(tiles, -1, -1))
     bf = b.float()
-    bounds = cols.tolist()
     delta = torch.cat([torch.bmm(h[:, :, m * r:(m + 1) * r].contiguous(), bf[:, c0:c1].expand(tiles, -1, -1))
-                       for m, (c0, c1) in enumerate(zip(bounds, bounds[1:]))], dim=2)
+                       for m, (c0, c1) in enumerate(zip(cols, cols[1:]))], dim=2)
     delta = delta.view(tiles * tile, -1)[:n]
     out = y.index_select(0, rows)
     out = out.add_(delta) if out.dtype == torch.float32 else (out.float() + delta).to(y.dtype)
-    return y.index_copy_(0, rows, out)
+    y.index_copy_(0, rows, out)

@@ -43,11 +43,10 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def module_columns(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Per fused linear, the bounds of its modules' output columns ([M + 1], int64: lora_add's `cols`)."""
+def module_columns(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Per fused linear, the bounds of its modules' output columns (M + 1 of them: lora_add's `cols`)."""
     shapes = module_shapes(cfg)
-    return {linear: torch.tensor([0, *itertools.accumulate(shapes[m][1] for m in modules)], dtype=torch.int64)
-            for linear, modules in MODULES.items()}
+    return {linear: [0, *itertools.accumulate(shapes[m][1] for m in modules)] for linear, modules in MODULES.items()}
 
 
 @dataclass
@@ -160,22 +159,22 @@ class LoadedAdapters:
 
 class LoraStep:
     """A step's LoRA rows by adapter: built once a step, read by every layer. Rows of the base model are in no
-    group. Each linear adds each adapter's products to its rows (kernels.lora_add, one call per adapter)."""
+    group. Each linear adds every adapter's products to its rows in one kernels.lora_add."""
 
     def __init__(self, rows_by_adapter: list[tuple[Adapter, list[int]]], device: torch.device,
-                 columns: dict[str, torch.Tensor]):
-        self.groups = [(adapter, torch.tensor(rows, dtype=torch.int64, device=device))
-                       for adapter, rows in rows_by_adapter]
-        self.columns = {linear: cols.to(device) for linear, cols in columns.items()}
+                 columns: dict[str, list[int]], dtype: torch.dtype):
+        self.adapters = [adapter for adapter, _ in rows_by_adapter]
+        self.rows = torch.tensor([row for _, rows in rows_by_adapter for row in rows], dtype=torch.int64,
+                                 device=device)
+        self.ends = list(itertools.accumulate(len(rows) for _, rows in rows_by_adapter))
+        self.columns = columns
+        self._none = (torch.empty(0, 0, dtype=dtype, device=device),) * 2  # a linear the adapter leaves alone
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str) -> torch.Tensor:
         """y (the linear's output for the packed rows x) plus each LoRA row's low-rank product."""
-        cols = self.columns[linear]
-        for adapter, rows in self.groups:
-            ab = adapter.layers[layer][linear]
-            if ab is not None:
-                kernels.lora_add(y, x, rows, *ab, cols)
-        return y
+        pairs = [adapter.layers[layer][linear] or self._none for adapter in self.adapters]
+        return kernels.lora_add(y, x, self.rows, self.ends, [a for a, _ in pairs], [b for _, b in pairs],
+                                self.columns[linear])
 
 
 assert set(TARGET_MODULES) == {m for ms in MODULES.values() for m in ms}

@@ -540,7 +540,8 @@ class ModelRunner:
     def _lora_step(self, lora_rows: dict[str, list[int]]) -> LoraStep:
         """The step's LoRA rows by adapter (each loaded by the chunk checks of this step)."""
         held = self.loras.held
-        return LoraStep([(held(key), rows) for key, rows in lora_rows.items()], self.device, self.loras.columns)
+        return LoraStep([(held(key), rows) for key, rows in lora_rows.items()], self.device,
+                        self.loras.columns, self.dtype)
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:

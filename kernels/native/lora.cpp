@@ -1,7 +1,9 @@
 // The LoRA adapters' low-rank products added to a linear's output (kernels.lora_add; kernels/reference.py is the
 // oracle and the fallback), for CPUs with AVX2 + FMA, float32 or bf16 activations and adapter matrices:
-//   lora_add(y [T, out], x [T, in], rows [n], a [M*r, in], b [r, out], cols [M+1]) -> bool
-// For each of the n rows i of one adapter, in place: h = a . x[i] (r values per module), then for each module m,
+//   lora_add(y [T, out], x [T, in], rows [n], ends [G], a [G] x [M*r, in], b [G] x [r, out], cols [M+1]) -> bool
+// rows holds G groups of rows, one per adapter, group g ending at ends[g], with its matrices a[g], b[g] (r = 0:
+// none, the adapter targets none of the linear's modules). For each row i, in place: h = a . x[i] (r values
+// per module), then for each module m,
 // y[i, cols[m]:cols[m+1]] += h[m*r:(m+1)*r] . b[:, cols[m]:cols[m+1]], summed in float32 and rounded once to
 // y's dtype (nearest even, as torch rounds). A fused linear's modules (q/k/v, gate/up) each expand only into
 // their own output columns: no zero blocks are read.
@@ -32,7 +34,7 @@ namespace {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-constexpr int64_t WORK_PER_THREAD = 1 << 20;  // multiply-adds: below this a call stays on the calling thread
+constexpr int64_t WORK_PER_THREAD = 1 << 16;  // multiply-adds: below this a call stays on the calling thread
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -82,19 +84,30 @@ AVX2_FMA float dot(const W* a, const float* x, int64_t n) {
   return total;
 }
 
-// acc[0:n] = sum over j < r of h[j] * b[j * ldb + 0:n], j in order (b's rows may be bf16)
+// acc[0:n] = sum over j < r of h[j] * b[j * ldb + 0:n], j in order (b's rows may be bf16): blocks of 32
+// columns (four independent accumulators), then of 8, then the tail one by one.
 template <typename W>
 AVX2_FMA void expand(const float* h, const W* b, int64_t ldb, int64_t r, int64_t n, float* acc) {
   int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    for (int64_t j = 0; j < r; j++) {
+  for (; c + 32 <= n; c += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const W* bc = b + c;
+    for (int64_t j = 0; j < r; j++, bc += ldb) {
       const __m256 hj = _mm256_set1_ps(h[j]);
-      a0 = _mm256_fmadd_ps(hj, load8(b + j * ldb + c), a0);
-      a1 = _mm256_fmadd_ps(hj, load8(b + j * ldb + c + 8), a1);
+      a0 = _mm256_fmadd_ps(hj, load8(bc), a0);
+      a1 = _mm256_fmadd_ps(hj, load8(bc + 8), a1);
+      a2 = _mm256_fmadd_ps(hj, load8(bc + 16), a2);
+      a3 = _mm256_fmadd_ps(hj, load8(bc + 24), a3);
     }
     _mm256_storeu_ps(acc + c, a0);
     _mm256_storeu_ps(acc + c + 8, a1);
+    _mm256_storeu_ps(acc + c + 16, a2);
+    _mm256_storeu_ps(acc + c + 24, a3);
+  }
+  for (; c + 8 <= n; c += 8) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(h[j]), load8(b + j * ldb + c), a0);
+    _mm256_storeu_ps(acc + c, a0);
   }
   for (; c < n; c++) {
     float s = 0.0f;
@@ -103,64 +116,94 @@ AVX2_FMA void expand(const float* h, const W* b, int64_t ldb, int64_t r, int64_t
   }
 }
 
+// The products of one row k (packed row rows[k]) with its adapter's matrices ap [M*r, in], bp [r, out].
 template <typename Y, typename W>
-void run(Tensor& y, const Tensor& x, const int64_t* rows, int64_t n, const Tensor& a, const Tensor& b,
-         const int64_t* cols, int64_t modules) {
-  const int64_t in = x.size(1), out = y.size(1), r = b.size(0);
+void add_row(Y* yr, const Y* xr, const W* ap, const W* bp, int64_t in, int64_t out, int64_t r,
+             const std::vector<int64_t>& cols, float* xf, float* h, float* acc) {
+  const int64_t modules = static_cast<int64_t>(cols.size()) - 1;
+  for (int64_t i = 0; i < in; i++) xf[i] = load1(xr + i);
+  for (int64_t j = 0; j < r * modules; j++) h[j] = dot(ap + j * in, xf, in);
+  for (int64_t m = 0; m < modules; m++) expand(h + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc + cols[m]);
+  for (int64_t c = 0; c < out; c++) {
+    if constexpr (sizeof(Y) == 4) yr[c] = yr[c] + acc[c];
+    else yr[c] = float_to_bf16(bf16_to_float(yr[c]) + acc[c]);
+  }
+}
+
+template <typename Y, typename W>
+void run(Tensor& y, const Tensor& x, const int64_t* rows, const std::vector<int64_t>& group_of,
+         const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::vector<int64_t>& cols) {
+  const int64_t in = x.size(1), out = y.size(1), n = static_cast<int64_t>(group_of.size());
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
   // untyped: bf16 is read and written as its bits (uint16_t)
   const Y* xp = static_cast<const Y*>(x.const_data_ptr());
   Y* yp = static_cast<Y*>(y.mutable_data_ptr());
-  const W* ap = static_cast<const W*>(a.const_data_ptr());
-  const W* bp = static_cast<const W*>(b.const_data_ptr());
-  const int64_t work = r * modules * in + r * out;
+  std::vector<const W*> ap(a.size()), bp(b.size());
+  int64_t max_r = 0;
+  for (size_t g = 0; g < a.size(); g++) {
+    ap[g] = static_cast<const W*>(a[g].const_data_ptr());
+    bp[g] = static_cast<const W*>(b[g].const_data_ptr());
+    max_r = std::max(max_r, b[g].size(0));
+  }
+  const int64_t modules = static_cast<int64_t>(cols.size()) - 1;
+  const int64_t work = max_r * (modules * in + out);  // multiply-adds of a row
   torch::stable::parallel_for(0, n, std::max<int64_t>(1, WORK_PER_THREAD / std::max<int64_t>(1, work)),
                               [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(in), h(r * modules), acc(out);
+    std::vector<float> xf(in), h(max_r * modules), acc(out);
     for (int64_t k = begin; k < end; k++) {
-      const int64_t row = rows[k];
-      const Y* xr = xp + row * ldx;
-      for (int64_t i = 0; i < in; i++) xf[i] = load1(xr + i);
-      for (int64_t j = 0; j < r * modules; j++) h[j] = dot(ap + j * in, xf.data(), in);
-      for (int64_t m = 0; m < modules; m++)
-        expand(h.data() + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc.data() + cols[m]);
-      Y* yr = yp + row * ldy;
-      for (int64_t c = 0; c < out; c++) {
-        if constexpr (sizeof(Y) == 4) yr[c] = yr[c] + acc[c];
-        else yr[c] = float_to_bf16(bf16_to_float(yr[c]) + acc[c]);
-      }
+      const int64_t g = group_of[k], r = b[g].size(0);
+      if (r == 0) continue;  // the adapter targets none of this linear's modules
+      add_row(yp + rows[k] * ldy, xp + rows[k] * ldx, ap[g], bp[g], in, out, r, cols, xf.data(), h.data(),
+              acc.data());
     }
   });
 }
 
 bool is_rows(const Tensor& t) { return t.dim() == 2 && t.stride(1) == 1; }
 
-bool lora_add(Tensor y, Tensor x, Tensor rows, Tensor a, Tensor b, Tensor cols) {
+bool is_float(ScalarType t) { return t == ScalarType::Float || t == ScalarType::BFloat16; }
+
+bool lora_add(Tensor y, Tensor x, Tensor rows, std::vector<int64_t> ends, std::vector<Tensor> a,
+              std::vector<Tensor> b, std::vector<int64_t> cols) {
   STD_TORCH_CHECK(cpu_supports_avx2_fma(), "lora_add: this CPU lacks AVX2 and FMA");
-  const ScalarType yt = y.scalar_type(), wt = a.scalar_type();
-  const bool dtypes = (yt == ScalarType::Float || yt == ScalarType::BFloat16) && x.scalar_type() == yt &&
-                      (wt == ScalarType::Float || wt == ScalarType::BFloat16) && b.scalar_type() == wt &&
-                      rows.scalar_type() == ScalarType::Long && cols.scalar_type() == ScalarType::Long;
-  if (!dtypes || !y.is_cpu() || !x.is_cpu() || !a.is_cpu() || !b.is_cpu() || !rows.is_cpu() || !cols.is_cpu() ||
-      !is_rows(y) || !is_rows(x) || !a.is_contiguous() || !b.is_contiguous() || !rows.is_contiguous() ||
-      !cols.is_contiguous() || rows.dim() != 1 || cols.dim() != 1 || cols.size(0) < 2)
-    return false;
-  const int64_t modules = cols.size(0) - 1, r = b.size(0), n = rows.size(0);
-  const int64_t* cp = cols.const_data_ptr<int64_t>();
-  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == modules * r && a.size(1) == x.size(1) &&
-                      b.size(1) == y.size(1) && cp[0] == 0 && cp[modules] == y.size(1) && x.size(0) == y.size(0),
-                  "lora_add: a must be [modules * r, in], b [r, out] and cols the modules' column bounds of y");
-  for (int64_t m = 0; m < modules; m++) STD_TORCH_CHECK(cp[m] <= cp[m + 1], "lora_add: cols must not decrease");
+  STD_TORCH_CHECK(ends.size() == a.size() && a.size() == b.size() && !a.empty(),
+                  "lora_add: one end, a and b per group");
+  const ScalarType yt = y.scalar_type(), wt = a[0].scalar_type();
+  bool takes = is_float(yt) && x.scalar_type() == yt && is_float(wt) && y.is_cpu() && x.is_cpu() && is_rows(y) &&
+               is_rows(x) && rows.is_cpu() && rows.scalar_type() == ScalarType::Long && rows.dim() == 1 &&
+               rows.is_contiguous() && cols.size() >= 2;
+  for (size_t g = 0; g < a.size() && takes; g++)
+    takes = a[g].scalar_type() == wt && b[g].scalar_type() == wt && a[g].is_cpu() && b[g].is_cpu() &&
+            a[g].is_contiguous() && b[g].is_contiguous();
+  if (!takes) return false;
+  const int64_t modules = static_cast<int64_t>(cols.size()) - 1, n = rows.size(0);
+  STD_TORCH_CHECK(cols[0] == 0 && cols[modules] == y.size(1) && x.size(0) == y.size(0),
+                  "lora_add: cols must bound the modules' columns of y");
+  for (int64_t m = 0; m < modules; m++) STD_TORCH_CHECK(cols[m] <= cols[m + 1], "lora_add: cols must not decrease");
+  for (size_t g = 0; g < a.size(); g++) {
+    const int64_t r = b[g].dim() == 2 ? b[g].size(0) : -1;
+    STD_TORCH_CHECK(r == 0 || (a[g].dim() == 2 && a[g].size(0) == modules * r && a[g].size(1) == x.size(1) &&
+                               b[g].size(1) == y.size(1)),
+                    "lora_add: a must be [modules * r, in] and b [r, out] (r = 0: no product)");
+  }
   const int64_t* rp = rows.const_data_ptr<int64_t>();
+  std::vector<int64_t> group_of(n);
+  int64_t start = 0;
+  for (size_t g = 0; g < ends.size(); g++) {
+    STD_TORCH_CHECK(ends[g] >= start && ends[g] <= n, "lora_add: ends must not decrease nor pass the rows");
+    std::fill(group_of.begin() + start, group_of.begin() + ends[g], static_cast<int64_t>(g));
+    start = ends[g];
+  }
+  STD_TORCH_CHECK(start == n, "lora_add: the last group must end at the last row");
   for (int64_t k = 0; k < n; k++)
     STD_TORCH_CHECK(rp[k] >= 0 && rp[k] < y.size(0), "lora_add: row ", rp[k], " is outside y");
-  if (n == 0 || r == 0) return true;
+  if (n == 0) return true;
   if (yt == ScalarType::Float) {
-    if (wt == ScalarType::Float) run<float, float>(y, x, rp, n, a, b, cp, modules);
-    else run<float, uint16_t>(y, x, rp, n, a, b, cp, modules);
+    if (wt == ScalarType::Float) run<float, float>(y, x, rp, group_of, a, b, cols);
+    else run<float, uint16_t>(y, x, rp, group_of, a, b, cols);
   } else {
-    if (wt == ScalarType::Float) run<uint16_t, float>(y, x, rp, n, a, b, cp, modules);
-    else run<uint16_t, uint16_t>(y, x, rp, n, a, b, cp, modules);
+    if (wt == ScalarType::Float) run<uint16_t, float>(y, x, rp, group_of, a, b, cols);
+    else run<uint16_t, uint16_t>(y, x, rp, group_of, a, b, cols);
   }
   return true;
 }
@@ -170,7 +213,7 @@ bool supported() { return cpu_supports_avx2_fma(); }
 }  // namespace
 
 STABLE_TORCH_LIBRARY(phaseserve_lora, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor b, Tensor cols) -> bool");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, int[] ends, Tensor[] a, Tensor[] b, int[] cols) -> bool");
   m.def("supported() -> bool");
 }
 
