@@ -512,9 +512,17 @@ _lora_choice: dict[None, object | None] = {}
 
 
 def _native_lora():
+    """The native LoRA op with its vector width bound: AVX512 where the CPU level (and its cap) allows
+    avx512-bf16, else AVX2; or None (torch)."""
     if None in _lora_choice:  # the hot path: every linear of every step with LoRA rows
         return _lora_choice[None]
-    return _choose(_lora_choice, None, "lora", None, "CPU LoRA products", wrap=lambda ops: ops.lora_add.default)
+    from kernels import cpu_isa
+
+    def bind(ops):
+        op, wide = ops.lora_add.default, cpu_isa.supports("avx512-bf16")
+        return lambda y, x, rows, ends, a, b, cols: op(y, x, rows, ends, a, b, cols, wide)
+
+    return _choose(_lora_choice, None, "lora", None, "CPU LoRA products", wrap=bind)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],

@@ -12,6 +12,9 @@
 // other rows or the thread count), so a row's bits do not depend on what shares its step. Returns false,
 // doing nothing, for dtypes or layouts it does not take (the caller runs torch).
 //
+// `wide`: 16-float AVX512 vectors (the caller passes it where kernels/cpu_isa.py allows avx512-bf16), else
+// 8-float AVX2 ones.
+//
 // Built against torch's stable ABI (torch/csrc/stable). Registered as torch.ops.phaseserve_lora.
 
 #include <torch/csrc/stable/library.h>
@@ -116,23 +119,96 @@ AVX2_FMA void expand(const float* h, const W* b, int64_t ldb, int64_t r, int64_t
   }
 }
 
-// The products of one row k (packed row rows[k]) with its adapter's matrices ap [M*r, in], bp [r, out].
-template <typename Y, typename W>
-void add_row(Y* yr, const Y* xr, const W* ap, const W* bp, int64_t in, int64_t out, int64_t r,
-             const std::vector<int64_t>& cols, float* xf, float* h, float* acc) {
-  const int64_t modules = static_cast<int64_t>(cols.size()) - 1;
-  for (int64_t i = 0; i < in; i++) xf[i] = load1(xr + i);
-  for (int64_t j = 0; j < r * modules; j++) h[j] = dot(ap + j * in, xf, in);
-  for (int64_t m = 0; m < modules; m++) expand(h + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc + cols[m]);
-  for (int64_t c = 0; c < out; c++) {
-    if constexpr (sizeof(Y) == 4) yr[c] = yr[c] + acc[c];
-    else yr[c] = float_to_bf16(bf16_to_float(yr[c]) + acc[c]);
+// The same two loops on 16-float vectors, for AVX512 CPUs (the caller's `wide`): the same sums in another
+// fixed order (the order depends on n and on `wide`, never on the rows).
+AVX512_BF16 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+AVX512_BF16 inline __m512 load16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <typename W>
+AVX512_BF16 float dot16(const W* a, const float* x, int64_t n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(load16(a + i), _mm512_loadu_ps(x + i), s0);
+    s1 = _mm512_fmadd_ps(load16(a + i + 16), _mm512_loadu_ps(x + i + 16), s1);
   }
+  for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(load16(a + i), _mm512_loadu_ps(x + i), s0);
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; i < n; i++) total = std::fma(load1(a + i), x[i], total);
+  return total;
+}
+
+template <typename W>
+AVX512_BF16 void expand16(const float* h, const W* b, int64_t ldb, int64_t r, int64_t n, float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const W* bc = b + c;
+    for (int64_t j = 0; j < r; j++, bc += ldb) {
+      const __m512 hj = _mm512_set1_ps(h[j]);
+      a0 = _mm512_fmadd_ps(hj, load16(bc), a0);
+      a1 = _mm512_fmadd_ps(hj, load16(bc + 16), a1);
+      a2 = _mm512_fmadd_ps(hj, load16(bc + 32), a2);
+      a3 = _mm512_fmadd_ps(hj, load16(bc + 48), a3);
+    }
+    _mm512_storeu_ps(acc + c, a0);
+    _mm512_storeu_ps(acc + c + 16, a1);
+    _mm512_storeu_ps(acc + c + 32, a2);
+    _mm512_storeu_ps(acc + c + 48, a3);
+  }
+  for (; c + 16 <= n; c += 16) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), load16(b + j * ldb + c), a0);
+    _mm512_storeu_ps(acc + c, a0);
+  }
+  for (; c < n; c++) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < r; j++) s = std::fma(h[j], load1(b + j * ldb + c), s);
+    acc[c] = s;
+  }
+}
+
+// f rounded to bf16 as float_to_bf16 rounds it, 8 at a time, stored as bf16
+AVX2_FMA inline void store8_bf16(uint16_t* p, __m256 f) {
+  __m256i b = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  b = _mm256_srli_epi32(b, 16);
+  b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+AVX2_FMA inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
+AVX2_FMA inline void store8(uint16_t* p, __m256 f) { store8_bf16(p, f); }
+inline void store1(float* p, float f) { *p = f; }
+inline void store1(uint16_t* p, float f) { *p = float_to_bf16(f); }
+
+// The products of one row (x row xr, y row yr) with its adapter's matrices ap [M*r, in], bp [r, out].
+template <typename Y, typename W>
+AVX2_FMA void add_row(Y* yr, const Y* xr, const W* ap, const W* bp, int64_t in, int64_t out, int64_t r,
+                      const std::vector<int64_t>& cols, bool wide, float* xf, float* h, float* acc) {
+  const int64_t modules = static_cast<int64_t>(cols.size()) - 1;
+  int64_t i = 0;
+  for (; i + 8 <= in; i += 8) _mm256_storeu_ps(xf + i, load8(xr + i));
+  for (; i < in; i++) xf[i] = load1(xr + i);
+  for (int64_t j = 0; j < r * modules; j++) h[j] = wide ? dot16(ap + j * in, xf, in) : dot(ap + j * in, xf, in);
+  for (int64_t m = 0; m < modules; m++) {
+    if (wide) expand16(h + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc + cols[m]);
+    else expand(h + m * r, bp + cols[m], out, r, cols[m + 1] - cols[m], acc + cols[m]);
+  }
+  int64_t c = 0;  // y + acc, rounded once (the same sum and rounding in both loops)
+  for (; c + 8 <= out; c += 8) store8(yr + c, _mm256_add_ps(load8(yr + c), _mm256_loadu_ps(acc + c)));
+  for (; c < out; c++) store1(yr + c, load1(yr + c) + acc[c]);
 }
 
 template <typename Y, typename W>
 void run(Tensor& y, const Tensor& x, const int64_t* rows, const std::vector<int64_t>& group_of,
-         const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::vector<int64_t>& cols) {
+         const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::vector<int64_t>& cols, bool wide) {
   const int64_t in = x.size(1), out = y.size(1), n = static_cast<int64_t>(group_of.size());
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
   // untyped: bf16 is read and written as its bits (uint16_t)
@@ -153,7 +229,7 @@ void run(Tensor& y, const Tensor& x, const int64_t* rows, const std::vector<int6
     for (int64_t k = begin; k < end; k++) {
       const int64_t g = group_of[k], r = b[g].size(0);
       if (r == 0) continue;  // the adapter targets none of this linear's modules
-      add_row(yp + rows[k] * ldy, xp + rows[k] * ldx, ap[g], bp[g], in, out, r, cols, xf.data(), h.data(),
+      add_row(yp + rows[k] * ldy, xp + rows[k] * ldx, ap[g], bp[g], in, out, r, cols, wide, xf.data(), h.data(),
               acc.data());
     }
   });
@@ -164,8 +240,9 @@ bool is_rows(const Tensor& t) { return t.dim() == 2 && t.stride(1) == 1; }
 bool is_float(ScalarType t) { return t == ScalarType::Float || t == ScalarType::BFloat16; }
 
 bool lora_add(Tensor y, Tensor x, Tensor rows, std::vector<int64_t> ends, std::vector<Tensor> a,
-              std::vector<Tensor> b, std::vector<int64_t> cols) {
+              std::vector<Tensor> b, std::vector<int64_t> cols, bool wide) {
   STD_TORCH_CHECK(cpu_supports_avx2_fma(), "lora_add: this CPU lacks AVX2 and FMA");
+  STD_TORCH_CHECK(!wide || cpu_supported(), "lora_add: wide needs AVX512 (cpu_features.h)");
   STD_TORCH_CHECK(ends.size() == a.size() && a.size() == b.size() && !a.empty(),
                   "lora_add: one end, a and b per group");
   const ScalarType yt = y.scalar_type(), wt = a[0].scalar_type();
@@ -199,11 +276,11 @@ bool lora_add(Tensor y, Tensor x, Tensor rows, std::vector<int64_t> ends, std::v
     STD_TORCH_CHECK(rp[k] >= 0 && rp[k] < y.size(0), "lora_add: row ", rp[k], " is outside y");
   if (n == 0) return true;
   if (yt == ScalarType::Float) {
-    if (wt == ScalarType::Float) run<float, float>(y, x, rp, group_of, a, b, cols);
-    else run<float, uint16_t>(y, x, rp, group_of, a, b, cols);
+    if (wt == ScalarType::Float) run<float, float>(y, x, rp, group_of, a, b, cols, wide);
+    else run<float, uint16_t>(y, x, rp, group_of, a, b, cols, wide);
   } else {
-    if (wt == ScalarType::Float) run<uint16_t, float>(y, x, rp, group_of, a, b, cols);
-    else run<uint16_t, uint16_t>(y, x, rp, group_of, a, b, cols);
+    if (wt == ScalarType::Float) run<uint16_t, float>(y, x, rp, group_of, a, b, cols, wide);
+    else run<uint16_t, uint16_t>(y, x, rp, group_of, a, b, cols, wide);
   }
   return true;
 }
@@ -213,7 +290,7 @@ bool supported() { return cpu_supports_avx2_fma(); }
 }  // namespace
 
 STABLE_TORCH_LIBRARY(phaseserve_lora, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, int[] ends, Tensor[] a, Tensor[] b, int[] cols) -> bool");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, int[] ends, Tensor[] a, Tensor[] b, int[] cols, bool wide) -> bool");
   m.def("supported() -> bool");
 }
 
