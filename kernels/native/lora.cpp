@@ -37,7 +37,9 @@ namespace {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-constexpr int64_t WORK_PER_THREAD = 1 << 16;  // multiply-adds: below this a call stays on the calling thread
+// multiply-adds: below this a call stays on the calling thread (a decode step's rows: an OpenMP region waits
+// for every thread, on a busy machine for one that is not running; a prefill chunk's rows are worth it)
+constexpr int64_t WORK_PER_THREAD = 1 << 22;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
