@@ -20,7 +20,10 @@ the relay's blocked read is cut and the next plan deleted while it reconnects; t
 while a result is deleted), gateway-kill (kill -9 of the gateway the clients stream from: each client
 re-sends its request with the `Last-Event-ID` of the last event it got to a second gateway, as an SSE
 client reconnecting through a load balancer does, and reads the rest of its stream there), worker-drain
-(SIGTERM to a worker: it drains, its streams finish on it, and it exits).
+(SIGTERM to a worker: it drains, its streams finish on it, and it exits), poison-request (`guided_choice`
+requests of each of --poison-options sizes sent at once through the API beside the streams: by default the
+issue's 60,000 options, which the gateway's budget refuses, and the largest choice the budget accepts, which
+a worker prepares while the streams go on; their answers are printed under the table).
 """
 
 from __future__ import annotations
@@ -46,17 +49,20 @@ from phaseserve.procs import stop_process
 from phaseserve.redis_client import connect
 from phaseserve.redis_server import find_redis_server, free_port
 from phaseserve.redis_topologies import SentinelSet
+from phaseserve.settings import SETTINGS
 from phaseserve.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "redis-failover", "worker-freeze",
-          "lost-messages", "gateway-kill", "worker-drain")
+FAULTS = ("worker-kill", "scheduler-restart", "scheduler-standby", "redis-restart", "redis-failover",
+          "worker-freeze", "lost-messages", "gateway-kill", "worker-drain", "poison-request")
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",
             "A small language model", "The lazy dog", "Numbers like 0123", "There was a CPU"]
 LEASE_TTL_S = 2.0
 FREEZE_S = 30.0  # the default --step-timeout: a frozen model must be found long before it
 WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 80  # enough steps on each worker for the scheduler to learn its costs
 CLIENT_LEASE_TTL_S = 1.0
+# the choice of issue #32 (seconds for the engine to build before budgets), and the largest the gateway accepts
+POISON_OPTIONS = (60_000, next(s.default for s in SETTINGS if s.name == "max_grammar_choices"))
 
 
 class Service:
@@ -256,7 +262,7 @@ class Stack:
             self.services["gw"].kill9()
         elif fault == "worker-drain":
             self.services["w1"].signal(signal.SIGTERM)
-        elif fault != "none":
+        elif fault not in ("none", "poison-request"):  # the poison goes through the API (run_fault)
             raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -332,7 +338,27 @@ async def warm_up(session: aiohttp.ClientSession, url: str, model: str, i: int) 
             raise RuntimeError(f"warm-up request failed: HTTP {resp.status} {await resp.text()}")
 
 
-async def run_fault(stack: Stack, fault: str, max_tokens: int, timeout_s: float) -> list[Stream]:
+async def send_poison(session: aiohttp.ClientSession, url: str, model: str, options: int, timeout_s: float) -> str:
+    """A `guided_choice` of `options` options through the API; -> its outcome: the status and the error's
+    code and message (or the text), and how long it took."""
+    body = {"model": model, "prompt": "Pick one:", "max_tokens": 8, "temperature": 0.0,
+            "guided_choice": [str(i) for i in range(options)]}  # 60,000: ~530 KB, the issue's
+    t = time.monotonic()
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            answer = await resp.json(content_type=None)
+            status = resp.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        return f"{type(e).__name__}: {e} after {time.monotonic() - t:.1f} s"
+    error = answer.get("error") if isinstance(answer, dict) else None
+    what = (f"{error.get('code') or error.get('type')}: {str(error.get('message'))[:160]}" if isinstance(error, dict)
+            else repr(answer["choices"][0]["text"]))
+    return f"HTTP {status} {what} after {time.monotonic() - t:.1f} s"
+
+
+async def run_fault(stack: Stack, fault: str, max_tokens: int, timeout_s: float,
+                    poison_options: tuple[int, ...] = POISON_OPTIONS) -> tuple[list[Stream], list[str]]:
+    """The streams of one fault, and the poison requests' outcomes (poison-request only)."""
     streams = [Stream(i) for i in range(20)]
     urls = [f"http://127.0.0.1:{port}/v1/completions" for port in (stack.port, stack.second_port) if port]
     async with aiohttp.ClientSession() as session:
@@ -345,9 +371,12 @@ async def run_fault(stack: Stack, fault: str, max_tokens: int, timeout_s: float)
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
+        poisons = [asyncio.create_task(send_poison(session, urls[0], model, n, timeout_s))
+                   for n in (poison_options if fault == "poison-request" else ())]
         await stack.inject(fault)
         await asyncio.gather(*tasks)
-    return streams
+        outcomes = [f"{n} options: {await p}" for n, p in zip(poison_options, poisons)]
+    return streams, outcomes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a stream may take in all")
+    p.add_argument("--poison-options", type=int, nargs="+", default=list(POISON_OPTIONS),
+                   help="options of each of the poison-request fault's guided_choice requests")
     p.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
     args = p.parse_args(argv)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="phaseserve-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     reference: list[str] | None = None
+    poison_outcomes: list[str] = []
     for fault in tqdm(["none", *args.faults], desc="faults", file=sys.stderr):
         fault_dir = log_dir / fault
         fault_dir.mkdir(exist_ok=True)
@@ -371,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stack.start()
             t0 = time.monotonic()
-            streams = asyncio.run(run_fault(stack, fault, args.max_tokens, args.timeout))
+            streams, outcome = asyncio.run(run_fault(stack, fault, args.max_tokens, args.timeout,
+                                                     args.poison_options))
+            poison_outcomes += outcome
             elapsed = time.monotonic() - t0
         finally:
             stack.stop()
@@ -390,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for fault, done, equal, stall, elapsed, resumed in rows:
         print(f"| {fault} | {done} / 20 | {equal} / 20 | {stall:.2f} | {elapsed:.1f} | {resumed} |")
+    for outcome in poison_outcomes:
+        print(f"\nthe poison request of {outcome}")
     return 0 if all(done == 20 and equal == 20 for _f, done, equal, *_rest in rows) else 1
 
 

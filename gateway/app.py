@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import Counter
 
 import structlog
 from aiohttp import web
@@ -12,6 +13,7 @@ from gateway import protocol as P
 from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
+from gateway.health import UNAVAILABLE, Health, assess
 from gateway.live_view import LIVE_VIEW, LiveView, stack_events
 from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
@@ -50,23 +52,38 @@ async def version(_request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
-async def health(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+async def _assess(gw: Gateway) -> tuple[Health, list, dict]:
     workers = await gw.backend.alive_workers(max_age_s=0.0)
     stats = await gw.backend.scheduler_stats() or {}
-    roles: dict[str, int] = {}
-    for w in workers:
-        roles[w.role] = roles.get(w.role, 0) + 1
+    roles = Counter(w.role for w in workers)
+    scheduler_alive = await gw.backend.scheduler_alive()
+    return (assess(roles, gw.backend.subscribed.is_set(), scheduler_alive, stats.get("num_workers", 0)),
+            workers, stats)
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    verdict, workers, stats = await _assess(gw)
     # live workers by role, and how many the scheduler plans on (a worker it has not adopted yet gets
     # nothing): what `phaseserve up` waits on before it says it serves the layout asked for
-    body = {"status": "ok" if workers and gw.backend.subscribed.is_set() else "unavailable",
-            "workers": [w.worker_id for w in workers], "worker_roles": roles,
+    body = {"status": verdict.status, "problems": verdict.problems, "ready": verdict.ready,
+            "workers": [w.worker_id for w in workers], "worker_roles": dict(Counter(w.role for w in workers)),
             "scheduler_workers": stats.get("num_workers", 0), "token_channel": gw.backend.subscribed.is_set(),
             "gateway_id": gw.gateway_id,
             # per worker, what it computes with (its heartbeat): for people checking which path serves them
             "worker_info": {w.worker_id: {"role": w.role, "host": w.host, "dtype": w.dtype,
                                           "cpu_level": w.cpu_level, "kernels": w.kernels} for w in workers}}
-    return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+    return web.json_response(body, status=503 if verdict.status == UNAVAILABLE else 200)
+
+
+async def health_live(_request: web.Request) -> web.Response:
+    return web.json_response({"status": "live"})
+
+
+async def health_ready(request: web.Request) -> web.Response:
+    verdict, _workers, _stats = await _assess(request.app[GATEWAY])
+    return web.json_response({"ready": verdict.ready, "problems": verdict.ready_problems},
+                             status=200 if verdict.ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -120,6 +137,8 @@ def create_app(settings: argparse.Namespace) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", health_live)
+    app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/stack/events", stack_events)  # under /v1: keyed like the API

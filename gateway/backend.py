@@ -596,6 +596,10 @@ class Backend:
         self._workers_cache = (time.monotonic(), workers)
         return workers
 
+    async def scheduler_alive(self) -> bool:
+        """Whether the active scheduler's mark is there (it expires a few worker refreshes after its last)."""
+        return bool(await self.redis.exists(self.keys.scheduler_alive()))
+
     async def scheduler_stats(self) -> dict | None:
         raw = await self.redis.get(self.keys.scheduler_stats())
         if raw is None:

@@ -86,6 +86,12 @@ def invalid_api_key(given: bool) -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
+def quarantined(message: str) -> APIError:
+    """A request the scheduler dead-lettered after workers failed with it: 422, which clients do not retry
+    (a retry could take the next workers down)."""
+    return APIError(422, message, "invalid_request_error", None, "request_quarantined")
+
+
 def request_timeout(seconds: float) -> APIError:
     """The body did not arrive in time: the rest of it is never read, so the connection closes."""
     return APIError(408, f"The request body did not arrive within {seconds:g} s.", "invalid_request_error", None,

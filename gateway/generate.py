@@ -26,8 +26,8 @@ from gateway.best_of import best_of
 from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
 from gateway.backend import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
 from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
-                            internal_error, read_body, resume_not_found, stream_in_use, too_many_requests,
-                            unavailable)
+                            internal_error, quarantined, read_body, resume_not_found, stream_in_use,
+                            too_many_requests, unavailable)
 from gateway.slow_client import SlowClient, drop, write_within
 from gateway.sse_ids import (RESUME_HEADER, RESUME_TOKEN_HEADER, event_id, parse_last_event_id, resume_token,
                              token_matches, wants_resume)
@@ -39,7 +39,8 @@ from gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import ChatTemplateError
-from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED, GrammarSpec, LoraRef, SubmitRequest, TokenEvent, WorkerInfo
+from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, GrammarSpec, LoraRef, SubmitRequest,
+                             TokenEvent, WorkerInfo)
 
 log = structlog.get_logger("gateway")
 
@@ -252,6 +253,8 @@ class Generation:
         if out.error_kind == ERROR_GRAMMAR:
             return bad_request(f"The output constraint of '{self.grammar_param}' failed while generating: "
                                f"{out.error}", self.grammar_param)
+        if out.error_kind == ERROR_QUARANTINED:
+            return quarantined(out.error or "request quarantined")
         if out.error_kind == ERROR_TIMEOUT:
             return gateway_timeout(f"Generation stalled: {out.error}")
         if out.error_kind == ERROR_SHUTDOWN:

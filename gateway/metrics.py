@@ -15,7 +15,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from phaseserve.grammar import MASK_BUCKETS_S
-from phaseserve.wire import WorkerInfo
+from phaseserve.wire import KV_TRANSPORTS, WorkerInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -79,6 +79,15 @@ class GatewayMetrics:
         self.kv_used = Gauge("phaseserve_kv_blocks_used", "KV-cache blocks allocated (scheduler)", registry=r)
         self.kv_total = Gauge("phaseserve_kv_blocks_total", "KV-cache blocks in all (scheduler)", registry=r)
         self.kv_usage = Gauge("phaseserve_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total", registry=r)
+        # the name an inference gateway reads (vLLM's kv_cache_usage_perc: a fraction, 1 = full, despite its name)
+        self.kv_usage_perc = Gauge("phaseserve_kv_cache_usage_perc", "KV-cache usage as a fraction of all "
+                                   "blocks, 1 = full (vLLM's name; the same as kv_cache_usage_ratio)", registry=r)
+        self.waiting_tokens = Gauge("phaseserve_num_prefill_tokens_waiting", "Prompt tokens not prefilled yet: "
+                                    "queued, parked with no worker, or the rest of a prompt mid-prefill "
+                                    "(scheduler; the unmet demand to scale workers on)", registry=r)
+        self.stale_results = Gauge("phaseserve_num_stale_step_results", "Step results the scheduler refused: "
+                                   "of a plan it gave up, a worker life it retired (a host cut off that came "
+                                   "back), or an older scheduler's epoch (cumulative, scheduler)", registry=r)
         self.fair_share_preemptions = Gauge("phaseserve_num_fair_share_preemptions", "Of those, made for a "
                                             "tenant under its share (live workers', scheduler)", registry=r)
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
@@ -92,6 +101,9 @@ class GatewayMetrics:
             ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
             ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
         )}
+        self.handoff_transport_bytes = Gauge("phaseserve_kv_handoff_transport_bytes", "KV bytes decode workers "
+                                             "received, by transport: shm (one host) or redis (over the "
+                                             "network) (scheduler)", ["transport"], registry=r)
         # prefix caching, cumulative (tokens) as the scheduler reports them, and the blocks cached now
         self.prefix_cache = {key: Gauge(f"phaseserve_{key}", help_text, registry=r) for key, help_text in (
             ("prefix_cache_queries", "Prompt tokens (prompt + outputs of a recompute) looked up in the prefix "
@@ -118,6 +130,12 @@ class GatewayMetrics:
         self.spec_rate_at = Gauge("phaseserve_spec_decode_acceptance_rate_per_position", "Kept / verified "
                                   "draft tokens at each position of a run (1 = the first draft)", ["position"],
                                   registry=r)
+        # poison requests (docs/architecture.md, "Poison requests"), cumulative as the scheduler reports them
+        self.quarantined = Gauge("phaseserve_requests_quarantined", "Requests failed because they were running "
+                                 "on --quarantine-after workers that died or overran a step: dead-lettered, not "
+                                 "moved again (cumulative, scheduler)", registry=r)
+        self.sat_out = Gauge("phaseserve_num_steps_sat_out", "Steps a sequence sat out because the worker was still "
+                             "preparing it (building its grammar matcher; cumulative, scheduler)", registry=r)
         # per tenant (its name from the keys file; "" for requests of no tenant), as requests end
         self.tenant_requests = Counter("phaseserve_tenant_requests", "Requests served, by tenant", ["tenant"],
                                        registry=r)
@@ -171,6 +189,12 @@ class GatewayMetrics:
         self.kv_used.set(used)
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
+        self.kv_usage_perc.set(used / total if total else 0.0)
+        self.waiting_tokens.set(stats.get("num_waiting_tokens", 0))
+        self.stale_results.set(stats.get("num_stale_results", 0))
+        for transport in KV_TRANSPORTS:
+            self.handoff_transport_bytes.labels(transport).set(
+                (stats.get("handoff_bytes_by_transport") or {}).get(transport, 0))
         self.preemptions.set(stats.get("num_preemptions", 0))
         self.fair_share_preemptions.set(stats.get("num_fair_share_preemptions", 0))
         for key, gauge in self.handoffs.items():
@@ -187,6 +211,8 @@ class GatewayMetrics:
         self.spec_rate_at.clear()
         for j, (d, a) in enumerate(zip(stats.get("drafted_at", []), stats.get("accepted_at", []))):
             self.spec_rate_at.labels(str(j + 1)).set(a / d if d else 0.0)
+        self.quarantined.set(stats.get("num_quarantined", 0))
+        self.sat_out.set(stats.get("num_sat_out", 0))
         self.stats_age.set(stats.get("updated_at", 0))
         self.grammar_masks.counts = stats.get("grammar_masks") or []
 

@@ -65,7 +65,7 @@ class GrammarBudgets:
                               f"{limit}", param)
 
 
-def _schema(value: Any, param: str) -> GrammarSpec:
+def _schema(value: Any, param: str, budgets: GrammarBudgets) -> GrammarSpec:
     if isinstance(value, str):  # vLLM takes the schema as JSON text too
         try:
             value = json.loads(value)
@@ -73,7 +73,9 @@ def _schema(value: Any, param: str) -> GrammarSpec:
             raise bad_request(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(value, (dict, bool)):
         raise bad_request(f"'{param}' must be a JSON schema (an object)", param)
-    return grammar.json_schema(value)
+    spec = grammar.json_schema(value)
+    budgets.check_size(spec, param)
+    return spec
 
 
 def _choice(value: Any, param: str, budgets: GrammarBudgets) -> GrammarSpec:
@@ -89,13 +91,15 @@ def _choice(value: Any, param: str, budgets: GrammarBudgets) -> GrammarSpec:
     return grammar.choice(value)
 
 
-def _text(value: Any, param: str, kind: str) -> GrammarSpec:
+def _text(value: Any, param: str, kind: str, budgets: GrammarBudgets) -> GrammarSpec:
     if not isinstance(value, str) or not value:
         raise bad_request(f"'{param}' must be a non-empty string", param)
-    return GrammarSpec(kind, value)
+    spec = GrammarSpec(kind, value)
+    budgets.check_size(spec, param)
+    return spec
 
 
-def _response_format(rf: dict) -> GrammarSpec | None:
+def _response_format(rf: dict, budgets: GrammarBudgets) -> GrammarSpec | None:
     kind = rf.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}",
@@ -108,7 +112,7 @@ def _response_format(rf: dict) -> GrammarSpec | None:
     if not isinstance(spec, dict) or "schema" not in spec:
         raise bad_request("'response_format.json_schema' must be an object with a 'schema' (and a 'name')",
                           "response_format")
-    return _schema(spec["schema"], "response_format")
+    return _schema(spec["schema"], "response_format", budgets)
 
 
 def _structured_outputs(so: dict, budgets: GrammarBudgets) -> GrammarSpec | None:
@@ -120,13 +124,13 @@ def _structured_outputs(so: dict, budgets: GrammarBudgets) -> GrammarSpec | None
     key = given[0]
     value = so[key]
     if key == "json":
-        return _schema(value, "structured_outputs")
+        return _schema(value, "structured_outputs", budgets)
     if key == "regex":
-        return _text(value, "structured_outputs", "regex")
+        return _text(value, "structured_outputs", "regex", budgets)
     if key == "choice":
         return _choice(value, "structured_outputs", budgets)
     if key == "grammar":
-        return _text(value, "structured_outputs", "lark")
+        return _text(value, "structured_outputs", "lark", budgets)
     return grammar.json_schema({"type": "object"})  # json_object: true
 
 
@@ -135,7 +139,7 @@ def requested_grammar(req, budgets: GrammarBudgets) -> tuple[GrammarSpec | None,
     More than one constraint is a 400, and so is one over the size budgets."""
     forms: list[tuple[GrammarSpec, str]] = []
     if req.response_format is not None:
-        spec = _response_format(req.response_format)
+        spec = _response_format(req.response_format, budgets)
         if spec is not None:
             forms.append((spec, "response_format"))
     if req.structured_outputs is not None:
@@ -143,19 +147,18 @@ def requested_grammar(req, budgets: GrammarBudgets) -> tuple[GrammarSpec | None,
         if spec is not None:
             forms.append((spec, "structured_outputs"))
     if req.guided_json is not None:
-        forms.append((_schema(req.guided_json, "guided_json"), "guided_json"))
+        forms.append((_schema(req.guided_json, "guided_json", budgets), "guided_json"))
     if req.guided_regex is not None:
-        forms.append((_text(req.guided_regex, "guided_regex", "regex"), "guided_regex"))
+        forms.append((_text(req.guided_regex, "guided_regex", "regex", budgets), "guided_regex"))
     if req.guided_choice is not None:
         forms.append((_choice(req.guided_choice, "guided_choice", budgets), "guided_choice"))
     if req.guided_grammar is not None:
-        forms.append((_text(req.guided_grammar, "guided_grammar", "lark"), "guided_grammar"))
+        forms.append((_text(req.guided_grammar, "guided_grammar", "lark", budgets), "guided_grammar"))
     if len(forms) > 1:
         raise bad_request(f"One output constraint at a time; the request has {', '.join(p for _, p in forms)}",
                           forms[1][1])
     if not forms:
         return None, None
-    budgets.check_size(*forms[0])
     return forms[0]
 
 

@@ -225,6 +225,10 @@ SETTINGS: list[Setting] = [
             "this long means no gateway serves the request", ("gateway", "scheduler", "up")),
     Setting("worker_id", "PHASESERVE_WORKER_ID", None, str,
             "worker identity; default: hostname-pid", ("worker",)),
+    Setting("host_id", "PHASESERVE_HOST_ID", None, str,
+            "the host this worker reports: workers with the same host id hand KV over through shared memory "
+            "(--kv-transport auto), others through Redis; default: hostname/net:<network namespace>, so "
+            "network namespaces of one machine count as hosts of their own", ("worker",)),
     Setting("role", "PHASESERVE_ROLE", "mixed", str,
             "worker phase role: mixed (prefill and decode), prefill (hands each sequence to a decode worker "
             "after its first token), decode (takes them; prefills only when no other worker exists)",
@@ -343,6 +347,15 @@ SETTINGS: list[Setting] = [
     Setting("step_timeout_floor", "PHASESERVE_STEP_TIMEOUT_FLOOR", 3.0, float,
             "the least a step's learned deadline (--step-timeout-factor) may be, in seconds: a step slowed by "
             "a busy machine is not a frozen one", ("scheduler", "up")),
+    Setting("grammar_prepare_timeout", "PHASESERVE_GRAMMAR_PREPARE_TIMEOUT", 10.0, float,
+            "seconds a worker may take to prepare a constrained sequence (build its grammar matcher over the "
+            "outputs it has, and its first token mask) once it has started on it; meanwhile the sequence sits "
+            "out the steps (the others go on), and past this it fails alone with an error (400, or an error "
+            "event in a stream)", ("worker", "up")),
+    Setting("quarantine_after", "PHASESERVE_QUARANTINE_AFTER", 2, int,
+            "a sequence running on this many workers that died or whose model step overran its deadline is "
+            "failed with an error (422) instead of being moved to another worker again: a poison request is "
+            "dead-lettered, counted in /metrics, and takes no more workers down. 0: never", ("scheduler", "up")),
     Setting("drain_timeout", "PHASESERVE_DRAIN_TIMEOUT", 30.0, float,
             "a worker given SIGTERM drains: the scheduler moves its waiting sequences to other workers at "
             "once, lets its running ones finish for up to this many seconds, then recomputes the rest "

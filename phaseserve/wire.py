@@ -75,6 +75,12 @@ class Keys:
         """Set by the scheduler every worker refresh, expiring after a few: its liveness for health checks."""
         return f"{self.prefix}:scheduler:alive"
 
+    def scheduler_seen(self, consumer: str) -> str:
+        """Set by each scheduler process, the active one every worker refresh and a standby every look at
+        the lease, expiring after a few: that process's own liveness (`python -m phaseserve.healthcheck
+        scheduler`), where `scheduler_alive` is the stack's."""
+        return f"{self.prefix}:scheduler:seen:{consumer}"
+
     def kv_transfer(self, transfer_id: str) -> str:
         """Stream: one KV transfer's chunks over Redis (workers/kv_transfer/redis_transport.py), with a TTL."""
         return f"{self.prefix}:kv:{transfer_id}"
@@ -592,9 +598,12 @@ class StepPlan(Message):
 # None) is a failure while serving: 500.
 ERROR_REJECTED = "rejected"
 # ... or the sequence's grammar failed at a later token (the engine refused a mask or a token the gateway's
-# proof did not reach): the request's grammar was bad input, a 400 naming its field (an error event in a
-# stream), never a 500.
+# proof did not reach), or the worker could not prepare it within its --grammar-prepare-timeout: the
+# request's grammar was bad input, a 400 naming its field (an error event in a stream), never a 500.
 ERROR_GRAMMAR = "grammar"
+# The scheduler dead-lettered the sequence: it was running on --quarantine-after workers that failed
+# (docs/architecture.md, "Poison requests"). Not retried by clients (422): it may take the next worker down.
+ERROR_QUARANTINED = "quarantined"
 
 
 @dataclass
@@ -671,6 +680,10 @@ class StepResult(Message):
     # token masks the step computed for constrained sequences: counts per bucket of phaseserve.grammar's
     # MASK_BUCKETS_S (the last: slower than all), then the sum of their seconds
     grammar_masks: list[float] = sent_if_set(default_factory=list)
+    # sequences whose sampling chunk sat out this step, their preparation (a grammar matcher) not ready:
+    # seq id -> the position the worker holds it at (its next chunk must start there). Nothing of theirs
+    # ran or was sampled; the scheduler plans them again from there (docs/architecture.md, "Poison requests")
+    deferred: dict[str, int] = sent_if_set(default_factory=dict)
 
 
 @dataclass
@@ -692,7 +705,8 @@ class WorkerInfo(Message):
     # context length at which a token's attention costs as much as its linear layers: the scheduler's
     # prefill cost model (0 = unknown / off, as in messages from older workers)
     attention_horizon: int = 0
-    # the machine it runs on: workers on one host hand KV over through shared memory, others through Redis
+    # the host it runs on (phaseserve/host_identity.py: hostname and network namespace, or --host-id): workers
+    # on one host hand KV over through shared memory, others through Redis
     host: str = ""
     # the worker got SIGTERM and is leaving: the scheduler places nothing new on it, moves its waiting
     # sequences elsewhere, lets its running ones finish (up to its --drain-timeout), then answers with a

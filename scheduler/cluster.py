@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import (
-    ERROR_REJECTED, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest, TokenBatch, TokenEvent, WireError,
-    WorkerInfo,
+    ERROR_QUARANTINED, ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest,
+    TokenBatch, TokenEvent, WireError, WorkerInfo,
 )
 from phaseserve.stack_view import (
     STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
@@ -30,6 +30,7 @@ from phaseserve.stack_view import (
 from scheduler.lora_routing import AdapterRecency
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.prefix_cache import RecentPrompts, request_seed
+from scheduler.quarantine import STRIKES_FIELD, Quarantine
 from scheduler.speculation import SpeculationStats
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
@@ -45,6 +46,9 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
 PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
+# a policy's counters kept when its worker goes away (the cluster's stats are since the scheduler started)
+RETIRED_COUNTERS = (*PREFIX_COUNTERS, "num_sat_out")
+MAX_PENDING_HANDOFFS = 4096  # handoffs whose transport is remembered until their receive is reported
 
 
 def share_of(shares: dict[str, TenantShare], req: SubmitRequest) -> TenantShare:
@@ -148,17 +152,37 @@ class HandoffCounters:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0  # receive time, summed
+    # bytes received per transport (KV_TRANSPORTS): whether KV between hosts went over the network
+    bytes_by_transport: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_TRANSPORTS, 0))
+    # transfer id -> transport of handoffs whose receive is not reported yet (oldest first, bounded: a
+    # decode worker that died never reports its own)
+    pending: dict[str, str] = field(default_factory=dict)
+
+    def handed(self, transfer_id: str, transport: str) -> None:
+        self.sequences += 1
+        self.pending[transfer_id] = transport
+        while len(self.pending) > MAX_PENDING_HANDOFFS:
+            del self.pending[next(iter(self.pending))]
+
+    def received_kv(self, transfer_id: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.received += 1
+        self.blocks += num_blocks
+        self.bytes += num_bytes
+        self.seconds += seconds
+        transport = self.pending.pop(transfer_id, None)
+        if transport is not None:
+            self.bytes_by_transport[transport] = self.bytes_by_transport.get(transport, 0) + num_bytes
 
     def as_stats(self) -> dict:
         return {"handoff_sequences": self.sequences, "handoff_kept": self.kept, "handoff_received": self.received,
                 "handoff_failed": self.failed, "handoff_blocks": self.blocks, "handoff_bytes": self.bytes,
-                "handoff_seconds": round(self.seconds, 6)}
+                "handoff_seconds": round(self.seconds, 6), "handoff_bytes_by_transport": dict(self.bytes_by_transport)}
 
 
 class Cluster:
     """The live workers and the requests they own; every decision the scheduler makes between them."""
 
-    def __init__(self, keys: Keys, limits: PolicyLimits, drain_timeout: float = 30.0):
+    def __init__(self, keys: Keys, limits: PolicyLimits, drain_timeout: float = 30.0, quarantine_after: int = 2):
         self.keys = keys
         self.limits = limits
         self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
@@ -166,14 +190,16 @@ class Cluster:
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
         self.retired_preemptions = 0  # preemptions counted by policies of workers that went away
-        # prefix cache counters of policies of workers that went away (their caches went with them)
-        self.retired_prefix_counts = {k: 0 for k in PREFIX_COUNTERS}
+        # counters of policies of workers that went away (prefix caches went with them)
+        self.retired_counts = {k: 0 for k in RETIRED_COUNTERS}
+        self.quarantine = Quarantine(quarantine_after)  # strikes of sequences present at worker failures
         self.recent_prompts = RecentPrompts()
         self.ops: list[tuple] = []  # Redis writes decided, sent with the service's next turn
         self.outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
         self.adoptions = 0
         self.admissions = 0
         self.num_steps_given_up = 0
+        self.num_stale_results = 0  # results refused: of a plan given up, a retired life, an older epoch
         self.handoffs = HandoffCounters()
         self.grammar_masks: list[float] = []  # StepResult.grammar_masks summed: the gateway's mask histogram
         self.watched = False  # a live view is open (the service says): steps are sampled for it
@@ -181,14 +207,16 @@ class Cluster:
 
     # ------------------------------------------------------------------ workers
 
-    def gone_workers(self, live: dict[str, WorkerInfo]) -> None:
-        """Retire every worker whose heartbeat lapsed, or that started a new life."""
+    def gone_workers(self, live: dict[str, WorkerInfo], blameless: bool = False) -> None:
+        """Retire every worker whose heartbeat lapsed, or that started a new life. `blameless`: the scheduler
+        could not reach Redis just before (heartbeats lapsed with the outage): no strike for anyone."""
         for wid in list(self.workers):
             info = live.get(wid)
             if info is None or info.started_at != self.workers[wid].info.started_at:
                 # a new started_at: a new process, or a model that moved again after stalling past the step
                 # deadline (its relay starts a new life); the old life's plans are void either way
-                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)")
+                self.retire_worker(wid, "heartbeat expired" if info is None else "new life (restarted or stalled)",
+                                   blameless)
 
     def add_worker(self, info: WorkerInfo, epoch: int) -> WorkerSlot:
         """A worker joined (its stream already fenced by the service): a policy of its own for its blocks."""
@@ -226,19 +254,32 @@ class Cluster:
         if self.parked and self.workers:
             self.place_parked()
 
-    def retire_worker(self, wid: str, why: str) -> None:
+    def retire_worker(self, wid: str, why: str, blameless: bool = False) -> None:
+        """The worker is gone: its sequences are recomputed elsewhere, but one that was running on it gets a
+        strike (unless the worker left on purpose, or `blameless`), and is failed at the quarantine's limit
+        (scheduler/quarantine.py)."""
         slot = self.workers.pop(wid)
         self.retired_preemptions += slot.policy.num_preemptions
         pstats = slot.policy.stats()
-        for k in PREFIX_COUNTERS:
-            self.retired_prefix_counts[k] += pstats[k]
+        for k in RETIRED_COUNTERS:
+            self.retired_counts[k] += pstats[k]
+        suspects = set() if blameless or slot.draining else slot.policy.running_ids()
         moved = slot.policy.take_all()
         if slot.drained and not moved:
             log.info("worker left after draining", worker_id=wid)
         else:
-            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved))
+            log.warning("worker lost", worker_id=wid, reason=why, sequences_moved=len(moved),
+                        sequences_struck=len(suspects))
         for req, output_ids in moved:
-            self.owner.pop(req.request_id, None)
+            rid = req.request_id
+            self.owner.pop(rid, None)
+            if rid in suspects:
+                if self.quarantine.strike(rid):
+                    log.error("request quarantined", request_id=rid, worker_id=wid,
+                              failures=self.quarantine.max_failures)
+                    self.fail_request(req, self.quarantine.message(), ERROR_QUARANTINED)
+                    continue
+                self.ops.append(("hset", self.keys.request_record(rid), STRIKES_FIELD, self.quarantine.count(rid)))
             self.parked.append((req, output_ids))
         self.stats_dirty = True
         if self.workers:
@@ -363,6 +404,7 @@ class Cluster:
         self.tell_error(req.request_id, req.gateway_id, message, error_kind)
         self.ops.append(("delete", self.keys.request_record(req.request_id)))
         self.outputs_written.pop(req.request_id, None)
+        self.quarantine.forget(req.request_id)
 
     def tell_error(self, rid: str, gateway_id: str, message: str, error_kind: str | None = None) -> None:
         """An error event for a request's client: published, and in its token log, so a gateway that missed
@@ -394,6 +436,7 @@ class Cluster:
             cancelled = len(self.parked) < before
         self.ops.append(("delete", self.keys.request_record(rid)))
         self.outputs_written.pop(rid, None)
+        self.quarantine.forget(rid)
         self.stats_dirty = True
         log.info("request cancelled", request_id=rid, reason=reason, found=cancelled)
 
@@ -417,7 +460,7 @@ class Cluster:
             dst.policy.accept_handoff(handoff)
             self.owner[rid] = dst.info.worker_id
             self.ops.append(("hset", self.keys.request_record(rid), "worker", dst.info.worker_id))
-            self.handoffs.sequences += 1
+            self.handoffs.handed(handoff.kv_send.transfer_id, handoff.kv_send.transport)
             log.info("handed to a decode worker", request_id=rid, source=src.info.worker_id,
                      worker_id=dst.info.worker_id, num_cached=handoff.num_cached,
                      transfer_id=handoff.kv_send.transfer_id, transport=handoff.kv_send.transport)
@@ -425,10 +468,7 @@ class Cluster:
     def count_handoff_results(self, result: StepResult) -> None:
         for h in result.handoffs:
             if h.ok:
-                self.handoffs.received += 1
-                self.handoffs.blocks += h.num_blocks
-                self.handoffs.bytes += h.num_bytes
-                self.handoffs.seconds += h.seconds
+                self.handoffs.received_kv(h.transfer_id, h.num_blocks, h.num_bytes, h.seconds)
             else:
                 self.handoffs.failed += 1
                 log.warning("KV handoff failed; recomputing the sequence", request_id=h.seq_id,
@@ -526,6 +566,8 @@ class Cluster:
             # an earlier scheduler's plan, a worker we gave up on, a step given up, or a duplicate
             log.debug("ignoring stale step result", worker_id=result.worker_id, step_id=result.step_id,
                       epoch=result.epoch)
+            self.num_stale_results += 1
+            self.stats_dirty = True
             return
         # the worker runs plans in order: the open steps before this one lost their plan or result (the
         # policy recomputes what they sampled when it applies this result)
@@ -560,6 +602,7 @@ class Cluster:
         for rid in finished:
             self.owner.pop(rid, None)
             self.outputs_written.pop(rid, None)
+            self.quarantine.forget(rid)
             self.ops.append(("delete", self.keys.request_record(rid)))
             reason = next((e.finish_reason for e in result.events if e.seq_id == rid and e.finish_reason), None)
             log.info("request finished", request_id=rid, finish_reason=reason, worker_id=result.worker_id)
@@ -670,6 +713,11 @@ class Cluster:
         policies = [s.policy for s in self.workers.values()]
         return {
             "num_waiting": sum(p.num_waiting for p in policies) + len(self.parked),
+            # prompt tokens not prefilled yet (queued, parked, or mid-prompt): the unmet demand a deployment
+            # scales its workers on
+            "num_waiting_tokens": sum(p.queued_prefill_tokens for p in policies)
+            + sum(len(r.prompt_ids) + len(o or ()) for r, o in self.parked),
+            "num_stale_results": self.num_stale_results,
             "num_running": sum(p.num_running for p in policies),
             "kv_blocks_used": sum(p.num_used_blocks for p in policies),
             "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
@@ -682,12 +730,14 @@ class Cluster:
             **self.prefix_cache_stats(),
             **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
             "grammar_masks": self.grammar_masks,
+            "num_sat_out": sum(p.num_sat_out for p in policies) + self.retired_counts["num_sat_out"],
+            "num_quarantined": self.quarantine.num_quarantined,
         }
 
     def prefix_cache_stats(self) -> dict:
         """Prefix cache counters (tokens queried and found, blocks evicted) since this scheduler took the
         lease, and the blocks cached now."""
         per_policy = [s.policy.stats() for s in self.workers.values()]
-        out = {k: sum(p[k] for p in per_policy) + self.retired_prefix_counts[k] for k in PREFIX_COUNTERS}
+        out = {k: sum(p[k] for p in per_policy) + self.retired_counts[k] for k in PREFIX_COUNTERS}
         out["kv_blocks_cached"] = sum(p["num_cached_blocks"] for p in per_policy)
         return out

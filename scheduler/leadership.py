@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from phaseserve import token_log
 from phaseserve.wire import OUTPUT_FIELD_PREFIX, Keys, SubmitRequest, WireError
 from scheduler.cluster import Cluster
+from scheduler.quarantine import STRIKES_FIELD
 
 log = structlog.get_logger("scheduler.leadership")
 
@@ -72,6 +73,8 @@ class Leadership:
         while not stopping.is_set():
             if await self.client.set(self.keys.scheduler_lease(), self.consumer, nx=True, px=self.lease_ttl_ms):
                 break
+            # a standby is alive too (its probe reads this): it looks a few times per lease
+            await self.client.set(self.keys.scheduler_seen(self.consumer), 0, px=max(3000, self.lease_ttl_ms))
             if not waiting_logged:
                 holder = await self.client.get(self.keys.scheduler_lease())
                 log.info("standby: another scheduler holds the lease", holder=holder.decode() if holder else None)
@@ -145,6 +148,8 @@ async def recover_records(client: aioredis.Redis, keys: Keys, cluster: Cluster) 
             await client.delete(key)
             continue
         cluster.parked.append((req, outputs))
+        strikes = record.get(STRIKES_FIELD.encode(), b"0")
+        cluster.quarantine.restore(req.request_id, int(strikes) if strikes.isdigit() else 0)
         # what the record holds of them (none, if the log disagreed: the next write rewrites from 0)
         cluster.outputs_written[req.request_id] = len(recorded) if outputs[:len(recorded)] == recorded else 0
         found += 1

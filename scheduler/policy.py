@@ -64,6 +64,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._num_fair_share_preemptions = 0  # of those, made for a tenant under its share (docs/tenants.md)
         self.shares = TenantShares()  # tenants' virtual times and weights (scheduler/fair_share.py)
         self._num_resyncs = 0
+        self._num_sat_out = 0  # steps a sequence sat out, its preparation on the worker not ready
         self._prefill_marks: dict[str, int] = {}  # seq id -> positions computed at the last quiet_progress
         self._num_finished = 0
         self._num_cancelled = 0
@@ -126,14 +127,21 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         self._inflight.clear()
         return [(s.request, list(s.output_ids)) for s in seqs]
 
+    def running_ids(self) -> set[str]:
+        """The sequences holding blocks on the worker (prefilling or decoding): those in its steps."""
+        return {s.seq_id for s in self._running}
+
     def quiet_progress(self) -> list[SubmitRequest]:
         """The sequences moving on without a token to show for it since the last call: waiting (queued, or
-        preempted) and prefilling with more positions computed than then (a long prompt's chunks; a chunk
-        is planned only once the results of the plans before it came back, so a stuck worker stops this)."""
+        preempted), prefilling with more positions computed than then (a long prompt's chunks; a chunk
+        is planned only once the results of the plans before it came back, so a stuck worker stops this),
+        and those the worker is still preparing (they sit out steps; its budget bounds that)."""
         marks, self._prefill_marks = self._prefill_marks, {}
         moving = [s.request for s in self._waiting]
         for seq in self._running:
-            if seq.is_prefilling:
+            if seq.sat_out:
+                moving.append(seq.request)
+            elif seq.is_prefilling:
                 self._prefill_marks[seq.seq_id] = seq.num_computed_tokens
                 if seq.num_computed_tokens > marks.get(seq.seq_id, -1):
                     moving.append(seq.request)
@@ -514,6 +522,10 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
         return self.block_manager.num_used_blocks
 
     @property
+    def num_sat_out(self) -> int:
+        return self._num_sat_out
+
+    @property
     def num_preemptions(self) -> int:
         return self._num_preemptions
 
@@ -556,6 +568,7 @@ class WorkerPolicy(StepResults, HandoffBookkeeping, PrefixCacheBookkeeping, Spec
             "num_preemptions": self._num_preemptions,
             "num_fair_share_preemptions": self._num_fair_share_preemptions,
             "num_resyncs": self._num_resyncs,
+            "num_sat_out": self._num_sat_out,
             "num_finished": self._num_finished,
             "num_cancelled": self._num_cancelled,
             "num_steps": self._next_step_id,

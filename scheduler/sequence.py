@@ -53,6 +53,10 @@ class Sequence:
     num_inflight_drafts: int = 0
     drafts_in_step: dict[int, int] = field(default_factory=dict)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # a step sat it out (its grammar matcher not ready on the worker; scheduler/step_results.py): the plans up
+    # to this step id were made before that was known, and run nothing of it. sat_out: since its last token
+    void_until: int = -1
+    sat_out: bool = False
 
     @property
     def seq_id(self) -> str:

@@ -55,7 +55,7 @@ class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
                  lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0,
-                 step_timeout_floor: float = 3.0, step_timeout_factor: float = 10.0):
+                 step_timeout_floor: float = 3.0, step_timeout_factor: float = 10.0, quarantine_after: int = 2):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -75,11 +75,15 @@ class SchedulerService:
         self.lease_ttl_ms = self.leadership.lease_ttl_ms
         self.resume_grace = resume_grace
         self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
+        self.quarantine_after = quarantine_after  # worker failures a sequence may be present at (cluster.py)
         self._reset_state()
 
     def _reset_state(self) -> None:
         """Everything a scheduler knows is rebuilt from Redis when it takes the lease."""
-        self.cluster = Cluster(self.keys, self.limits, self.drain_timeout)
+        self.cluster = Cluster(self.keys, self.limits, self.drain_timeout, self.quarantine_after)
+        # Redis was unreachable (or came back empty) since the last refresh: workers whose heartbeats lapsed
+        # with it are retired without a strike against their sequences (scheduler/quarantine.py)
+        self.redis_trouble = getattr(self, "redis_trouble", False)
         self.leadership.renew_at = 0.0
         self.stopping = getattr(self, "stopping", None) or asyncio.Event()
         self._next_refresh = 0.0
@@ -131,15 +135,19 @@ class SchedulerService:
 
     async def refresh_workers(self, now: float) -> None:
         self._next_refresh = now + self.refresh_interval
-        await self.client.set(self.keys.scheduler_alive(), self.consumer,
-                              px=max(3000, int(3000 * self.refresh_interval)))
+        alive_ms = max(3000, int(3000 * self.refresh_interval))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.scheduler_alive(), self.consumer, px=alive_ms)
+        pipe.set(self.keys.scheduler_seen(self.consumer), self.leadership.epoch, px=alive_ms)
+        await pipe.execute()
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
         # the live view's flag rides with the heartbeats: no round trip of its own
         *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]
                                                 + [self.keys.stack_view_wanted()])
         self.view_wanted = self.cluster.watched = wanted is not None
         live = live_workers(members, beats)
-        self.cluster.gone_workers(live)
+        self.cluster.gone_workers(live, blameless=self.redis_trouble)
+        self.redis_trouble = False
         for wid, info in live.items():
             if wid not in self.workers:
                 await self.adopt_worker(info)
@@ -362,7 +370,9 @@ class SchedulerService:
                         raise
                     log.warning("consumer group missing; recreating", error=str(e))
                     ready = False
+                    self.redis_trouble = True
                 except CONNECTION_ERRORS as e:
+                    self.redis_trouble = True
                     delay = backoff.next_delay()
                     log.warning("redis unreachable; retrying", error=str(e), retry_in_s=round(delay, 2))
                     try:
@@ -418,6 +428,7 @@ class SchedulerService:
             errors = [r for r in replies if isinstance(r, ResponseError)]
             if any("NOGROUP" in str(r) for r in errors):  # Redis was flushed or restarted: recreate the groups
                 log.warning("consumer group missing; recreating", error=str(errors[0]))
+                self.redis_trouble = True
                 await self.setup()
                 continue
             for err in errors:
@@ -439,7 +450,8 @@ async def serve(args) -> None:
                                step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
                                resume_grace=args.resume_grace, drain_timeout=args.drain_timeout,
                                step_timeout_floor=args.step_timeout_floor,
-                               step_timeout_factor=args.step_timeout_factor)
+                               step_timeout_factor=args.step_timeout_factor,
+                               quarantine_after=args.quarantine_after)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
@@ -471,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.drain_timeout >= 0:
         raise SystemExit(f"phaseserve scheduler: --drain-timeout must be >= 0 (0 = hand back at once), "
                          f"got {args.drain_timeout}")
+    if args.quarantine_after < 0:
+        raise SystemExit(f"phaseserve scheduler: --quarantine-after must be >= 0 (0 = never), "
+                         f"got {args.quarantine_after}")
     freeze_startup_heap()
     event_loop.run(serve(args))
     return 0

@@ -4,6 +4,10 @@ A result is accepted only for a step still open, and an event only for a sequenc
 step (the same Sequence object: a cancelled and re-added id is a new one) and only at offset ==
 len(output_ids). Results come in step order, so an older open step's was lost: the sequences it should have
 sampled are recomputed from their confirmed outputs, as are those of a step given up (`drop_step`).
+
+A sequence the worker says sat out the step (StepResult.deferred: its grammar matcher not ready) is neither
+advanced nor recomputed: it is planned again from the position the worker holds it at, and the plans already
+in flight for it are moot (the worker runs nothing of them, docs/architecture.md, "Poison requests").
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class StepResults:
                             expected=len(seq.output_ids), step_id=result.step_id)
                 continue
             seq.output_ids.extend(ev.token_ids)
+            seq.sat_out = False
             accepted.add(seq)
             self._settle_drafts(seq, result.step_id, ev, result.drafted.get(ev.seq_id, 0))
             self._name_confirmed_blocks(seq)  # the positions before this token are in the cache
@@ -62,8 +67,24 @@ class StepResults:
                 finished.append(seq.seq_id)
             elif seq.awaiting_handoff:
                 self._ready_handoffs.append(seq)
+        for seq_id, position in result.deferred.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq in planned and seq not in accepted:
+                self._sit_out(seq, position, result.step_id)
         self._settle(sampled, accepted, result.step_id)
         return finished
+
+    def _sit_out(self, seq: Sequence, position: int, step_id: int) -> None:
+        """The worker holds `seq` at `position` and ran nothing of it in `step_id`: plan it from there. Its
+        plans still in flight are moot (the worker skips chunks that do not start where it is)."""
+        seq.sat_out = True
+        if step_id <= seq.void_until:
+            return  # a plan made before an earlier sit-out was applied: already rewound
+        if seq.status is not SequenceStatus.RUNNING or not 0 <= position <= seq.num_computed_tokens:
+            return  # preempted meanwhile, or a position we never planned: _settle recomputes it
+        seq.num_computed_tokens = position
+        seq.void_until = self._next_step_id - 1
+        self._num_sat_out += 1
 
     def drop_step(self, step_id: int) -> bool:
         """A step whose result will never come (its plan or result was lost, or it overran the deadline):
@@ -91,8 +112,8 @@ class StepResults:
             seq.num_inflight_samples -= 1
             if seq not in accepted:
                 self._settle_drafts(seq, step_id, None)
-            if seq in accepted or self._seqs.get(seq.seq_id) is not seq:
-                continue
+            if seq in accepted or self._seqs.get(seq.seq_id) is not seq or step_id <= seq.void_until:
+                continue  # sampled, gone, or a step that sat it out (or was planned before it did)
             log.warning("planned token never reported; recomputing the sequence", seq_id=seq.seq_id)
             self._num_resyncs += 1
             if seq.status is SequenceStatus.RUNNING:

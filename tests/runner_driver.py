@@ -1,12 +1,14 @@
 """A minimal hand-written planner for runner tests: builds StepPlans directly, no scheduler.
 
 Every step gives each live sequence its next chunk (up to `chunk_size` known tokens
-not yet computed), so decodes and prefill chunks share steps. Blocks come from a
+not yet computed), so decodes and prefill chunks share steps; one that sat out (its
+grammar not ready: StepResult.deferred) gets it again. Blocks come from a
 bump allocator that reserves each sequence's worst case up front.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from phaseserve.params import SamplingParams
@@ -58,8 +60,11 @@ def run(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams | 
             chunks.append(ScheduledChunk(s.seq_id, s.computed, n, s.blocks[:-(-end // bs)]))
         result = runner.execute(StepPlan(step, "w", starts, chunks, releases))
         starts, releases = [], []
-        for c in chunks:
-            next(s for s in seqs if s.seq_id == c.seq_id).computed += c.num_tokens
+        for c in chunks:  # a chunk that sat out (its grammar still being prepared) is planned again
+            s = next(s for s in seqs if s.seq_id == c.seq_id)
+            s.computed = result.deferred.get(c.seq_id, s.computed + c.num_tokens)
+        if len(result.deferred) == len(chunks):
+            time.sleep(0.002)  # nothing ran: every sequence waits for its grammar
         by_id = {s.seq_id: s for s in seqs}
         for ev in result.events:
             s = by_id[ev.seq_id]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ def service_env(svc: dict) -> dict[str, str]:
 
 
 def phaseserve_services(compose: dict) -> dict:
-    return {n: s for n, s in compose["services"].items() if s["command"][0] == "phaseserve"}
+    """The long-running phaseserve services (not the one-shot model-cache)."""
+    return {n: s for n, s in compose["services"].items()
+            if s["command"][0] == "phaseserve" and s.get("restart") != "no"}
 
 
 def test_services_and_healthchecks(compose):
@@ -58,27 +61,67 @@ def compose_command(text: str) -> str:
 SECRET_DIR = "/run/phaseserve"  # the redis-secret volume, where every service mounts it
 
 
-def run_redis_secret(compose: dict, secrets_dir: Path, env: dict) -> Path:
-    """The redis-secret service's command, run here with its volume at `secrets_dir`: -> the password file."""
+def run_redis_secret(compose: dict, secrets_dir: Path, env: dict, yours: Path | None = None) -> Path:
+    """The redis-secret service's command, run here with its volume at `secrets_dir` and the secret file
+    compose mounts at `yours` (empty when not given): -> the password file."""
     sh, dash_c, script = compose["services"]["redis-secret"]["command"]
     assert (sh, dash_c) == ("sh", "-c")
-    script = compose_command(script).replace(SECRET_DIR, str(secrets_dir))
+    if yours is None:
+        yours = secrets_dir.parent / f"{secrets_dir.name}-no-password"
+        yours.write_text("")
+    script = (compose_command(script).replace(SECRET_DIR, str(secrets_dir))
+              .replace("/run/secrets/redis_password", str(yours)))
     subprocess.run(["sh", "-c", script], env=env, check=True, timeout=10)
     return secrets_dir / "redis_password"
 
 
 def test_redis_secret_makes_a_private_password_once_or_takes_yours(compose, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
+    env = dict(os.environ)
     svc = compose["services"]["redis-secret"]
-    assert svc["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:-}"  # no default: generated instead
-    first = run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text()
+    # yours comes as a secret file (empty by default: generated instead), never through an environment,
+    # which `docker inspect` shows
+    assert "environment" not in svc and svc["secrets"] == ["redis_password"]
+    assert compose["secrets"]["redis_password"]["file"] == "${REDIS_PASSWORD_FILE:-./docker/no-redis-password}"
+    assert os.path.getsize(os.path.join(ROOT, "docker", "no-redis-password")) == 0
+    first = run_redis_secret(compose, tmp_path, env).read_text()
     assert len(first) == 48 and all(c in "0123456789abcdef" for c in first), first
     assert (os.stat(tmp_path / "redis_password").st_mode & 0o777) == 0o600
-    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": ""}).read_text() == first  # kept
+    assert run_redis_secret(compose, tmp_path, env).read_text() == first  # kept
     other = tmp_path / "other"
     other.mkdir()
-    assert run_redis_secret(compose, other, {**env, "REDIS_PASSWORD": ""}).read_text() != first  # random
-    assert run_redis_secret(compose, tmp_path, {**env, "REDIS_PASSWORD": "mine"}).read_text() == "mine"
+    assert run_redis_secret(compose, other, env).read_text() != first  # random
+    mine = tmp_path / "mine"
+    mine.write_text("mine\n")
+    assert run_redis_secret(compose, tmp_path, env, yours=mine).read_text() == "mine"
+
+
+def test_the_model_cache_is_filled_once_before_any_service_mounts_it(compose):
+    """Docker copies an image's files into an empty named volume for each container that mounts it while it
+    is empty; several at once raced (`failed to create symlink ... file exists`). The one-shot model-cache
+    mounts it first and every service waits for it to complete."""
+    services = compose["services"]
+    one_shot = services["model-cache"]
+    assert one_shot["restart"] == "no" and one_shot["command"] == ["phaseserve", "pull"]
+    assert "phaseserve-cache:/cache" in one_shot["volumes"] and "depends_on" not in one_shot
+    for name, svc in services.items():
+        if "phaseserve-cache:/cache" in svc.get("volumes", ()) and name != "model-cache":
+            assert svc["depends_on"]["model-cache"]["condition"] == "service_completed_successfully", name
+
+
+def test_services_start_under_an_init_and_the_torch_index_is_a_build_arg(compose):
+    for name, svc in compose["services"].items():
+        if svc.get("image", "").startswith("phaseserve:"):
+            assert svc["init"] is True, name  # SIGTERM reaches a worker in its first seconds too
+    assert compose["services"]["worker"]["build"]["args"]["TORCH_INDEX"] == \
+        "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+    with open(os.path.join(ROOT, "docker", "Dockerfile")) as f:
+        assert "pip install --index-url ${TORCH_INDEX} torch==2.13.0" in f.read()
+
+
+def test_the_build_context_leaves_out_what_the_image_does_not_need():
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        ignored = {line.strip().rstrip("/") for line in f if line.strip() and not line.startswith("#")}
+    assert {".venv", ".git", "runs", "bench/results", "**/__pycache__"} <= ignored
 
 
 def test_the_redis_service_wants_a_password_and_refuses_dangerous_commands(compose, tmp_path):
@@ -342,3 +385,133 @@ def test_compose_commands_serve_through_the_console_script(compose, redis_server
                 p.kill()
                 raise
         log.close()
+
+
+# ----------------------------------------------------------------------------- the stack, built and served
+
+
+def compose_cli() -> tuple[list[str] | None, str]:
+    """The compose command (`docker compose`, else docker-compose v1) and why not when there is none."""
+    if shutil.which("docker") is None:
+        return None, "no docker client"
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+        return None, "no Docker daemon reachable (docker info failed)"
+    if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60).returncode == 0:
+        return ["docker", "compose"], ""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"], ""
+    return None, "neither `docker compose` nor docker-compose is installed"
+
+
+def _ready(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health/ready", timeout=3) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _health(url: str) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=3) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+    except OSError:
+        return {}
+
+
+def test_the_compose_stack_builds_serves_scales_hands_over_and_leaves_nothing(tmp_path):
+    """`up --build` on the default model, a chat completion, `--scale worker=2` with the new worker taking
+    work (it reports its steps when scaled down again), the disaggregated profile handing sequences over
+    (over Redis: containers are hosts of their own), and `down -v` leaving no container, volume or network."""
+    import json
+    import time
+
+    from openai import OpenAI
+
+    from e2e_reference import metric
+    from e2e_stack import wait_for
+    from phaseserve.redis_server import free_port
+
+    cli, why = compose_cli()
+    if cli is None:
+        pytest.skip(f"the compose stack needs a Docker engine: {why}")
+    project = f"pscomposetest{os.getpid()}"
+    port = free_port()
+    env = {**os.environ, "PHASESERVE_PORT": str(port), "PHASESERVE_NUM_THREADS": "1",
+           "PHASESERVE_KV_CACHE_MEMORY": "256MiB", "COMPOSE_PROJECT_NAME": project}
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "compose.log", "ab")
+
+    def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        print(f"$ {' '.join(cli)} -p {project} {' '.join(args)}", flush=True)
+        out = subprocess.run([*cli, "-p", project, *args], cwd=ROOT, env=env, capture_output=True, timeout=timeout)
+        log.write(out.stdout + out.stderr)
+        assert out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-4000:]
+        return out
+
+    def chat(client: OpenAI, text: str) -> str:
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=16, temperature=0,
+                                               messages=[{"role": "user", "content": text}])
+        return reply.choices[0].message.content
+
+    def labelled(kind: str) -> list[str]:
+        args = {"container": ["ps", "-a"], "volume": ["volume", "ls"], "network": ["network", "ls"]}[kind]
+        out = subprocess.run(["docker", *args, "-q", "--filter", f"label=com.docker.compose.project={project}"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.split()
+
+    started = time.monotonic()
+    try:
+        compose("up", "-d", "--build", timeout=3000)
+        print(f"built and started in {time.monotonic() - started:.0f}s", flush=True)
+        assert wait_for(lambda: _ready(url), 600, 2), compose("logs", "--tail", "50").stdout.decode()[-6000:]
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        answer = chat(client, "What is the capital of France?")
+        print(f"chat completion: {answer!r}", flush=True)
+        assert answer.strip()
+
+        compose("up", "-d", "--scale", "worker=2")
+        assert wait_for(lambda: _health(url).get("scheduler_workers") == 2, 600, 2), _health(url)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: chat(client, f"Count to {i + 3}."), range(16)))
+        assert all(a.strip() for a in answers)
+        # the new worker stopped (it drains) and its last line read: how many steps it ran
+        (second,) = subprocess.run(
+            ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}", "--filter",
+             "label=com.docker.compose.service=worker", "--filter", "label=com.docker.compose.container-number=2"],
+            capture_output=True, text=True, timeout=60).stdout.split()
+        subprocess.run(["docker", "stop", "-t", "40", second], capture_output=True, timeout=120, check=True)
+        out = subprocess.run(["docker", "logs", second], capture_output=True, text=True, timeout=60)
+        steps = [json.loads(line)["steps"] for line in (out.stdout + out.stderr).splitlines()
+                 if '"worker stopped"' in line and line.startswith("{")]
+        print(f"the second worker ran {steps} steps", flush=True)
+        assert steps and steps[0] > 0, "the second worker took no work"
+        compose("up", "-d", "--scale", "worker=1")
+
+        compose("--profile", "disaggregated", "up", "-d", "--scale", "worker=0")
+        assert wait_for(lambda: _health(url).get("worker_roles") == {"prefill": 1, "decode": 1}
+                        and _health(url).get("scheduler_workers") == 2, 600, 2), _health(url)
+        texts = [chat(client, f"Name {n} colours.") for n in (2, 3, 4)]
+        assert all(t.strip() for t in texts)
+        assert wait_for(lambda: metric(url, "kv_handoff_received") >= 3, 30)
+        handed = metric(url, 'kv_handoff_transport_bytes{transport="redis"}')
+        print(f"disaggregated: {metric(url, 'kv_handoff_sequences'):.0f} sequences handed over, "
+              f"{handed:.0f} KV bytes over Redis", flush=True)
+        assert handed > 0
+    finally:
+        subprocess.run([*cli, "-p", project, "--profile", "disaggregated", "down", "-v", "--remove-orphans"],
+                       cwd=ROOT, env=env, capture_output=True, timeout=600)
+        log.close()
+    left = {kind: labelled(kind) for kind in ("container", "volume", "network")}
+    print(f"after down -v: {left}", flush=True)
+    assert left == {"container": [], "volume": [], "network": []}

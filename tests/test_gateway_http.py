@@ -25,8 +25,8 @@ from phaseserve.redis_server import EmbeddedRedis, free_port
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
-from phaseserve.wire import (ERROR_REJECTED, FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, TokenEvent,
-                             WorkerInfo, peek_kind)
+from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys,
+                             SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind)
 from gateway import protocol as P
 from text_model_factory import make_text_model
 
@@ -256,6 +256,29 @@ async def test_a_scheduler_rejection_is_400_with_its_message_in_or_out_of_a_stre
     assert events[-1]["error"]["message"] == message
 
 
+async def test_a_quarantined_request_is_422_in_or_out_of_a_stream(gw):
+    """A request the scheduler dead-lettered (it was running on workers that failed) is a 422, which clients
+    do not retry (openai raises UnprocessableEntityError): a retry could take the next workers down."""
+    await add_worker(gw)
+    reader = RequestsReader(gw)
+    message = "request quarantined: it was running on 2 workers that failed"
+
+    async def scheduler():
+        for _ in range(2):
+            sub = await reader.next()
+            await publish(gw, TokenEvent(sub.request_id, 0, [], "error", None, message, ERROR_QUARANTINED))
+
+    task = asyncio.create_task(scheduler())
+    status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+    assert status == 422 and body["error"]["message"] == message
+    assert_openai_error(body, "invalid_request_error", None, "request_quarantined")
+    async with gw.http.post(gw.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True}) as r:
+        events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+    assert_openai_error(events[-1], "invalid_request_error", None, "request_quarantined")
+    await task
+
+
 async def test_no_worker_is_503_and_health_follows_heartbeats(gw):
     status, body = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "hi"})
     assert status == 503
@@ -297,10 +320,17 @@ async def test_models_openapi_and_metrics(gw):
     assert "temperature" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
     await gw.redis.set(gw.keys.scheduler_stats(), __import__("msgpack").packb(
         {"num_waiting": 3, "num_running": 2, "kv_blocks_used": 25, "kv_blocks_total": 100, "num_preemptions": 1,
-         "updated_at": 1.0}))
+         "num_waiting_tokens": 700, "handoff_bytes_by_transport": {"redis": 4096}, "num_quarantined": 2,
+         "num_sat_out": 7, "updated_at": 1.0}))
     async with gw.http.get(gw.url + "/metrics") as r:
         text = await r.text()
     assert "phaseserve_num_requests_waiting 3.0" in text and "phaseserve_kv_cache_usage_ratio 0.25" in text
+    # the names an inference gateway reads (vLLM's, under our prefix), and the demand KEDA scales on
+    assert "phaseserve_num_requests_running 2.0" in text and "phaseserve_kv_cache_usage_perc 0.25" in text
+    assert "phaseserve_num_prefill_tokens_waiting 700.0" in text
+    assert 'phaseserve_kv_handoff_transport_bytes{transport="redis"} 4096.0' in text
+    assert 'phaseserve_kv_handoff_transport_bytes{transport="shm"} 0.0' in text
+    assert "phaseserve_requests_quarantined 2.0" in text and "phaseserve_num_steps_sat_out 7.0" in text
     assert "phaseserve_workers_alive 1.0" in text and "phaseserve_time_to_first_token_seconds_bucket" in text
 
 

@@ -220,7 +220,11 @@ def test_step_results_report_mask_times(runner, tokenizer):
     prompt = _prompt(tokenizer)
     start = SeqStart("m", "gw", prompt, SamplingParams(max_tokens=4, temperature=1.0),
                      grammar=grammar.json_schema(NESTED))
-    result = runner.execute(StepPlan(0, "w", [start], [ScheduledChunk("m", 0, len(prompt), list(range(8)))]))
+    chunk = ScheduledChunk("m", 0, len(prompt), list(range(8)))
+    result = runner.execute(StepPlan(0, "w", [start], [chunk]))
+    while "m" in result.deferred:  # its matcher was still being built: it sat out; planned again
+        time.sleep(0.01)
+        result = runner.execute(StepPlan(1, "w", [], [chunk]))
     runner.reset()
     assert len(result.grammar_masks) == len(grammar.MASK_BUCKETS_S) + 2 and sum(result.grammar_masks[:-1]) == 1
 
@@ -258,6 +262,15 @@ def test_requested_grammar_reads_every_form(fields, kind):
     assert spec.kind == kind and param == next(iter(fields))
 
 
+def test_the_largest_choice_the_budgets_name_is_accepted():
+    """Budgets count a choice's options and their bytes, as documented, not the grammar built from them."""
+    budgets = GrammarBudgets.defaults()
+    options = [f"{i:05d}" for i in range(budgets.max_choices)]
+    assert sum(map(len, options)) <= budgets.max_grammar_bytes
+    spec, param = requested_grammar(_chat(guided_choice=options), budgets)
+    assert param == "guided_choice" and len(spec.source.encode()) > budgets.max_grammar_bytes
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -266,6 +279,9 @@ def test_requested_grammar_reads_every_form(fields, kind):
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_choice": ["x"] * (GrammarBudgets.defaults().max_choices + 1)}, "guided_choice"),  # over budget
     ({"structured_outputs": {"choice": ["x" * 70_000]}}, "structured_outputs"),
+    ({"guided_regex": "a" * 70_000}, "guided_regex"),  # a client's text over the grammar bytes
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "description": "d" * 300_000}}}}, "response_format"),  # over the schema bytes
 ])
 def test_requested_grammar_refuses_malformed_forms(fields, param):
     with pytest.raises(APIError) as e:

@@ -178,3 +178,9 @@ def test_a_gguf_file_or_a_folder_holding_one(tmp_path, private_cache):
     assert folder.parent == private_cache / "models" and (folder / "weights.gguf").resolve() == path
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
     assert resolve_model(str(gguf_dir)) == m  # the folder holding it: the same model, converted once
+    # an image layer keeps whole seconds of the file's mtime: the folder made at build time is the same one
+    made = (folder / "config.json").stat().st_mtime_ns
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, int(st.st_mtime) * 10**9))
+    assert resolve_model(str(path)) == m
+    assert (folder / "config.json").stat().st_mtime_ns == made  # found complete: not written again

@@ -1,11 +1,13 @@
-"""The cluster's decisions (scheduler/cluster.py) without Redis: routing, admission, drains, lost workers and
-given-up steps, as plain data in and the writes it decided (`Cluster.ops`) out."""
+"""The cluster's decisions (scheduler/cluster.py) without Redis: routing, admission, drains, lost workers,
+given-up steps and quarantined requests, as plain data in and the writes it decided (`Cluster.ops`) out."""
 
 from __future__ import annotations
 
 from phaseserve.params import SamplingParams
-from phaseserve.wire import ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch, WorkerInfo
+from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch,
+                             TokenEvent, WorkerInfo)
 from scheduler.cluster import Cluster, PolicyLimits
+from scheduler.quarantine import STRIKES_FIELD
 
 KEYS = Keys("t")
 
@@ -100,3 +102,80 @@ def test_steps_past_their_deadline_are_given_up_and_stale_results_ignored():
     assert c.give_up_overdue_steps(now=2.0) is None
     assert c.num_steps_given_up == 1 and not c.workers["a"].in_flight
     assert c.owner == {"r1": "a"} and c.workers["a"].policy.num_waiting == 1  # recomputed, not lost
+
+
+def run_plans(c: Cluster) -> list[tuple[str, StepPlan]]:
+    """Plan every worker's next step (its waiting sequences start running)."""
+    return c.plan_steps(0.0, 3, 1, lambda plan, expected: 1.0, 0.5)
+
+
+def errors_of(c: Cluster) -> dict[str, TokenEvent]:
+    return {ev.seq_id: ev for op in ops_of(c, "error") for ev in TokenBatch.from_wire(op[2]).events}
+
+
+def test_a_request_running_on_two_workers_that_failed_is_quarantined_instead_of_moved_again():
+    c = cluster(info("a"), info("b"), info("c"))
+    c.admit(req("poison"))
+    run_plans(c)  # running on a
+    c.admit(req("queued"))  # admitted after: waiting on b, in no step yet
+    assert c.owner == {"poison": "a", "queued": "b"}
+    c.retire_worker("a", "heartbeat expired")
+    assert c.owner["poison"] in ("b", "c") and c.quarantine.count("poison") == 1
+    assert ("hset", KEYS.request_record("poison"), STRIKES_FIELD, 1) in c.ops  # a takeover keeps counting
+    run_plans(c)
+    second = c.owner["poison"]
+    c.ops.clear()
+    c.retire_worker(second, "new life (restarted or stalled)")
+    assert "poison" not in c.owner and not c.parked  # failed, not moved to the third worker
+    event = errors_of(c)["poison"]
+    assert event.error_kind == ERROR_QUARANTINED and event.error.startswith("request quarantined")
+    assert ("delete", KEYS.request_record("poison")) in c.ops
+    assert c.stats()["num_quarantined"] == 1 and c.quarantine.count("poison") == 0
+    # what waited on the failed worker was in none of its steps: moved, no strike
+    assert "queued" in c.owner and c.quarantine.count("queued") == 0
+
+
+def test_workers_leaving_on_purpose_or_lost_to_a_redis_outage_strike_nobody():
+    c = cluster(info("a"), info("b"), info("c"))
+    c.admit(req("r1"))
+    run_plans(c)
+    c.worker_seen(info("a", draining=True), now=0.0)
+    c.retire_worker("a", "heartbeat expired")  # a draining worker that went: on purpose
+    run_plans(c)
+    holder = c.owner["r1"]
+    other = ({"b", "c"} - {holder}).pop()
+    # its heartbeat lapsed while the scheduler could not reach Redis: the outage's, not the sequence's
+    c.gone_workers({other: c.workers[other].info}, blameless=True)
+    assert holder not in c.workers and c.owner["r1"] == other
+    assert c.quarantine.count("r1") == 0 and ops_of(c, "error") == []
+
+
+def test_strikes_are_forgotten_when_a_request_ends_and_restored_at_a_takeover():
+    c = cluster(info("a"), info("b"))
+    c.admit(req("done", max_tokens=1))
+    [(wid, plan)] = run_plans(c)
+    c.retire_worker(wid, "heartbeat expired")
+    assert c.quarantine.count("done") == 1
+    [(wid, plan)] = run_plans(c)
+    c.apply_result(StepResult(plan.step_id, wid, [TokenEvent("done", 0, [7], "length")], epoch=3), epoch=3, now=0.1)
+    assert "done" not in c.owner and c.quarantine.count("done") == 0
+    # a scheduler taking over reads a record's strikes back (scheduler/leadership.py): one more failure is its last
+    c.quarantine.restore("resumed", 1)
+    c.admit(req("resumed"), output_ids=[3])
+    run_plans(c)
+    c.retire_worker(c.owner["resumed"], "heartbeat expired")
+    assert errors_of(c)["resumed"].error_kind == ERROR_QUARANTINED
+
+
+def test_quarantine_after_zero_never_fails_a_request():
+    c = Cluster(KEYS, PolicyLimits(), quarantine_after=0)
+    for w in ("a", "b"):
+        c.add_worker(info(w), epoch=3)
+    c.admit(req("r1"))
+    for _ in range(3):
+        run_plans(c)
+        wid = c.owner["r1"]
+        c.retire_worker(wid, "heartbeat expired")
+        c.add_worker(info(wid), epoch=3)
+        c.place_parked()
+    assert c.quarantine.count("r1") == 3 and "r1" in c.owner and c.stats()["num_quarantined"] == 0

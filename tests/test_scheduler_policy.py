@@ -74,17 +74,22 @@ class WorkerSeq:
     computed: int = 0
     finished: bool = False
     table: list[int] = field(default_factory=list)
+    unprepared_steps: int = 0  # steps its preparation (a grammar matcher) still takes: it sits out sampling chunks
+    sat_out: bool = False
 
 
 class FakeWorker:
-    def __init__(self, cfg: SchedulerConfig, published: dict | None = None, strict: bool = True):
+    def __init__(self, cfg: SchedulerConfig, published: dict | None = None, strict: bool = True,
+                 prepare_steps: dict[str, int] | None = None):
         self.cfg = cfg
+        self.prepare_steps = prepare_steps or {}  # seq id -> steps its preparation takes after each start
         self.kv = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
         self.seqs: dict[str, WorkerSeq] = {}
         self.published = published if published is not None else {}  # the gateway: seq -> tokens by offset
         self.finish: dict[str, str] = {}
         self.strict = strict
         self.skipped = 0
+        self.sat_out = 0  # sampling chunks run as the runner does while a preparation is not ready
         self.recompute_starts: list = []
 
     def _read(self, table: list[int], pos: int, seq_id: str) -> int:
@@ -106,17 +111,28 @@ class FakeWorker:
             if s.output_ids:
                 self.recompute_starts.append((plan.step_id, s.seq_id, list(s.output_ids)))
             self.seqs[s.seq_id] = WorkerSeq(len(s.prompt_ids), list(s.prompt_ids) + list(s.output_ids), s.params,
-                                            computed=s.num_cached)
+                                            computed=s.num_cached,
+                                            unprepared_steps=self.prepare_steps.get(s.seq_id, 0))
         events = []
+        deferred = {}
         for c in plan.chunks:
             w = self.seqs.get(c.seq_id)
             if w is None or w.finished:
                 self.skipped += 1  # planned a step ahead of a finish, or already released
                 continue
             end = c.start_pos + c.num_tokens
+            if w.unprepared_steps and end >= len(w.tokens):  # a sampling chunk with no matcher yet: sits out
+                deferred[c.seq_id] = w.computed
+                self.sat_out += 1
+                w.sat_out = True
+                continue
+            if c.start_pos > w.computed and w.sat_out:  # planned before its sit-out was known: moot
+                self.skipped += 1
+                continue
             assert c.start_pos == w.computed and c.num_tokens >= 1, (c, w.computed)
             assert end <= len(w.tokens), (c, len(w.tokens))
-            assert len(c.block_table) == -(-end // bs), (c, end)
+            # after a sit-out its table keeps the blocks its moot plans were given
+            assert len(c.block_table) == -(-end // bs) or w.sat_out and len(c.block_table) > -(-end // bs), (c, end)
             w.table = list(c.block_table)
             written = {c.block_table[p // bs] for p in range(c.start_pos, end)}
             for other_id, other in self.seqs.items():  # a shared (cached) block is never written
@@ -145,7 +161,9 @@ class FakeWorker:
             if reason:
                 self.finish[c.seq_id] = reason
             events.append(TokenEvent(c.seq_id, offset, [tok], reason))
-        return StepResult(plan.step_id, plan.worker_id, events, plan.num_tokens)
+        for w in self.seqs.values():
+            w.unprepared_steps = max(0, w.unprepared_steps - 1)
+        return StepResult(plan.step_id, plan.worker_id, events, plan.num_tokens, deferred=deferred)
 
 
 class Checker:
@@ -173,7 +191,9 @@ class Checker:
         writer: dict[int, str] = {}
         bs = cfg.block_size
         for c in plan.chunks:
-            assert len(c.block_table) == -(-(c.start_pos + c.num_tokens) // bs)
+            need = -(-(c.start_pos + c.num_tokens) // bs)
+            # a sequence planned again after sitting out keeps the blocks given to its moot plans
+            assert len(c.block_table) == need or len(c.block_table) > need and s._seqs[c.seq_id].void_until >= 0
             for b in c.block_table:
                 assert 0 <= b < cfg.num_blocks
             for b in c.block_table[c.start_pos // bs:]:  # the blocks it writes are its own
@@ -505,6 +525,29 @@ def test_pipelined_plans_decode_before_the_result_and_tolerate_late_finishes():
     assert samples["cap"] == 3, "no decode is planned past max_tokens"
     assert samples["stop"] == 5 and worker.skipped == 1, "one extra decode after a stop token, skipped"
     assert sorted(r for p in plans for r in p.releases) == ["cap", "stop"]
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_sequence_whose_preparation_is_not_ready_sits_out_and_is_planned_again_not_recomputed(depth):
+    """The worker sits a sequence out while its grammar matcher builds (StepResult.deferred, the position it
+    holds it at): the scheduler plans it again from there, without a recompute or a resync, the plans it had
+    in flight for it are moot, and the other streams decode every step meanwhile."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    reqs = [make_req("a", 5, max_tokens=14), make_req("slow", 40, max_tokens=6), make_req("b", 3, max_tokens=14)]
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg, prepare_steps={"slow": 7})
+    plans = drive(sched, worker, depth=depth, arrivals={0: reqs})
+    assert_reference(worker, reqs, cfg.max_model_len)
+    assert worker.sat_out >= 3 and sched.stats()["num_sat_out"] >= 3
+    assert worker.recompute_starts == [] and sched.num_preemptions == 0
+    assert sum(st.seq_id == "slow" for p in plans for st in p.starts) == 1  # started once: its build goes on
+    # its prefill's first chunk ran beside the others; only the chunk that samples waited for the matcher
+    slow = [c for p in plans for c in p.chunks if c.seq_id == "slow"]
+    assert slow[0].start_pos == 0 and slow[0].num_tokens < 40
+    # a and b decode in every plan from their first token to their last: the sit-out stalls nobody
+    for rid in ("a", "b"):
+        steps = [i for i, p in enumerate(plans) if any(c.seq_id == rid for c in p.chunks)]
+        assert steps == list(range(steps[0], steps[0] + len(steps)))
     assert_idle(sched)
 
 

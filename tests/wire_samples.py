@@ -38,6 +38,8 @@ def samples() -> dict[str, bytes]:
         "result": StepResult(9, "w0", events, 5, 0.0125, 3).to_wire(),
         "result_handoffs": StepResult(9, "w0", [], 0, 0.5, 3, [KVHandoffResult("s4", "t0", True, 2, 4096, 0.01),
                                                                   KVHandoffResult("s5", "t2", False, error="x")]).to_wire(),
+        # a step that sat a sequence out (its grammar not ready), added after protocol 1 was pinned
+        "result_deferred": StepResult(9, "w0", [TokenEvent("s0", 4, [11])], 1, 0.01, 3, deferred={"s6": 40}).to_wire(),
         "worker": WorkerInfo("w0", "mixed", "m", 64, 16, 2048, 77, 1.5, 900, "host-a", True, "bfloat16", "avx2",
                              {"attention": "native avx2"}, 32000).to_wire(),
         "worker_defaults": WorkerInfo("w1", "decode", "m", 8, 16, 256).to_wire(),

@@ -7,10 +7,11 @@ batch. Block ids come from the plan; the runner never allocates any.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,16 @@ from workers.linear import QuantizedLinear
 from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
 from workers.lora import LoadedAdapters, LoraStep
 from workers.model import AttentionGroup, LlamaFamilyModel, StepInputs
+from workers.preparation import Preparation
 from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 from workers.speculation import NgramDrafts, accepted_run
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
+DEFAULT_GRAMMAR_PREPARE_TIMEOUT_S = 10.0  # the worker's --grammar-prepare-timeout
+# threads building matchers: one request's long build does not hold every other constrained request's
+GRAMMAR_THREADS = 2
 
 # Attention runs at about this fraction of the linear layers' FLOP rate (small per-head matmuls, softmax,
 # gathering paged K/V). Fitted on how the bundled model's chunk steps grew across a long prompt
@@ -96,8 +101,8 @@ class SequenceState:
     cached_tokens: int = 0  # prompt positions the scheduler's prefix cache had: told with the first token
     # positions its first chunk reads from cached blocks, checked against the blocks written in this process
     unchecked_cached: int = 0
-    # a constrained sequence's matcher, built on the grammar thread (GrammarMatcher once it is done)
-    matcher: Future | None = None
+    # a constrained sequence's matcher, built on a grammar thread (its result a GrammarMatcher once done)
+    matcher: Preparation | None = None
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model)
 
     @property
@@ -113,6 +118,7 @@ class ModelRunner:
         num_threads: int | None = None, quantization: str = "auto", activation_quant: str = "auto",
         speculative: SpeculativeConfig | dict | str | None = None, max_loras: int = 8,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        grammar_prepare_timeout: float = DEFAULT_GRAMMAR_PREPARE_TIMEOUT_S,
     ):
         if num_threads:
             # process-wide; on a CPU shared with other busy processes, fewer threads than cores
@@ -169,10 +175,11 @@ class ModelRunner:
         self.seqs: dict[str, SequenceState] = {}
         # LoRA adapters, loaded from their folders when a sequence first needs them (docs/lora.md)
         self.loras = LoadedAdapters(cfg, max_loras, max_lora_rank, self.device, self.dtype)
-        # grammar matchers are built on this thread (a large grammar, or a recomputed sequence's rebuild over
-        # many outputs, takes a while), beside the steps of the other sequences
+        # grammar matchers are built on these threads (a large grammar, or a recomputed sequence's rebuild over
+        # many outputs, takes a while), beside the steps, which never wait for one (workers/preparation.py)
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
-        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._grammar_threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        self.grammar_prepare_timeout = grammar_prepare_timeout
         # computes half of a step's masks beside the model thread when torch runs on more than one core
         self._mask_helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") \
             if torch.get_num_threads() > 1 else None
@@ -213,7 +220,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.warm_up()
         if os.path.isfile(self._tokenizer_json):
-            self._grammar_thread.submit(self._engine_tokenizer)
+            self._grammar_threads.submit(self._engine_tokenizer)
         return self.kernel_implementations()
 
     def kernel_implementations(self) -> dict[str, str]:
@@ -244,7 +251,9 @@ class ModelRunner:
             bias=logit_bias_tensors(params.logit_bias, self.vocab_size) if params.logit_bias else None,
             num_computed=s.num_cached, cached_tokens=s.cached_tokens,
             unchecked_cached=s.num_cached if s.cached_tokens else 0,
-            matcher=self._grammar_thread.submit(self._matcher, s.grammar, list(s.output_ids)) if s.grammar else None,
+            matcher=Preparation(self._grammar_threads,
+                                functools.partial(self._matcher, s.grammar, list(s.output_ids)),
+                                self.grammar_prepare_timeout) if s.grammar else None,
             lora=s.lora,
         )
 
@@ -252,12 +261,17 @@ class ModelRunner:
         return grammar.engine_tokenizer(self._tokenizer_json, self.vocab_size, tuple(sorted(self.eos_token_ids)))
 
     def _matcher(self, spec, output_ids: list[int]) -> grammar.GrammarMatcher:
-        """On the grammar thread: the sequence's matcher, advanced over the outputs it already has."""
-        return grammar.GrammarMatcher(spec, self._engine_tokenizer(), output_ids)
+        """On a grammar thread: the sequence's matcher, advanced over the outputs it already has, and its first
+        mask computed once (the engine's costly first look at a grammar happens here, not in a step; a
+        grammar it refuses there is an error the step reports)."""
+        matcher = grammar.GrammarMatcher(spec, self._engine_tokenizer(), output_ids)
+        if matcher.error is None:
+            grammar.fill_masks([matcher], grammar.allocate_masks(1, self.vocab_size))
+        return matcher
 
-    def _masks(self, futures: list[Future]) -> tuple[torch.Tensor, list[str | None]]:
+    def _masks(self, futures: list[Preparation]) -> tuple[torch.Tensor, list[str | None]]:
         """The forbidden tokens of each constrained row ([B, vocab] bool), and per row the error of a matcher
-        that could not be built or advanced (None: fine). Waits for matchers still being built."""
+        that could not be built or advanced (None: fine). Every preparation given is done."""
         matchers, errors = [], []
         for f in futures:
             try:
@@ -304,6 +318,9 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler or adoption owns this worker's blocks now)."""
+        for seq in self.seqs.values():
+            if seq.matcher is not None:
+                seq.matcher.cancel()
         self.seqs.clear()
         if self.proposer is not None:
             self.proposer.reset()
@@ -317,7 +334,9 @@ class ModelRunner:
         if plan.reset:
             self.reset()
         for seq_id in plan.releases:
-            self.seqs.pop(seq_id, None)
+            gone = self.seqs.pop(seq_id, None)
+            if gone is not None and gone.matcher is not None:
+                gone.matcher.cancel()
             if self.proposer is not None:
                 self.proposer.forget(seq_id)
         events: list[TokenEvent] = []
@@ -332,10 +351,29 @@ class ModelRunner:
                 events.append(TokenEvent(s.seq_id, len(s.output_ids), [], "error", None, problem))
         chunks: list[ScheduledChunk] = []
         wants: dict[str, tuple[list[int], int, list[int]]] = {}  # seq id -> (tokens, most drafts, block table)
+        deferred: dict[str, int] = {}  # sequences sitting out this step -> the position they are held at
+        started = {s.seq_id for s in plan.starts}
+        now = time.monotonic()
         for c in plan.chunks:
             seq = self.seqs.get(c.seq_id)
             if seq is None or seq.finished:
                 continue  # planned one step ahead of a finish, or already released
+            if seq.matcher is not None and not seq.matcher.done() and self._samples(c, seq):
+                # its preparation is not ready: the step does not wait for it (workers/preparation.py)
+                if seq.matcher.overdue(now):
+                    problem = (f"grammar: the worker could not prepare this request's grammar within "
+                               f"{self.grammar_prepare_timeout:g} s (--grammar-prepare-timeout)")
+                    log.error("grammar preparation past its budget; failing the sequence", seq_id=c.seq_id,
+                              budget_s=self.grammar_prepare_timeout)
+                    seq.finished = True
+                    seq.matcher.cancel()
+                    events.append(TokenEvent(c.seq_id, seq.num_outputs, [], "error", None, problem, ERROR_GRAMMAR))
+                    continue
+                if c.seq_id not in started or c.start_pos != seq.num_computed:
+                    deferred[c.seq_id] = seq.num_computed
+                    continue
+                # started by this plan: it runs, its build overlapping the forward pass (_run defers it if the
+                # build is still going after that)
             if (c.num_draft or c.slack) and c.start_pos - c.slack <= seq.num_computed <= c.start_pos:
                 # a decode with drafts in flight or its own: earlier steps may have kept fewer drafts than the
                 # plan allowed for, so it runs from where this sequence is (its blocks cover the highest start)
@@ -369,7 +407,7 @@ class ModelRunner:
             self.mark_written(c.block_table[c.start_pos // self.block_size:
                                             (c.start_pos + c.num_tokens - 1) // self.block_size + 1])
         if chunks:
-            events.extend(self._run(chunks, drafts))
+            events.extend(self._run(chunks, drafts, deferred))
         self.loras.evict_beyond_limit({seq.lora.key for c in chunks if (seq := self.seqs[c.seq_id]).lora})
         num_tokens = sum(c.num_tokens for c in chunks)
         # a speculating worker reports every step's shape: the scheduler learns a verification's extra cost
@@ -377,7 +415,12 @@ class ModelRunner:
         ran = step_shape(chunks, drafts) if self.proposer is not None else []
         return StepResult(plan.step_id, plan.worker_id, events, num_tokens, time.perf_counter() - t0, ran=ran,
                           drafted={seq_id: len(d) for seq_id, d in drafts.items()},
-                          grammar_masks=self.take_grammar_masks())
+                          grammar_masks=self.take_grammar_masks(), deferred=deferred)
+
+    def _samples(self, c: ScheduledChunk, seq: SequenceState) -> bool:
+        """The chunk samples a token (the last of a prefill, a decode, or a verification), so it needs the
+        sequence's matcher; a chunk past the tokens known counts too (it follows a chunk that sat out)."""
+        return bool(c.num_draft or c.slack) or c.start_pos + c.num_tokens >= len(seq.token_ids)
 
     def _verify_chunk(self, c: ScheduledChunk, seq: SequenceState) -> tuple[ScheduledChunk, int]:
         """A speculative decode as run: a decode from the sequence's own position, and the most drafts it may
@@ -544,7 +587,10 @@ class ModelRunner:
                         self.loras.columns, self.dtype)
 
     @torch.inference_mode()
-    def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[TokenEvent]:
+    def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]],
+             deferred: dict[str, int]) -> list[TokenEvent]:
+        """The step's forward pass and samples. A sequence whose matcher is still being built after the forward
+        pass goes into `deferred`, held at its chunk's start (the KV written for it is written again then)."""
         inp, ordered = self._inputs(chunks, drafts)
         seqs = self.seqs
         # (sequence, its drafts) of every chunk that samples: one row for its next token, one more per draft
@@ -557,12 +603,19 @@ class ModelRunner:
         # cost more CPU a step (the two threads hand the GIL to each other), and a worker's core has no idle
         # time for an overlap to fill (docs/decisions.md, "Structured outputs").
         # A matcher still being built (a sequence started by this plan) gets its mask after the forward
-        # pass, which its build overlaps.
+        # pass, which its build overlaps; one still not built then sits out (its row is sampled and dropped).
         ready = [k for k in constrained if sampling[k][0].matcher.done()]
-        building = [k for k in constrained if not sampling[k][0].matcher.done()]
+        building = [k for k in constrained if k not in ready]
         masks = self._entry_masks(ready, sampling, first_row)
         logits = self.model.forward(inp, self.kv, fp32=False)  # the sampler upcasts what it needs
-        masks += self._entry_masks(building, sampling, first_row)
+        built = [k for k in building if sampling[k][0].matcher.done()]
+        masks += self._entry_masks(built, sampling, first_row)
+        unready = set(building) - set(built)
+        if unready:
+            starts = {c.seq_id: c.start_pos for c in ordered}
+            for k in unready:
+                seq = sampling[k][0]
+                seq.num_computed = deferred[seq.seq_id] = starts[seq.seq_id]
         if not sampling:
             return []
         rows = []
@@ -585,6 +638,8 @@ class ModelRunner:
             draws = out.token_ids[r:r + len(d) + 1]
             lps = out.logprobs[r:r + len(d) + 1]
             offset = seq.num_outputs
+            if k in unready:
+                continue
             if k in errors:
                 log.error("grammar failed", seq_id=seq.seq_id, error=errors[k])
                 seq.finished = True

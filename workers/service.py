@@ -33,6 +33,7 @@ import structlog
 
 from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
+from phaseserve.host_identity import default_host_id
 from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
 from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
                              WireError, WorkerInfo, relay_to_model)
@@ -53,7 +54,7 @@ class WorkerService:
     def __init__(self, runner, redis_url: str, keys: Keys, worker_id: str, *, role: str = "mixed",
                  heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0, block_ms: int = 500,
                  relay_cpus: list[int] | None = None, log_level: str = "info", log_json: bool = False,
-                 step_timeout: float = 30.0, drain_timeout: float = 30.0):
+                 step_timeout: float = 30.0, drain_timeout: float = 30.0, host_id: str | None = None):
         self.runner = runner
         self.keys = keys
         self.worker_id = worker_id
@@ -76,7 +77,7 @@ class WorkerService:
         self.info = WorkerInfo(
             worker_id=worker_id, role=role, model=runner.model_name, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_model_len=runner.max_model_len, pid=os.getpid(),
-            started_at=time.time(), attention_horizon=runner.attention_horizon, host=socket.gethostname(),
+            started_at=time.time(), attention_horizon=runner.attention_horizon, host=host_id or default_host_id(),
             dtype=dtype, cpu_level=cpu_level, kernels=implementations,
             vocab_size=runner.vocab_size,
             speculative_tokens=runner.speculative.num_speculative_tokens if runner.speculative else 0,
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("worker", args.log_level, args.log_json)
     if not args.redis_url:
         raise SystemExit("phaseserve worker: --redis-url (or REDIS_URL) is required")
-    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl"):
+    for name in ("step_timeout", "heartbeat_interval", "heartbeat_ttl", "grammar_prepare_timeout"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"phaseserve worker: --{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.drain_timeout >= 0:
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                              kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len or None,
                              quantization=args.quantization, activation_quant=args.activation_quant,
                              speculative=args.speculative_config, max_loras=args.max_loras,
-                             max_lora_rank=args.max_lora_rank)
+                             max_lora_rank=args.max_lora_rank, grammar_prepare_timeout=args.grammar_prepare_timeout)
     except KeyboardInterrupt:
         log.info("stopped during model load")
         return 0
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                             heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl,
                             relay_cpus=relay_cpus, log_level=args.log_level,
                             log_json=args.log_json, step_timeout=args.step_timeout,
-                            drain_timeout=args.drain_timeout)
+                            drain_timeout=args.drain_timeout, host_id=args.host_id)
     signal.signal(signal.SIGTERM, service.request_drain)  # leave gracefully (module docstring)
     signal.signal(signal.SIGINT, service.request_stop)
     try:

@@ -436,9 +436,12 @@ def stop_token_ids(meta: GGUFMetadata) -> list[int]:
 # ----------------------------------------------------------------------------- the folder
 
 
-def _source_stamp(gguf_path: Path) -> dict:
+def source_stamp(gguf_path: Path) -> dict:
+    """What identifies a GGUF's version: path, size and mtime in whole seconds. Not nanoseconds: a file
+    copied into an image layer (a tar entry, whole seconds) comes out with its fraction gone, and the folder
+    made from it at build time would never be recognised in a container."""
     st = gguf_path.stat()
-    return {"path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": str(gguf_path), "size": st.st_size, "mtime_s": int(st.st_mtime)}
 
 
 def gguf_weights_path(folder: str | Path) -> Path | None:
@@ -480,7 +483,7 @@ def write_model_folder(gguf_path: str | Path, folder: str | Path, name: str | No
     folder = Path(folder).absolute()
     if not gguf_path.is_file():
         raise GGUFError(f"GGUF file {gguf_path} does not exist")
-    stamp = _source_stamp(gguf_path)
+    stamp = source_stamp(gguf_path)
     if _is_complete(folder, stamp):
         return folder
     if folder.exists() and not (folder / SOURCE_FILE).is_file():

@@ -126,11 +126,11 @@ def _local(path: Path, cache: Path) -> ResolvedModel:
 
 
 def _gguf_folder(gguf: Path, name: str, cache: Path) -> ResolvedModel:
-    """The folder a GGUF is read through, written once per file (keyed by path, size and mtime)."""
-    from phaseserve.models.gguf_files import GGUFError, write_model_folder
+    """The folder a GGUF is read through, written once per file (keyed by its `source_stamp`)."""
+    from phaseserve.models.gguf_files import GGUFError, source_stamp, write_model_folder
 
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    stamp = source_stamp(gguf.resolve())
+    key = hashlib.sha256(f"{stamp['path']}:{stamp['size']}:{stamp['mtime_s']}".encode()).hexdigest()[:12]
     folder = cache / "models" / f"{name}-{key}"
     if not (folder / "config.json").is_file():
         with _locked(folder.parent, folder.name):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from phaseserve import __version__
@@ -28,6 +29,13 @@ COMMANDS = {
     "pull": ("phaseserve.models.pull", "main"),
     "bench": ("bench.cli", "main"),
 }
+
+
+def _stop_while_starting(signum: int, _frame) -> None:
+    """SIGTERM before the service installs its own handler (slow imports, a model fetch, the thread probe):
+    exit now. As a container's PID 1, a process with no handler ignores SIGTERM and is killed only after
+    the stop grace period."""
+    raise SystemExit(128 + signum)
 
 
 def usage() -> str:
@@ -68,6 +76,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"phaseserve: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, func = COMMANDS[command]
+    signal.signal(signal.SIGTERM, _stop_while_starting)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
