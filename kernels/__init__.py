@@ -528,8 +528,8 @@ def _native_lora():
 def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],
              b: list[torch.Tensor], cols: list[int]) -> torch.Tensor:
     # on CPU the native op (kernels/native/lora.cpp): every adapter's rows in one call, each row alone in one
-    # fixed order, reading the adapters' matrices in their own dtype; the torch reference where it is unavailable or declines (a
-    # layout it does not take), and on CUDA.
+    # fixed order, reading the adapters' matrices in their own dtype; the torch reference where it is
+    # unavailable or declines (a layout it does not take), and on CUDA.
     if not x.is_cuda:
         native_add = _native_lora()
         if native_add is not None and native_add(y, x, rows, ends, a, b, cols):
