@@ -174,6 +174,78 @@ AVX512_BF16 void expand16(const float* h, const W* b, int64_t ldb, int64_t r, in
   }
 }
 
+// dot16 and expand16 for ROWS rows of one adapter at once: each loaded vector of a or b serves every row,
+// and each row's sums are the same operations in the same order as alone (so the same bits).
+constexpr int ROWS = 4;
+
+template <typename W>
+AVX512_BF16 void dot16_rows(const W* a, const float* const* x, int64_t n, float* out) {
+  __m512 s0[ROWS], s1[ROWS];
+#pragma GCC unroll 4
+  for (int k = 0; k < ROWS; k++) s0[k] = s1[k] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a0 = load16(a + i), a1 = load16(a + i + 16);
+#pragma GCC unroll 4
+    for (int k = 0; k < ROWS; k++) {
+      s0[k] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(x[k] + i), s0[k]);
+      s1[k] = _mm512_fmadd_ps(a1, _mm512_loadu_ps(x[k] + i + 16), s1[k]);
+    }
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a0 = load16(a + i);
+#pragma GCC unroll 4
+    for (int k = 0; k < ROWS; k++) s0[k] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(x[k] + i), s0[k]);
+  }
+  for (int k = 0; k < ROWS; k++) {
+    float total = _mm512_reduce_add_ps(_mm512_add_ps(s0[k], s1[k]));
+    for (int64_t t = i; t < n; t++) total = std::fma(load1(a + t), x[k][t], total);
+    out[k] = total;
+  }
+}
+
+template <typename W>
+AVX512_BF16 void expand16_rows(const float* const* h, const W* b, int64_t ldb, int64_t r, int64_t n,
+                               float* const* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64) {
+    __m512 s[ROWS][4];
+#pragma GCC unroll 4
+    for (int k = 0; k < ROWS; k++) s[k][0] = s[k][1] = s[k][2] = s[k][3] = _mm512_setzero_ps();
+    const W* bc = b + c;
+    for (int64_t j = 0; j < r; j++, bc += ldb) {
+      const __m512 b0 = load16(bc), b1 = load16(bc + 16), b2 = load16(bc + 32), b3 = load16(bc + 48);
+#pragma GCC unroll 4
+      for (int k = 0; k < ROWS; k++) {
+        const __m512 hj = _mm512_set1_ps(h[k][j]);
+        s[k][0] = _mm512_fmadd_ps(hj, b0, s[k][0]);
+        s[k][1] = _mm512_fmadd_ps(hj, b1, s[k][1]);
+        s[k][2] = _mm512_fmadd_ps(hj, b2, s[k][2]);
+        s[k][3] = _mm512_fmadd_ps(hj, b3, s[k][3]);
+      }
+    }
+    for (int k = 0; k < ROWS; k++)
+      for (int q = 0; q < 4; q++) _mm512_storeu_ps(acc[k] + c + 16 * q, s[k][q]);
+  }
+  for (; c + 16 <= n; c += 16) {
+    __m512 s[ROWS];
+#pragma GCC unroll 4
+    for (int k = 0; k < ROWS; k++) s[k] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; j++) {
+      const __m512 b0 = load16(b + j * ldb + c);
+#pragma GCC unroll 4
+      for (int k = 0; k < ROWS; k++) s[k] = _mm512_fmadd_ps(_mm512_set1_ps(h[k][j]), b0, s[k]);
+    }
+    for (int k = 0; k < ROWS; k++) _mm512_storeu_ps(acc[k] + c, s[k]);
+  }
+  for (int k = 0; k < ROWS; k++)
+    for (int64_t t = c; t < n; t++) {
+      float v = 0.0f;
+      for (int64_t j = 0; j < r; j++) v = std::fma(h[k][j], load1(b + j * ldb + t), v);
+      acc[k][t] = v;
+    }
+}
+
 // f rounded to bf16 as float_to_bf16 rounds it, 8 at a time, stored as bf16
 AVX2_FMA inline void store8_bf16(uint16_t* p, __m256 f) {
   __m256i b = _mm256_castps_si256(f);
@@ -208,6 +280,36 @@ AVX2_FMA void add_row(Y* yr, const Y* xr, const W* ap, const W* bp, int64_t in, 
   for (; c < out; c++) store1(yr + c, load1(yr + c) + acc[c]);
 }
 
+// ROWS rows of one adapter on the wide path: add_row's operations for each row, the matrices' vectors
+// loaded once for all of them. rows_y/rows_x: the rows' y and x; xf, h, acc: ROWS scratch rows each.
+template <typename Y, typename W>
+AVX2_FMA void add_rows(Y* const* yr, const Y* const* xr, const W* ap, const W* bp, int64_t in, int64_t out,
+                       int64_t r, const std::vector<int64_t>& cols, float* const* xf, float* const* h,
+                       float* const* acc) {
+  const int64_t modules = static_cast<int64_t>(cols.size()) - 1;
+  for (int k = 0; k < ROWS; k++) {
+    int64_t i = 0;
+    for (; i + 8 <= in; i += 8) _mm256_storeu_ps(xf[k] + i, load8(xr[k] + i));
+    for (; i < in; i++) xf[k][i] = load1(xr[k] + i);
+  }
+  float hj[ROWS];
+  for (int64_t j = 0; j < r * modules; j++) {
+    dot16_rows(ap + j * in, xf, in, hj);
+    for (int k = 0; k < ROWS; k++) h[k][j] = hj[k];
+  }
+  for (int64_t m = 0; m < modules; m++) {
+    const float* hm[ROWS];
+    float* am[ROWS];
+    for (int k = 0; k < ROWS; k++) hm[k] = h[k] + m * r, am[k] = acc[k] + cols[m];
+    expand16_rows(hm, bp + cols[m], out, r, cols[m + 1] - cols[m], am);
+  }
+  for (int k = 0; k < ROWS; k++) {
+    int64_t c = 0;  // as add_row
+    for (; c + 8 <= out; c += 8) store8(yr[k] + c, _mm256_add_ps(load8(yr[k] + c), _mm256_loadu_ps(acc[k] + c)));
+    for (; c < out; c++) store1(yr[k] + c, load1(yr[k] + c) + acc[k][c]);
+  }
+}
+
 template <typename Y, typename W>
 void run(Tensor& y, const Tensor& x, const int64_t* rows, const std::vector<int64_t>& group_of,
          const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::vector<int64_t>& cols, bool wide) {
@@ -227,10 +329,22 @@ void run(Tensor& y, const Tensor& x, const int64_t* rows, const std::vector<int6
   const int64_t work = max_r * (modules * in + out);  // multiply-adds of a row
   torch::stable::parallel_for(0, n, std::max<int64_t>(1, WORK_PER_THREAD / std::max<int64_t>(1, work)),
                               [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(in), h(max_r * modules), acc(out);
+    std::vector<float> xf(in * ROWS), h(max_r * modules * ROWS), acc(out * ROWS);
     for (int64_t k = begin; k < end; k++) {
       const int64_t g = group_of[k], r = b[g].size(0);
       if (r == 0) continue;  // the adapter targets none of this linear's modules
+      if (wide && k + ROWS <= end && group_of[k + ROWS - 1] == g) {  // ROWS rows of this adapter at once
+        Y* yr[ROWS];
+        const Y* xr[ROWS];
+        float *xs[ROWS], *hs[ROWS], *as[ROWS];
+        for (int q = 0; q < ROWS; q++) {
+          yr[q] = yp + rows[k + q] * ldy, xr[q] = xp + rows[k + q] * ldx;
+          xs[q] = xf.data() + q * in, hs[q] = h.data() + q * max_r * modules, as[q] = acc.data() + q * out;
+        }
+        add_rows(yr, xr, ap[g], bp[g], in, out, r, cols, xs, hs, as);
+        k += ROWS - 1;
+        continue;
+      }
       add_row(yp + rows[k] * ldy, xp + rows[k] * ldx, ap[g], bp[g], in, out, r, cols, wide, xf.data(), h.data(),
               acc.data());
     }
