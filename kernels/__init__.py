@@ -508,23 +508,42 @@ def bf16_linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | 
 
 
 LORA_TILE_ROWS = reference.LORA_TILE_ROWS
+_lora_choice: dict[None, object | None] = {}
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
-             groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    # the torch reference on every device: its batched matmuls are small next to the linear they follow
-    # (rank <= --max-lora-rank), and it keeps a row's bits whatever shares its step (docs/lora.md).
-    # On CPU on one thread: matmuls this small gain nothing from a second one, and an OpenMP region waits
-    # for every thread (on a busy machine, for a thread that is not running); and a row's bits then never
-    # depend on the thread count.
-    threads = torch.get_num_threads() if not x.is_cuda else 1
-    if threads == 1:
-        return reference.lora_add(y, x, rows, keep, dest, groups)
-    torch.set_num_threads(1)
-    try:
-        return reference.lora_add(y, x, rows, keep, dest, groups)
-    finally:
-        torch.set_num_threads(threads)
+def _native_lora():
+    """The native LoRA op with its vector width bound: AVX512 where the CPU level (and its cap) allows
+    avx512-bf16, else AVX2; or None (torch)."""
+    if None in _lora_choice:  # the hot path: every linear of every step with LoRA rows
+        return _lora_choice[None]
+    from kernels import cpu_isa
+
+    def bind(ops):
+        op, wide = ops.lora_add.default, cpu_isa.supports("avx512-bf16")
+        return lambda y, x, rows, ends, a, b, cols: op(y, x, rows, ends, a, b, cols, wide)
+
+    return _choose(_lora_choice, None, "lora", None, "CPU LoRA products", wrap=bind)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],
+             b: list[torch.Tensor], cols: list[int]) -> torch.Tensor:
+    # on CPU the native op (kernels/native/lora.cpp): every adapter's rows in one call, each row alone in one
+    # fixed order, reading the adapters' matrices in their own dtype; the torch reference where it is
+    # unavailable or declines (a layout it does not take), and on CUDA.
+    if not x.is_cuda:
+        native_add = _native_lora()
+        if native_add is not None and native_add(y, x, rows, ends, a, b, cols):
+            return y
+        # torch on one thread: matmuls this small gain nothing from a second one, and an OpenMP region waits
+        # for every thread (on a busy machine, for a thread that is not running)
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(1)
+            try:
+                return reference.lora_add(y, x, rows, ends, a, b, cols)
+            finally:
+                torch.set_num_threads(threads)
+    return reference.lora_add(y, x, rows, ends, a, b, cols)
 
 
 lora_add.__doc__ = reference.lora_add.__doc__

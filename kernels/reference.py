@@ -436,27 +436,37 @@ def _top_k_top_p_prefix(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -
 LORA_TILE_ROWS = 4
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor,
-             groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The LoRA adapters' low-rank products added to a linear's output, per group of rows (punica's
-    shrink-expand; base-model rows are in no group and keep their bits): y[dest] += (x[rows] @ a) @ b per
-    tile, in place, returns y.
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, ends: list[int], a: list[torch.Tensor],
+             b: list[torch.Tensor], cols: list[int]) -> torch.Tensor:
+    """The LoRA adapters' low-rank products added to a linear's output for their rows (punica's shrink-expand;
+    the other rows keep their bits), in place, returns y.
 
-    x [T, in], y [T, out] (the linear's input and output over the packed rows); rows [tiles * LORA_TILE_ROWS]:
-    the packed row of each tile slot (a group's last tile padded with any of its rows); groups: (first tile,
-    end tile, a, b), float32, the scaling folded into b: one adapter over the tiles (a [in, R], b [R, out]), or
-    one adapter per tile (a [tiles, in, R], b [tiles, R, out]); keep: the slots holding
-    real rows, dest: their rows of y, in the same order (each row once). Every tile is one matrix of a batched
-    matmul of fixed shape (the adapter's matrices expanded over the group's tiles, not copied), in float32
-    whatever y's dtype (CPU bf16 bmm and index_add_ are slow paths); the sum is rounded once to y's dtype."""
-    tiles = rows.shape[0] // LORA_TILE_ROWS
-    xs = x.index_select(0, rows).float().view(tiles, LORA_TILE_ROWS, x.shape[1])
-    delta = torch.empty(tiles, LORA_TILE_ROWS, groups[0][3].shape[-1], dtype=torch.float32, device=x.device)
-    for start, end, a, b in groups:
-        if a.dim() == 2:  # one adapter over the group's tiles
-            a, b = a.expand(end - start, -1, -1), b.expand(end - start, -1, -1)
-        torch.bmm(torch.bmm(xs[start:end], a), b, out=delta[start:end])
-    delta = delta.view(tiles * LORA_TILE_ROWS, -1).index_select(0, keep)
-    out = y.index_select(0, dest)
+    x [T, in], y [T, out]: the linear's input and output over the packed rows; rows [n]: the LoRA rows (each
+    once) in groups, one per adapter, group g ending at ends[g]; a[g] [M * r, in]: the group's adapter's A
+    matrices of the linear's M modules (q/k/v: 3), r rows each; b[g] [r, out]: their B matrices transposed side
+    by side, module m's in y's columns cols[m]:cols[m + 1], the scaling folded in (r = 0: no product).
+    y[row, cols[m]:cols[m+1]] += (x[row] @ a[g][m*r:(m+1)*r].T) @ b[g][:, cols[m]:cols[m+1]], summed in
+    float32 and rounded once to y's dtype. A group's rows run in tiles of LORA_TILE_ROWS (the last one padded
+    with its last row), each tile one matrix of a batched matmul of fixed shape (the adapter's matrices
+    expanded over the tiles, not copied), so a row's bits do not depend on the other rows."""
+    start = 0
+    for end, ag, bg in zip(ends, a, b):
+        if end > start and bg.shape[0] > 0:
+            _lora_add_group(y, x, rows[start:end], ag, bg, cols)
+        start = end
+    return y
+
+
+def _lora_add_group(y, x, rows, a, b, cols):
+    n, tile, r = rows.shape[0], LORA_TILE_ROWS, b.shape[0]
+    tiles = -(-n // tile)
+    padded = torch.cat([rows, rows[-1:].expand(tiles * tile - n)])
+    xs = x.index_select(0, padded).float().view(tiles, tile, x.shape[1])
+    h = torch.bmm(xs, a.float().t().expand(tiles, -1, -1))
+    bf = b.float()
+    delta = torch.cat([torch.bmm(h[:, :, m * r:(m + 1) * r].contiguous(), bf[:, c0:c1].expand(tiles, -1, -1))
+                       for m, (c0, c1) in enumerate(zip(cols, cols[1:]))], dim=2)
+    delta = delta.view(tiles * tile, -1)[:n]
+    out = y.index_select(0, rows)
     out = out.add_(delta) if out.dtype == torch.float32 else (out.float() + delta).to(y.dtype)
-    return y.index_copy_(0, dest, out)
+    y.index_copy_(0, rows, out)

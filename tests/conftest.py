@@ -67,5 +67,5 @@ def fresh_dispatch(monkeypatch):
 
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice",
-                  "_decode_layer_choice"):
+                  "_decode_layer_choice", "_lora_choice"):
         monkeypatch.setattr(kernels, cache, {})

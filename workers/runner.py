@@ -174,7 +174,7 @@ class ModelRunner:
             self.proposer = DraftModelDrafts(draft, self)
         self.seqs: dict[str, SequenceState] = {}
         # LoRA adapters, loaded from their folders when a sequence first needs them (docs/lora.md)
-        self.loras = LoadedAdapters(cfg, max_loras, max_lora_rank, self.device)
+        self.loras = LoadedAdapters(cfg, max_loras, max_lora_rank, self.device, self.dtype)
         # grammar matchers are built on these threads (a large grammar, or a recomputed sequence's rebuild over
         # many outputs, takes a while), beside the steps, which never wait for one (workers/preparation.py)
         self._tokenizer_json = os.path.join(str(model_dir), "tokenizer.json")
@@ -583,7 +583,8 @@ class ModelRunner:
     def _lora_step(self, lora_rows: dict[str, list[int]]) -> LoraStep:
         """The step's LoRA rows by adapter (each loaded by the chunk checks of this step)."""
         held = self.loras.held
-        return LoraStep([(held(key), rows) for key, rows in lora_rows.items()], self.device, self.loras.stacked)
+        return LoraStep([(held(key), rows) for key, rows in lora_rows.items()], self.device,
+                        self.loras.columns, self.dtype)
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]],

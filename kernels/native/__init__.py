@@ -45,6 +45,7 @@ OP_FILES = {
     "extend_attention": ("avx512-bf16", "attention"),
     "layer_ops": ("avx512-bf16", "layer_ops"),
     "layer_ops_f32": ("avx2", "layer_ops"),
+    "lora": ("avx2", "lora"),  # float32 and bf16 activations alike (ANY_DTYPE)
     "quant_gemm": ("avx512-bf16", "quant_linear"),
     "quant_gemm_f32": ("avx2", "quant_linear"),
     "quant_gemm_i8": ("avx2", "quant_linear"),  # float32 activations quantized to int8 in the op
@@ -55,6 +56,7 @@ FAMILIES = ("attention", "layer_ops", "linear", "quant_linear")
 
 # the activations each level's ops take: the AVX512-BF16 ones bf16, the AVX2 ones float32
 LEVEL_DTYPE = {"avx512-bf16": torch.bfloat16, "avx2": torch.float32}
+ANY_DTYPE = {"lora"}  # the ops that take both, whatever their level
 
 _loaded: dict[str, object | None] = {}
 _lock = threading.Lock()
@@ -78,7 +80,7 @@ def runnable(dtype: torch.dtype | None = None) -> list[str]:
     if not enabled() or _unsupported_platform() is not None:
         return []
     return [name for name in names() if _unsupported_cpu(name) is None
-            and (dtype is None or LEVEL_DTYPE.get(REQUIRES[name]) == dtype)]
+            and (dtype is None or name in ANY_DTYPE or LEVEL_DTYPE.get(REQUIRES[name]) == dtype)]
 
 
 def prebuild(ops: list[str]) -> None:
