@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -15,7 +17,7 @@ from e2e_stack import running_stack
 from phaseserve.redis_topologies import SentinelSet
 
 STREAMS = 16
-MAX_TOKENS = 48
+MAX_TOKENS = 160  # long enough that no stream ends before the slowest has its first chunks (the fault is mid-run)
 CHUNKS_BEFORE_FAULT = 8
 
 
@@ -52,6 +54,19 @@ async def _run(base_url: str, model: str, fault=None) -> tuple[list[str], list[f
     return texts, stalls, failover_s
 
 
+def _ready_within(base_url: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url + "/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
 @pytest.mark.timeout(900)
 def test_a_sentinel_failover_mid_stream_loses_no_stream(e2e_model, tmp_path):
     with SentinelSet() as sentinels, running_stack(e2e_model, tmp_path, redis_url=sentinels.url, dtype="float32",
@@ -72,6 +87,8 @@ def test_a_sentinel_failover_mid_stream_loses_no_stream(e2e_model, tmp_path):
         differ = [(i, t, r) for i, (t, r) in enumerate(zip(texts, reference)) if t != r]
         assert not differ, f"{len(differ)} of {STREAMS} streams differ from the unfaulted run, e.g. {differ[0]}"
         assert stack.alive(), "a service exited over the failover"
-        # and the stack keeps serving on the new primary
+        # and the stack keeps serving on the new primary, once the gateway says it is ready again (its token
+        # channel may still be resubscribing: until then it answers 503 "retry later", as a balancer expects)
+        assert _ready_within(stack.base_url, 30.0), "the gateway never became ready on the new primary"
         again, _, _ = asyncio.run(_run(stack.api_url, stack.model))
         assert again == reference
