@@ -167,6 +167,7 @@ def test_a_three_turn_conversation_crosses_gateways_and_a_restart(client, served
 
 
 def test_a_running_response_is_read_and_cancelled_from_another_gateway(client, served, second_gateway):
+    there_url = second_gateway.start()  # before the stream: a gateway's start can outlast 2000 fast tokens
     stream = client.responses.create(model=served.model, input="Count to a thousand.", max_output_tokens=2000,
                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
     events = iter(stream)
@@ -174,7 +175,7 @@ def test_a_running_response_is_read_and_cancelled_from_another_gateway(client, s
     for ev in events:
         if ev.type == "response.output_text.delta":
             break
-    with _client(second_gateway.start()) as there:
+    with _client(there_url) as there:
         assert there.responses.retrieve(response_id).status == "in_progress"
         assert there.responses.cancel(response_id).status == "cancelled"
     rest = list(events)

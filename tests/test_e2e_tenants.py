@@ -216,36 +216,55 @@ def test_the_keys_file_is_reloaded_without_a_restart(stack):
 
 
 def test_a_high_priority_request_overtakes_a_full_queue_of_low_ones(e2e_model, tmp_path):
-    """Two sequence slots, a queue of low-priority streams behind them, then one high-priority request of
-    the same tenant: its first token comes before any of the low ones queued ahead of it starts (the
-    policy's own test says: within one scheduling round of a slot freeing, tests/test_fair_share.py)."""
+    """Two sequence slots held by long streams, a queue of low-priority streams behind them, then one
+    high-priority request of the same tenant. The first slot is freed on purpose (its client goes away):
+    the high request takes it, and its first token comes before any of the low ones queued ahead of it
+    starts (the policy's own test says: within one scheduling round of a slot freeing,
+    tests/test_fair_share.py). Freeing the slot by hand, not by a stream's end, keeps the race out: a
+    short stream can end before the high request reaches the scheduler."""
     path = tmp_path / "keys.yaml"
     path.write_text(yaml.safe_dump(keys_file()))
-    with running_stack(e2e_model, tmp_path, api_keys_file=str(path), max_num_seqs=2) as stack:
+    with running_stack(e2e_model, tmp_path, api_keys_file=str(path), max_num_seqs=2, resume_grace=0.1) as stack:
         first_token: dict[str, float] = {}
+        release = {name: threading.Event() for name in ("holder0", "holder1")}
 
         def stream(name: str, priority: int, tokens: int) -> None:
             with client(stack, "alice") as c:
-                for chunk in c.completions.create(model=stack.model, prompt=f"Story {name}:", max_tokens=tokens,
-                                                  temperature=0.0, stream=True,
-                                                  extra_body={"ignore_eos": True, "priority": priority}):
+                chunks = c.completions.create(model=stack.model, prompt=f"Story {name}:", max_tokens=tokens,
+                                              temperature=0.0, stream=True,
+                                              extra_body={"ignore_eos": True, "priority": priority})
+                for chunk in chunks:
                     if chunk.choices and chunk.choices[0].text:
                         first_token.setdefault(name, time.perf_counter())
+                    if name in release and release[name].is_set():
+                        chunks.close()  # the client goes away: its slot frees after the resume grace
+                        return
 
-        lows = [threading.Thread(target=stream, args=(f"low{i}", 10, 48)) for i in range(8)]
+        def started(names, timeout: float = 60.0) -> None:
+            deadline = time.monotonic() + timeout
+            while not set(names) <= set(first_token):
+                assert time.monotonic() < deadline, (names, first_token)
+                time.sleep(0.02)
+
+        holders = [threading.Thread(target=stream, args=(name, 10, 1900)) for name in release]
+        for t in holders:
+            t.start()
+        started(release)
+        waiting = {f"low{i}" for i in range(6)}
+        lows = [threading.Thread(target=stream, args=(name, 10, 8)) for name in sorted(waiting)]
         for t in lows:
             t.start()
-        deadline = time.monotonic() + 60
-        while len(first_token) < 2:  # the two slots are taken; six wait
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        sent = time.perf_counter()
-        waiting = {f"low{i}" for i in range(8)} - set(first_token)
+        time.sleep(0.3)  # the low ones are queued behind the two slots
         high = threading.Thread(target=stream, args=("high", 0, 4))
         high.start()
+        time.sleep(0.3)  # the high one is queued too
+        assert not waiting & set(first_token) and "high" not in first_token, first_token
+        freed = time.perf_counter()
+        release["holder0"].set()
         high.join(timeout=120)
-        for t in lows:
+        release["holder1"].set()
+        for t in lows + holders:
             t.join(timeout=300)
-        assert len(waiting) >= 4, waiting
+        assert "high" in first_token and waiting <= set(first_token), first_token
         assert all(first_token["high"] < first_token[name] for name in waiting), (
-            first_token["high"] - sent, sorted(first_token[n] - sent for n in waiting))
+            first_token["high"] - freed, sorted(first_token[n] - freed for n in waiting))
