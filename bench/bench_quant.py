@@ -130,7 +130,7 @@ class QuantBench(RunnerBench):
         nll, pos, top = 0.0, 0, []
         while pos < len(ids) - 1:
             n = min(PPL_CHUNK, len(ids) - 1 - pos)
-            inp, _ = r._inputs([ScheduledChunk("ppl", pos, n, blocks[:-(-(pos + n) // r.block_size)])])
+            inp, _ = r.packer.pack([ScheduledChunk("ppl", pos, n, blocks[:-(-(pos + n) // r.block_size)])])
             inp.logits_indices = torch.arange(n)
             logits = r.model.forward(inp, r.kv)
             nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[pos + 1:pos + 1 + n]),

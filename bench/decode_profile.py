@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     def chunk():
         return [ScheduledChunk("s", len(r.seqs["s"].token_ids) - 1, 1, table)]
 
-    inp, _ = r._inputs(chunk())
+    inp, _ = r.packer.pack(chunk())
     g = inp.groups[0]
     # whether decode steps run each layer in one native call (kernels.decode_layer) here
     one_call = m._decode_in_one_call(inp, torch.empty(1, 1, dtype=m.dtype), r.kv)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from phaseserve.itl_target import ItlTarget, parse_itl_target  # noqa: F401 -- the setting's type, re-exported
+from phaseserve.step_shape import step_shape
 
 # Huber's constant (in robust standard deviations) and the IRLS passes
 HUBER_K = 1.5
@@ -85,22 +86,8 @@ class StepCosts:
 DEFAULT_PRIOR = StepCosts(overhead_s=5e-3, token_s=2e-4, key_s=2e-4 / 2048)
 PRIOR_WEIGHT = 2.0
 
-
-def chunk_keys(start: int, n: int) -> int:
-    """Keys attended by the n tokens at positions start..start+n-1 (the one at p attends to p + 1)."""
-    return n * start + n * (n + 1) // 2
-
-
-def plan_features(chunks) -> tuple[int, int, int]:
-    """(tokens, keys, prefill chunks) of a step's chunks (anything with start_pos and num_tokens; a chunk
-    of more than one token is a prefill chunk): one pass over the chunks."""
-    tokens = keys = prefills = 0
-    for c in chunks:
-        n, s = c.num_tokens, c.start_pos
-        tokens += n
-        keys += n * s + n * (n + 1) // 2
-        prefills += n > 1
-    return tokens, keys, prefills
+# the features of a planned step: the shared rule (phaseserve/step_shape.py) under the name the cluster uses
+plan_features = step_shape
 
 
 class StepCostModel:

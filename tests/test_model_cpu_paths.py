@@ -15,7 +15,8 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from workers.linear import Linear
 from runner_driver import run
-from workers.runner import MIN_BUCKET_BLOCKS, ModelRunner, decode_buckets
+from workers.input_packer import MIN_BUCKET_BLOCKS, decode_buckets
+from workers.runner import ModelRunner
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -217,7 +218,7 @@ def test_block_tables_are_cut_to_the_blocks_in_use(tmp_path):
                                      for s, n in (("a", 20), ("b", 5))]))
     # both sequences reserve 10 blocks; the step needs 2 (a: 20 tokens) and 1 (b: 5 tokens)
     chunks = [ScheduledChunk("a", 19, 1, list(range(10))), ScheduledChunk("b", 0, 5, list(range(10, 20)))]
-    inp, ordered = runner._inputs(chunks)
+    inp, ordered = runner.packer.pack(chunks)
     decode, prefill = inp.groups
     assert decode.block_tables.shape == (1, -(-20 // bs)) and prefill.block_tables.shape == (1, 1)
     assert inp.positions.tolist() == [19, 0, 1, 2, 3, 4]
@@ -264,7 +265,7 @@ def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypat
     tables = [list(range(i * 32, i * 32 + 32)) for i in range(len(prompts))]
     runner.execute(StepPlan(0, "w", starts, [ScheduledChunk(f"s{i}", 0, len(p), tables[i])
                                              for i, p in enumerate(prompts)]))
-    inp, ordered = runner._inputs([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
+    inp, ordered = runner.packer.pack([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
     if decode_path == "torch":  # the step's decodes really were split: 3 short ones together, the long one alone
         assert [c.seq_id for c in ordered] == ["s3", "s0", "s2", "s1"]
         assert [g.block_tables.shape for g in inp.groups] == [(3, 1), (1, -(-301 // bs))]

@@ -33,7 +33,7 @@ def run_schedule(runner: ModelRunner, seqs: list[list[int]], schedule: list[list
                 base = i * 32  # each sequence owns blocks [32 i, 32 i + 32)
                 chunks.append(ScheduledChunk(f"s{i}", pos[i], sizes[step], list(range(base, base + -(-end // bs)))))
                 pos[i] = end
-        inp, ordered = runner._inputs(chunks)
+        inp, ordered = runner.packer.pack(chunks)
         inp.logits_indices = torch.arange(inp.input_ids.shape[0])  # every row, not just the sampled ones
         logits = runner.model.forward(inp, runner.kv)
         row = 0

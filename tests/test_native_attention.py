@@ -195,7 +195,7 @@ def test_runner_attends_all_native_decodes_in_one_call_each_as_alone(tmp_path, o
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (9, 300, 12, 5)]
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=128)
-    assert not runner._bucket_decodes
+    assert not runner.packer.bucket_decodes
     together = run(runner, prompts, greedy, chunk_size=512)
     alone_runner = ModelRunner(path, dtype="bfloat16", num_blocks=128)
     for seq, prompt in zip(together, prompts):
@@ -204,7 +204,7 @@ def test_runner_attends_all_native_decodes_in_one_call_each_as_alone(tmp_path, o
     tables = [list(range(i * 32, i * 32 + 32)) for i in range(len(prompts))]
     runner.execute(StepPlan(0, "w", starts, [ScheduledChunk(f"s{i}", 0, len(p), tables[i])
                                              for i, p in enumerate(prompts)]))
-    inp, ordered = runner._inputs([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
+    inp, ordered = runner.packer.pack([ScheduledChunk(f"s{i}", len(p), 1, tables[i]) for i, p in enumerate(prompts)])
     assert [c.seq_id for c in ordered] == ["s0", "s1", "s2", "s3"]
     assert [g.block_tables.shape for g in inp.groups] == [(4, -(-301 // runner.block_size))]
 

@@ -115,7 +115,7 @@ def test_decode_steps_take_it_with_the_same_logits(level, model_dir, monkeypatch
     decodes = [ScheduledChunk("a", 101, 1, table), ScheduledChunk("b", 40, 1, list(range(8, 16)))]
     runner.execute(StepPlan(2, "w", [], decodes))
     assert len(calls) == 1  # every layer in one call
-    inp, _ = runner._inputs([ScheduledChunk("a", 102, 1, table), ScheduledChunk("b", 41, 1, list(range(8, 16)))])
+    inp, _ = runner.packer.pack([ScheduledChunk("a", 102, 1, table), ScheduledChunk("b", 41, 1, list(range(8, 16)))])
     for threads in (1, 2):
         with torch_threads(threads):
             one_call = m.forward(inp, runner.kv)

@@ -301,7 +301,7 @@ def _logits(runner: ModelRunner, seqs: list[list[int]], schedule: list[list[int]
                 end = pos[i] + sizes[step]
                 chunks.append(ScheduledChunk(f"s{i}", pos[i], sizes[step], list(range(i * 32, i * 32 + -(-end // bs)))))
                 pos[i] = end
-        inp, _ = runner._inputs(chunks)
+        inp, _ = runner.packer.pack(chunks)
         inp.logits_indices = torch.arange(inp.input_ids.shape[0])
         out.append(runner.model.forward(inp, runner.kv))
     return torch.cat(out)

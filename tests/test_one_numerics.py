@@ -81,7 +81,7 @@ class AllRowsLogits:
     def __init__(self, runner: ModelRunner):
         self.record: dict[tuple[str, int], list[torch.Tensor]] = {}
         self._ordered = None
-        inputs, forward = runner._inputs, runner.model.forward
+        inputs, forward = runner.packer.pack, runner.model.forward
 
         def keep_order(chunks, drafts=None):
             inp, ordered = inputs(chunks, drafts)
@@ -99,7 +99,7 @@ class AllRowsLogits:
                     row += 1
             return logits[sampled]
 
-        runner._inputs, runner.model.forward = keep_order, every_row
+        runner.packer.pack, runner.model.forward = keep_order, every_row
 
 
 def run_paths(runner: ModelRunner, paths: list[Path]) -> dict[tuple[str, int], list[torch.Tensor]]:

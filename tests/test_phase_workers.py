@@ -241,11 +241,11 @@ def test_the_policy_hands_off_after_the_first_token_and_recomputes_a_failed_rece
 
 
 def test_a_prefill_worker_drops_only_the_transfers_nobody_will_take(tmp_path):
-    """Worker side (workers/handoff.py): a handed-off sequence's transfer stays for the decode worker to
+    """Worker side (workers/kv_handoff.py): a handed-off sequence's transfer stays for the decode worker to
     take at its release; a kept sequence's is removed at its first decode here, and so is that of a sequence
     whose first token was its last."""
     from phaseserve.wire import KVSend, ScheduledChunk, SeqStart, StepPlan
-    from workers.handoff import KVHandoffs
+    from workers.kv_handoff import KVHandoffs
     from workers.kv_transfer.shm_transport import transfer_path
 
     runner = ModelRunner(bundled_model_path(), num_blocks=16)

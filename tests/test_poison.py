@@ -35,12 +35,12 @@ class GatedBuilds:
 
     def __init__(self, runner: ModelRunner):
         self.gate = threading.Event()
-        build = runner._matcher
+        build = runner.grammar.build_matcher
 
         def gated(spec, output_ids):
             self.gate.wait(60)
             return build(spec, output_ids)
-        runner._matcher = gated
+        runner.grammar.build_matcher = gated
 
     def release(self) -> None:
         self.gate.set()

@@ -36,8 +36,8 @@ from phaseserve.kv_admission import KVCapacity
 from scheduler.budget import chunk_cost, max_chunk_tokens
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from workers.loader import read_config
-from workers.runner import ATTENTION_EFFICIENCY
-from workers.runner import attention_horizon as runner_attention_horizon
+from workers.attention_horizon import ATTENTION_EFFICIENCY
+from workers.attention_horizon import attention_horizon as runner_attention_horizon
 
 VOCAB = 50_000
 

@@ -23,7 +23,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.policy import WorkerPolicy
 from scheduler.speculation import Acceptance, DraftCandidate, SpeculationStats, choose_drafts
 from scheduler.step_cost import StepCosts
-from workers.speculation import NgramProposer, accepted_run
+from workers.ngram_drafts import NgramProposer
+from workers.token_acceptance import accepted_run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 FIXED = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}

@@ -11,8 +11,8 @@ from phaseserve import settings
 from phaseserve.wire import Keys, ScheduledChunk, WorkerInfo
 from scheduler.budget import chunk_cost
 from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.step_cost import (ItlTarget, StepCostModel, StepCosts, chunk_keys, parse_itl_target,
-                                 plan_features)
+from phaseserve.step_shape import chunk_keys, step_shape
+from scheduler.step_cost import ItlTarget, StepCostModel, StepCosts, parse_itl_target
 
 TRUE = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 1500, prefill_chunk_s=0.004)
 
@@ -22,7 +22,7 @@ def random_step(rng: random.Random) -> tuple[int, int, int]:
     chunks = [ScheduledChunk(f"d{i}", rng.randrange(10, 2000), 1, []) for i in range(rng.randrange(1, 33))]
     if rng.random() < 0.4:
         chunks.append(ScheduledChunk("p", rng.randrange(0, 1800), rng.randrange(8, 257), []))
-    return plan_features(chunks)
+    return step_shape(chunks)
 
 
 def feed(model: StepCostModel, truth: StepCosts, n: int, rng: random.Random, noise: float = 0.05,
@@ -104,7 +104,7 @@ def test_constant_batch_predicts_its_own_steps_and_stays_nonnegative():
 def test_features_match_the_policy_units():
     """A chunk's chunk_cost in units of token_s with K = token_s / key_s is its predicted time."""
     chunks = [ScheduledChunk("a", 700, 1, []), ScheduledChunk("b", 40, 300, [])]
-    tokens, keys, n = plan_features(chunks)
+    tokens, keys, n = step_shape(chunks)
     assert (tokens, keys, n) == (301, 701 + sum(range(41, 341)), 1)
     units = sum(chunk_cost(c.start_pos, c.num_tokens, TRUE.horizon) for c in chunks)
     units += TRUE.prefill_chunk_units  # the one prefill chunk

@@ -1,6 +1,6 @@
 """Drafts from a second, smaller model on the worker (speculative method "draft_model"): greedy, so each
 draft is a deterministic function of the sequence's tokens and the target's verification stays exact
-(workers/speculation.py).
+(workers/token_acceptance.py).
 
 The draft model has a KV cache of its own with the target's block count and size, indexed by the same block
 ids: a block the scheduler gives a sequence holds its positions in both caches, so the scheduler's accounting

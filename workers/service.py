@@ -37,7 +37,7 @@ from phaseserve.host_identity import default_host_id
 from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
 from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
                              WireError, WorkerInfo, relay_to_model)
-from workers.handoff import KVHandoffs
+from workers.kv_handoff import KVHandoffs
 
 log = structlog.get_logger("workers.service")
 

@@ -1,13 +1,6 @@
-"""Speculative decoding on the worker, which owns the tokens: proposing drafts, and how many of them a
-verification keeps. Pure: no model, no tensors (docs/speculative.md).
-
-Every draft here is a deterministic function of the sequence's tokens (q is a point mass), so standard
-speculative rejection sampling (accept draft x with probability min(1, p(x) / q(x)) = p(x), else draw from
-the residual (p - q)+, which is p without x) is exactly: draw each verified position's token as decoding
-would (same penalties, same seeded noise at that output offset) and keep the drafts while they equal the
-draws. The first draw that differs is the residual draw; after a run of accepted drafts, the next draw is
-the bonus token. So the output is the one decoding would give, token for token, for greedy and seeded
-requests, and from the same distribution for unseeded ones.
+"""Drafts by prompt lookup on the worker (speculative method "ngram"): the continuation of an earlier
+occurrence of the sequence's last tokens. Pure: no model, no tensors (docs/speculative.md). Each draft is a
+deterministic function of the sequence's tokens, which keeps verification exact (workers/token_acceptance.py).
 """
 
 from __future__ import annotations
@@ -79,13 +72,3 @@ class NgramDrafts:
 
     def reset(self) -> None:
         self._by_seq.clear()
-
-
-def accepted_run(drafts: list[int], draws: list[int]) -> int:
-    """How many drafts a verification keeps: the longest prefix of `drafts` equal to the tokens drawn at
-    their positions (draws[j] is the token drawn after drafts[:j]; len(draws) == len(drafts) + 1). The
-    kept tokens are then draws[:accepted + 1]."""
-    a = 0
-    while a < len(drafts) and drafts[a] == draws[a]:
-        a += 1
-    return a
