@@ -111,6 +111,15 @@ def test_features_match_the_policy_units():
     assert units * TRUE.token_s == pytest.approx(TRUE.predict(tokens, keys, n) - TRUE.overhead_s)
 
 
+def test_a_verification_counts_its_tokens_and_keys_but_is_not_a_prefill_chunk():
+    """One rule for the scheduler's planned steps and a speculating worker's steps as run (StepResult.ran):
+    a decode grown by 3 drafts attends like a 4-token chunk, and stays out of the prefill chunks' count."""
+    chunks = [ScheduledChunk("v", 100, 4, []), ScheduledChunk("p", 0, 50, []), ScheduledChunk("d", 9, 1, [])]
+    assert step_shape(chunks, {"v": [1, 2, 3]}) == (55, chunk_keys(100, 4) + chunk_keys(0, 50) + 10, 1)
+    assert step_shape(chunks) == (55, chunk_keys(100, 4) + chunk_keys(0, 50) + 10, 2)
+    assert chunk_keys(100, 4) == 101 + 102 + 103 + 104
+
+
 def test_itl_target_parsing():
     assert parse_itl_target("1.5x") == ItlTarget(ratio=1.5)
     assert parse_itl_target(" 80ms ") == ItlTarget(ms=80.0)

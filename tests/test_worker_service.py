@@ -245,7 +245,7 @@ def test_the_worker_drops_plans_of_an_older_epoch_and_forgets_everything_on_a_re
 def test_the_relay_judges_the_models_liveness_by_its_steps():
     """A plan is due when handed over or when the step before it is written back; past step_timeout the
     model is hung: its writes are void until a reset plan, and the incarnation counts the new life."""
-    from workers.relay import ModelLiveness
+    from workers.model_liveness import ModelLiveness
 
     live = ModelLiveness(step_timeout=1.0)
     assert not live.check(100.0)  # idle: nothing due, never hung
@@ -270,7 +270,7 @@ def test_the_relay_judges_the_models_liveness_by_its_steps():
 
 
 def test_a_plan_carries_its_deadline_to_the_relay():
-    from workers.relay import plan_timeout
+    from workers.model_liveness import plan_timeout
 
     assert plan_timeout(StepPlan(0, "w", timeout_s=42.0).to_wire()) == 42.0
     assert plan_timeout(b"\xc1 garbage") == 0.0  # the model acks an unreadable plan at once

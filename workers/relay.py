@@ -16,21 +16,15 @@ talks to it over two pipes (multiprocessing connections; the messages are define
   the worker drains, a `RelayNotice` no_scheduler says no scheduler holds the lease: nobody will answer
   the drain, so the worker need not wait for it (a whole stack stopping: `docker compose down`).
 
-A heartbeat thread keeps `worker:<id>` alive (with a TTL) while the model makes progress: a model step
-may take up to `step_timeout` seconds from when its plan is due (handed over, or the previous step
-written, whichever is later). Past that the model counts as hung (SIGSTOPped, stuck in a kernel): the
-relay deletes the heartbeat and stops beating, so the scheduler retires the worker and recomputes its
-sequences elsewhere at its next look, and every write of a plan handed over before then is void (only
-acked). When the model makes progress again the relay beats with a new `started_at` (a new life); the
-scheduler adopts it as a new worker and its first plan (`reset`) ends the void. See `ModelLiveness`.
+A heartbeat thread (workers/heartbeat.py) keeps `worker:<id>` alive while the model makes progress
+(workers/model_liveness.py): a hung model's heartbeat is withdrawn and its late writes are void.
 
 Redis outages: commands retry with backoff (phaseserve/redis_client.py); the plan reader and the step
 writer wait and resume, so the model stays loaded through a Redis restart.
 
 Why a process and not threads beside the model: threads share the model's GIL. The relay's Python
-(msgpack, redis-py) is a few hundred microseconds a step, and a thread holding the GIL that long
-stalls the model's next torch op, even from another core. Measured on the bundled model
-(docs/architecture.md, "The worker's own threads").
+(msgpack, redis-py) holds the GIL for a while every step, and a thread holding it stalls the model's
+next torch op, even from another core (docs/architecture.md, "The worker's own threads").
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from multiprocessing.connection import Connection
 
 import msgpack
@@ -52,156 +45,12 @@ from phaseserve.procs import child_setup, freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect, execute_through_outages
 from phaseserve.wire import (FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, PlanDelivery, RelayConfig, RelayNotice,
                              WorkerInfo, model_to_relay)
+from workers.heartbeat import Heartbeat
+from workers.model_liveness import ModelLiveness, plan_timeout
 
 log = structlog.get_logger("workers.relay")
 
 READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
-
-
-def plan_timeout(data: bytes) -> float:
-    """The deadline a plan carries (StepPlan.timeout_s), 0 if none or unreadable (the model reports that)."""
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        return float(body.get("timeout_s", 0.0)) if isinstance(body, dict) else 0.0
-    except Exception:  # noqa: BLE001 -- a plan the model cannot read either; it acks it at once
-        return 0.0
-
-
-class ModelLiveness:
-    """Is the model process making progress? Counts plans handed to it and steps it wrote back.
-
-    A plan is due when it is handed over, or when the step before it is written back, whichever is later;
-    the model is hung when its oldest unfinished plan has been due for longer than `step_timeout`. Once
-    hung, the worker's current life is over: every write until the model reports a `reset` plan (the
-    scheduler's first to the next life) is void, and the heartbeat announces the next life (a new
-    WorkerInfo.started_at) once the model moves again. Thread-safe: the reader, writer and heartbeat threads share it.
-    """
-
-    def __init__(self, step_timeout: float):
-        self.step_timeout = step_timeout
-        self.lock = threading.Lock()
-        self.timeouts: deque[float] = deque()  # per plan handed over and not yet written back, oldest first
-        self.due_at = 0.0  # when the oldest outstanding plan became due (time.monotonic())
-        self.void = False  # the model overran: this life's writes are dropped until a reset plan
-        self.hung = False  # overran, and no step written back since
-        self.incarnation = 0
-        self.overrun_deadline = 0.0  # the deadline the last overrun plan carried (for the log)
-
-    @property
-    def outstanding(self) -> int:
-        return len(self.timeouts)
-
-    def plan_delivered(self, now: float, timeout: float = 0.0) -> None:
-        """A plan handed to the model; `timeout` > 0: the scheduler's deadline for it (a long step's is longer)."""
-        with self.lock:
-            if not self.timeouts:
-                self.due_at = now
-            self.timeouts.append(timeout if timeout > 0 else self.step_timeout)
-
-    def _check(self, now: float) -> bool:
-        """Enter the void if the oldest plan is overdue; True if this call did (caller holds the lock)."""
-        if self.void or not self.timeouts or now - self.due_at <= self.timeouts[0]:
-            return False
-        self.overrun_deadline = self.timeouts[0]
-        self.void = self.hung = True
-        self.incarnation += 1
-        return True
-
-    def check(self, now: float) -> bool:
-        with self.lock:
-            return self._check(now)
-
-    def step_written(self, now: float, reset: bool) -> tuple[bool, bool]:
-        """A step came back: (keep its writes?, did the model just turn out hung?)."""
-        with self.lock:
-            hung = self._check(now)
-            if self.timeouts:
-                self.timeouts.popleft()
-            self.due_at = now
-            self.hung = False
-            if reset and self.void:
-                self.void = False  # a plan of the new life: everything before it was dropped
-                return True, hung
-            return not self.void, hung
-
-    def is_hung(self) -> bool:
-        with self.lock:
-            return self.hung
-
-
-class Heartbeat(threading.Thread):
-    """Refreshes the heartbeat key every `interval` seconds while the model makes progress (`liveness`)."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, info: WorkerInfo, interval: float, ttl: float,
-                 liveness: ModelLiveness | None = None, on_no_scheduler=None):
-        super().__init__(name="heartbeat", daemon=True)
-        self.client, self.keys, self.info = client, keys, info
-        self.interval, self.ttl_ms = interval, max(1, int(ttl * 1000))
-        self.liveness = liveness or ModelLiveness(float("inf"))
-        # called (once) when a beat of a draining worker finds no scheduler holding the lease
-        self.on_no_scheduler = on_no_scheduler
-        self.stopped = threading.Event()
-        self.woken = threading.Event()  # beat now, not at the next interval (the worker started draining)
-        self.silent = False  # the heartbeat was withdrawn for a hung model
-        self.incarnation = 0  # lives this worker has had after hangs (ModelLiveness.incarnation announced)
-
-    def beat(self) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.keys.workers, self.info.worker_id)
-        pipe.set(self.keys.worker_heartbeat(self.info.worker_id), self.info.to_wire(), px=self.ttl_ms)
-        draining = self.info.draining
-        if draining:  # is anyone there to answer the drain?
-            pipe.exists(self.keys.scheduler_lease())
-        replies = pipe.execute()
-        if draining and not replies[-1] and self.on_no_scheduler is not None:
-            self.on_no_scheduler()
-            self.on_no_scheduler = None
-
-    def start_draining(self) -> None:
-        """Announce WorkerInfo.draining with the next beat, which comes now."""
-        self.info.draining = True
-        self.woken.set()
-
-    def withdraw(self) -> None:
-        """The model is hung: the scheduler must see this worker gone at its next look, not after the TTL."""
-        self.silent = True
-        log.error("model step overran the deadline; withdrawing the heartbeat",
-                  deadline_s=round(self.liveness.overrun_deadline, 3))
-        self.client.delete(self.keys.worker_heartbeat(self.info.worker_id))
-
-    def tick(self) -> None:
-        self.liveness.check(time.monotonic())
-        if self.liveness.is_hung():
-            if not self.silent:
-                self.withdraw()
-            return
-        incarnation = self.liveness.incarnation
-        if incarnation != self.incarnation:  # progress after a hang: announce the next life
-            self.silent = False
-            self.incarnation = incarnation
-            self.info.started_at = time.time()  # a new started_at is a new life to the scheduler
-            log.warning("model making progress again; rejoining as a new life", incarnation=incarnation)
-        self.beat()
-
-    def run(self) -> None:
-        while True:
-            self.woken.wait(self.interval)
-            self.woken.clear()
-            if self.stopped.is_set():
-                return
-            try:
-                self.tick()
-            except redis.RedisError as e:  # keep trying: Redis may come back before the TTL runs out
-                log.warning("heartbeat failed", error=str(e))
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.woken.set()
-        self.join(timeout=self.interval + 1)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.keys.worker_heartbeat(self.info.worker_id))
-        pipe.srem(self.keys.workers, self.info.worker_id)
-        pipe.execute()
 
 
 class Relay:

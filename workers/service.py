@@ -4,7 +4,7 @@ The model runs in this process, with nothing else competing for its GIL; all Red
 child process, the relay (workers/relay.py): it reads step plans ahead into a pipe, sends each step's
 writes (one TokenBatch per gateway, the StepResult, the XACK of the plan) in one pipeline, in step
 order, and keeps the heartbeat alive (with a TTL) while the model makes progress: a step overrunning
-`step_timeout` counts as a hung model and the worker as dead (workers/relay.py, ModelLiveness). The model
+`step_timeout` counts as a hung model and the worker as dead (workers/model_liveness.py). The model
 loop only moves bytes through two pipes: it never waits on a Redis round trip.
 
 Plans carry the scheduler's epoch: a plan of an older epoch than one already seen (left in the stream by
