@@ -22,7 +22,8 @@ from phaseserve.redis_client import connect_async
 from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, channel_message
 from scheduler.service import PolicyLimits, SchedulerService
 from workers.runner import ModelRunner
-from workers.service import RelayError, WorkerService
+from workers.relay_link import RelayError
+from workers.service import WorkerService
 
 MAX_TOKENS = 12
 ROOT = Path(__file__).resolve().parent.parent

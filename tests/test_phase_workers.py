@@ -181,7 +181,7 @@ async def test_a_prefill_worker_dying_mid_prompt_loses_nothing(model, redis_serv
         await gw.wait(lambda: 0 < (sched.workers["p0"].policy._seqs.get("r5") or type("x", (), {
             "num_computed_tokens": 0})).num_computed_tokens < PROMPT_LENS[5], 20)
         prefill.runner.execute = lambda plan: (dead.wait(), inner(plan))[1]
-        prefill.relay.kill()
+        prefill.link.process.kill()
         await gw.wait(lambda: len(gw.finish) == len(ps), 60)
         assert [gw.tokens[f"r{i}"] for i in range(len(ps))] == reference
         assert "p0" not in sched.workers and gw.conflicts == 0

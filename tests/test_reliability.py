@@ -64,7 +64,7 @@ def lose_steps(worker: WorkerThread, *, lose_plan=lambda plan: False, corrupt_pl
         plan = StepPlan.from_wire(data)
         if lose_plan(plan):
             lost.append(f"plan {plan.step_id}")
-            return service._send(msgpack.packb([entry_id, None, []]))
+            return service.link.send(msgpack.packb([entry_id, None, []]))
         if corrupt_plan(plan):
             lost.append(f"unreadable plan {plan.step_id}")
             return run_step(entry_id, data[:-3] + b"\xc1\xc1\xc1")
@@ -88,7 +88,7 @@ def _publish_tokens_only(service, plan, result, entry_id):
         if gw is not None:
             by_gateway[gw].append(ev)
     batches = [[gw, TokenBatch(plan.step_id, service.worker_id, evs).to_wire()] for gw, evs in by_gateway.items()]
-    service.writes.send_bytes(msgpack.packb([entry_id, None, batches, plan.reset]))
+    service.link.writes.send_bytes(msgpack.packb([entry_id, None, batches, plan.reset]))
 
 
 def once(predicate):

@@ -100,7 +100,7 @@ async def test_a_dead_workers_sequences_finish_on_another(model_dir, long_refere
         # w1 dies without a word: its step never returns, its relay (heartbeat, plans, results) is gone
         runner.execute = lambda plan: (dead.wait(), inner(plan))[1]
         on_w1 = {rid for rid, wid in sched.owner.items() if wid == "w1"}
-        w1.service.relay.kill()
+        w1.service.link.process.kill()
         assert on_w1 and not (on_w1 & set(gw.finish)), "fail-over must be exercised: w1 holds live requests"
         await gw.wait(lambda: len(gw.finish) == len(PROMPTS))
         assert [gw.tokens[f"r{i}"] for i in range(len(PROMPTS))] == long_reference

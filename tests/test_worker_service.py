@@ -173,7 +173,7 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
     service = WorkerService(runner, redis_server, Keys("trace"), "w9")
     assert not service.log_steps  # the tests' root logger is not at debug level
     service.log_steps = True
-    relay_end, service.writes = Pipe(duplex=False)  # what the relay would read
+    relay_end, service.link.writes = Pipe(duplex=False)  # what the relay would read
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     starts = [SeqStart("p", "gw", list(range(3, 15)), params), SeqStart("q", "gw", [8, 9], params)]
     plans = [StepPlan(0, "w9", starts, [ScheduledChunk("p", 0, 12, [2]), ScheduledChunk("q", 0, 2, [3])]),
@@ -198,7 +198,7 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
 def test_a_worker_whose_relay_dies_stops_with_an_error(runner, redis_server):
     """The relay is the worker's only way to Redis: if it dies, the model loop raises RelayError
     (main() exits 1, so the launcher sees it) instead of waiting for plans that cannot come."""
-    from workers.service import RelayError
+    from workers.relay_link import RelayError
 
     keys = Keys("relay-dies")
     client = redis.Redis.from_url(redis_server)
@@ -216,8 +216,8 @@ def test_a_worker_whose_relay_dies_stops_with_an_error(runner, redis_server):
     deadline = time.monotonic() + 10
     while client.get(keys.worker_heartbeat("w3")) is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert service.relay is not None and service.relay.poll() is None
-    service.relay.kill()
+    assert service.link.process is not None and service.link.process.poll() is None
+    service.link.process.kill()
     thread.join(5)
     assert not thread.is_alive()
     assert len(errors) == 1 and "relay process exited" in str(errors[0])
@@ -227,7 +227,7 @@ def test_the_worker_drops_plans_of_an_older_epoch_and_forgets_everything_on_a_re
     """Epoch fencing: after a plan of epoch 5 one of epoch 3 (a deposed scheduler's) is acked only. A
     reset plan (the first of an adoption) makes the runner forget the sequences it held."""
     service = WorkerService(runner, redis_server, Keys("epochs"), "w8")
-    relay_end, service.writes = Pipe(duplex=False)
+    relay_end, service.link.writes = Pipe(duplex=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     plans = [StepPlan(0, "w8", [SeqStart("e", "gw", [5, 6, 7], params)], [ScheduledChunk("e", 0, 3, [4])], epoch=5),
              StepPlan(1, "w8", [], [ScheduledChunk("e", 3, 1, [4])], epoch=3),  # older: dropped
@@ -368,7 +368,7 @@ def test_a_plan_delivered_twice_runs_once(runner, redis_server):
     not seen it), so a plan already run is read again: acked only, the sequence's tokens are not sampled
     twice. A new scheduler (epoch) or adoption (reset) starts its step ids over, and is run."""
     service = WorkerService(runner, redis_server, Keys("twice"), "w7")
-    relay_end, service.writes = Pipe(duplex=False)
+    relay_end, service.link.writes = Pipe(duplex=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = StepPlan(0, "w7", [SeqStart("d", "gw", [5, 6, 7], params)], [ScheduledChunk("d", 0, 3, [4])], epoch=5)
     decode = StepPlan(1, "w7", [], [ScheduledChunk("d", 3, 1, [4])], epoch=5)

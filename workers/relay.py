@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         config = RelayConfig.from_pipe(writes.recv_bytes())
     except EOFError:  # the model process went away before configuring us
         return 0
-    # what the launcher's preexec_fn does for its children, done here: see WorkerService.start_relay
+    # what the launcher's preexec_fn does for its children, done here: see RelayLink.start (workers/relay_link.py)
     child_setup(config.cpus)()
     logs.configure("worker-relay", config.log_level, config.log_json)
     structlog.contextvars.bind_contextvars(worker_id=WorkerInfo.from_wire(config.info).worker_id)

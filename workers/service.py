@@ -23,31 +23,25 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from multiprocessing import Pipe
 
 import structlog
 
 from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.host_identity import default_host_id
-from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
+from phaseserve.procs import freeze_startup_heap, parse_cpus
 from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
-                             WireError, WorkerInfo, relay_to_model)
+                             WireError, WorkerInfo)
 from workers.kv_handoff import KVHandoffs
+from workers.relay_link import RelayError, RelayLink
 
 log = structlog.get_logger("workers.service")
 
 # a draining worker no scheduler answers waits this much longer than the drain timeout before leaving: the
 # scheduler notices the drain a heartbeat late and sends its answer behind the plans already in flight
 DRAIN_MARGIN_S = 5.0
-
-
-class RelayError(RuntimeError):
-    """The relay process failed (Redis unreachable, or it died): the worker cannot go on."""
 
 
 class WorkerService:
@@ -86,63 +80,30 @@ class WorkerService:
             max_loras=runner.loras.max_loras,
         )
         self.handoffs = KVHandoffs(runner, redis_url, keys.prefix)  # KV to decode workers, or from prefill ones
-        self.relay_config = RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
-                                        heartbeat_ttl, block_ms, log_level, log_json, relay_cpus, step_timeout)
+        # the Redis side, in a child process: plans in, step writes and heartbeats out
+        self.link = RelayLink(RelayConfig(redis_url, keys.prefix, self.info.to_wire(), heartbeat_interval,
+                                          heartbeat_ttl, block_ms, log_level, log_json, relay_cpus, step_timeout))
         self.epoch = 0  # the newest scheduler epoch seen in a plan
         self.last_step_id = -1  # of the newest plan run (step ids grow within an adoption)
-        self.relay: subprocess.Popen | None = None
-        self.plans = self.writes = None  # our ends of the two pipes, once the relay runs
         self.steps_run = 0
         self.busy_s = 0.0  # time in steps (model + handing off the writes): up_s - busy_s is waiting for plans
         # one line a step at debug level (what `python -m bench.step_trace` reads); none of its work otherwise
         self.log_steps = logging.getLogger().isEnabledFor(logging.DEBUG)
 
-    def start_relay(self) -> None:
-        plans_read, plans_write = Pipe(duplex=False)
-        writes_read, writes_write = Pipe(duplex=False)
-        fds = (plans_write.fileno(), writes_read.fileno())
-        # No preexec_fn (the relay sets its own CPUs and parent-death signal), so Python spawns it with
-        # vfork, not fork: a fork marks every page of this process copy-on-write, and each KV-cache and
-        # heap page then faulted once on its next write, hundreds of faults a prefill step for as long as
-        # the run kept reaching new cache blocks (bundled model: 341 -> under 1 a step; docs/architecture.md).
-        self.relay = subprocess.Popen([sys.executable, "-m", "workers.relay", *map(str, fds)], pass_fds=fds,
-                                      stdin=subprocess.DEVNULL)
-        plans_write.close()  # the relay's ends: ours would keep the pipes open after it exits
-        writes_read.close()
-        self.plans, self.writes = plans_read, writes_write
-        self.writes.send_bytes(self.relay_config.to_pipe())
-
-    def stop_relay(self, timeout: float = 5.0) -> None:
-        """Close `writes`: the relay sends what is queued, removes the heartbeat and exits."""
-        if self.relay is None:
-            return
-        self.writes.close()
-        try:
-            self.relay.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("relay did not stop in time; stopping it")
-            stop_process(self.relay)
-        self.plans.close()
-
     def next_plan(self, timeout: float):
         """(entry id, plan bytes), or None if none came within `timeout`. Raises RelayError if the relay failed."""
-        try:
-            if not self.plans.poll(timeout):
-                return None
-            message = relay_to_model(self.plans.recv_bytes())
-        except (EOFError, OSError):
-            raise RelayError(f"the relay process exited (code {self.relay.poll()})") from None
+        message = self.link.receive(timeout)
         if isinstance(message, RelayNotice):
             if message.no_scheduler and self.draining:
                 log.info("draining with no scheduler to answer; stopping", worker_id=self.worker_id)
                 self.stopping = True
             return None
-        if message.entry_id is None:
-            raise RelayError(message.data)
+        if message is None:
+            return None
         return message.entry_id, message.data
 
     def run(self) -> None:
-        self.start_relay()
+        self.link.start()
         log.info("worker ready", worker_id=self.worker_id, model=self.info.model, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
         started = time.perf_counter()
@@ -154,7 +115,7 @@ class WorkerService:
                 if item is not None:
                     self.run_step(*item)
         finally:
-            self.stop_relay()
+            self.link.stop()
             log.info("worker stopped", worker_id=self.worker_id, steps=self.steps_run,
                      busy_s=round(self.busy_s, 3), up_s=round(time.perf_counter() - started, 3))
 
@@ -163,18 +124,18 @@ class WorkerService:
             plan = StepPlan.from_wire(data)
         except WireError as e:
             log.error("dropping unreadable step plan", entry_id=entry_id, error=str(e))
-            self._send(StepWrites(entry_id).to_pipe())  # acked, nothing to publish
+            self.link.send(StepWrites(entry_id).to_pipe())  # acked, nothing to publish
             return
         if plan.epoch < self.epoch:  # left in the stream by a scheduler that has lost its lease
             log.warning("dropping a plan of an older scheduler", step_id=plan.step_id, epoch=plan.epoch,
                         current_epoch=self.epoch)
-            self._send(StepWrites(entry_id).to_pipe())
+            self.link.send(StepWrites(entry_id).to_pipe())
             return
         if plan.step_id >= 0 and (plan.epoch, plan.step_id) <= (self.epoch, self.last_step_id):
             # delivered again: a Redis failover rolled the stream back to before our read of it (the
             # promoted replica had not seen it). It ran already; its writes went out then.
             log.warning("dropping a plan delivered twice", step_id=plan.step_id, epoch=plan.epoch)
-            self._send(StepWrites(entry_id).to_pipe())
+            self.link.send(StepWrites(entry_id).to_pipe())
             return
         if plan.epoch != self.epoch or plan.reset:  # a new scheduler, or a new adoption: its step ids start over
             self.last_step_id = -1
@@ -182,7 +143,7 @@ class WorkerService:
         if plan.step_id >= 0:
             self.last_step_id = plan.step_id
         if plan.drained:  # the scheduler holds nothing on us and sends nothing more: leave
-            self._send(StepWrites(entry_id).to_pipe())
+            self.link.send(StepWrites(entry_id).to_pipe())
             if self.draining:
                 log.info("drained; stopping", worker_id=self.worker_id, steps=self.steps_run)
                 self.stopping = True
@@ -231,13 +192,7 @@ class WorkerService:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
         batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
-        self._send(StepWrites(entry_id, result.to_wire(), batches, plan.reset).to_pipe())
-
-    def _send(self, message: bytes) -> None:
-        try:
-            self.writes.send_bytes(message)
-        except OSError:  # the relay is gone: its exit code says why
-            raise RelayError(f"the relay process exited (code {self.relay.poll() if self.relay else None})") from None
+        self.link.send(StepWrites(entry_id, result.to_wire(), batches, plan.reset).to_pipe())
 
     def request_stop(self, *_args) -> None:
         self.stopping = True
@@ -257,7 +212,7 @@ class WorkerService:
             self.drain_announced = True
             log.info("draining: the scheduler moves this worker's sequences away, then lets it go",
                      worker_id=self.worker_id, wait_s=round(self.drain_wait_s, 1))
-            self._send(RelayNotice(draining=True).to_pipe())
+            self.link.send(RelayNotice(draining=True).to_pipe())
         if time.monotonic() < self.drain_deadline:
             return False
         log.warning("no scheduler answered the drain in time; stopping (its sequences are recomputed "
