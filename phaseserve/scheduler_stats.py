@@ -100,7 +100,7 @@ class SchedulerStats:
     num_steps_past_itl_patience: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-    grammar_masks: list = field(default_factory=list)  # [[bucket upper bound, count], ...]
+    grammar_masks: list[float] = field(default_factory=list)  # per mask-time bucket, then the seconds summed
     num_sat_out: int = 0
     num_quarantined: int = 0
     updated_at: float = 0.0  # unix time the service wrote it
