@@ -627,7 +627,8 @@ class Cluster:
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.limits.itl_target),
-                     verify_units=round(slot.policy.drafts.verify_cost.units, 2) if slot.info.speculative_tokens else None)
+                     verify_units=(round(slot.policy.drafts.verify_cost.units, 2) if slot.info.speculative_tokens
+                                   else None))
 
     @staticmethod
     def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:
@@ -657,7 +658,8 @@ class Cluster:
                 wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
                 p.num_used_blocks, pstats.prefix_cache.cached_blocks, p.num_free_blocks, slot.info.num_blocks,
                 pstats.num_handoffs_in_flight, pstats.prefix_cache.queries, pstats.prefix_cache.hits,
-                pstats.spec_decoding.num_draft_tokens, pstats.spec_decoding.num_accepted_tokens, list(slot.recent_steps),
+                pstats.spec_decoding.num_draft_tokens, pstats.spec_decoding.num_accepted_tokens,
+                list(slot.recent_steps),
                 round(now - slot.last_step_at, 3) if slot.recent_steps else 0.0))
             for seq, total, done in p.unprefilled():
                 unprefilled.append((seq.request, wid, total, done))

@@ -2,9 +2,11 @@
 
 The scheduler service keeps one `WorkerPolicy` per live worker. It plans steps (`schedule()`, which states
 what every plan keeps) and applies their results (`update()`), side by side here, over its sequences; its
-parts have their own files: the KV cache and prefix index (scheduler/kv_cache_manager.py), drafts
+parts have their own files: the sequences and their queues (scheduler/sequence_queues.py), the named steps
+of a plan (scheduler/step_planner.py), the KV cache and prefix index (scheduler/kv_cache_manager.py), drafts
 (scheduler/draft_planner.py), handoffs (scheduler/handoff_book.py), tenants (scheduler/tenant_planner.py),
-the step budget (scheduler/budget.py). The reasoning: docs/architecture.md, "The step budget".
+the step budget (scheduler/budget.py), its counters and stats (scheduler/policy_stats.py). The reasoning:
+docs/architecture.md, "The step budget".
 
 Results: one is accepted only for a step still open, and an event only for a sequence planned to sample in
 that step (the same Sequence object: a cancelled and re-added id is a new one) and only at offset ==
@@ -17,15 +19,14 @@ in flight for it are moot (the worker runs nothing of them, docs/architecture.md
 
 from __future__ import annotations
 
-import math
 from copy import deepcopy
 from dataclasses import replace
 
 import structlog
 
-from phaseserve.kv_admission import KVCapacity, promised_len
-from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, SubmitRequest
-from scheduler.budget import StepBudget, StepDraft, chunk_cost
+from phaseserve.kv_admission import KVCapacity
+from phaseserve.wire import StepPlan, StepResult, SubmitRequest
+from scheduler.budget import StepBudget, StepDraft
 from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
 from scheduler.draft_planner import DraftPlanner
 from scheduler.fair_share import TenantShares
@@ -41,7 +42,6 @@ from scheduler.tenant_planner import TenantPlanner
 log = structlog.get_logger("scheduler.policy")
 
 RUNNING = SequenceStatus.RUNNING
-WAITING = SequenceStatus.WAITING
 
 
 class WorkerPolicy:
@@ -169,11 +169,12 @@ class WorkerPolicy:
         req = handoff.request
         return (self.capacity.rejection(len(req.prompt_ids), req.params.max_tokens, len(handoff.output_ids)) is None
                 and len(self.queues.running) < self.config.max_num_seqs
-                and self.kv.can_allocate(self.kv.blocks_for(handoff.num_cached + 1), reserved=self.steps.promised_blocks()))
+                and self.kv.can_allocate(self.kv.blocks_for(handoff.num_cached + 1),
+                                         reserved=self.steps.promised_blocks()))
 
     def accept_handoff(self, handoff: Handoff, timeout_s: float = 2.0) -> None:
         """Take a sequence from a prefill worker: blocks for its cached positions now, its KV received into
-        them with its first decode (`_schedule_decodes`). If the receive fails the worker reports no token
+        them with its first decode (`StepPlanner.schedule_decodes`). If the receive fails the worker reports no token
         and the sequence is recomputed here (`_settle`), never decoded over a half-received cache."""
         seq = self.queues.new(handoff.request, list(handoff.output_ids), status=RUNNING)
         seq.prefill_len = seq.num_computed_tokens = handoff.num_cached

@@ -250,7 +250,8 @@ class SchedulerService:
         self._stats_dirty = False
         if stats != self._last_stats:
             self._last_stats = stats
-            pipe.set(self.keys.scheduler_stats(), msgpack.packb(dataclasses.replace(stats, updated_at=time.time()).to_wire()))
+            published = dataclasses.replace(stats, updated_at=time.time())
+            pipe.set(self.keys.scheduler_stats(), msgpack.packb(published.to_wire()))
             self._stats_written_at = now
         return None
 

@@ -45,20 +45,27 @@ class StepPlanner:
         self.counters = counters
         self.clock_s = 0.0  # the planned steps' predicted time, summed: what the ITL target's patience counts
 
-    def plan_drafts(self, step: StepDraft, budget: StepBudget, step_id: int, step_costs: StepCosts | None) -> None:
-        """Step 3: drafts for the decodes in what prefill left of the budget, in blocks nobody was promised
-        (scheduler/draft_planner.py)."""
-        if not self.drafts.max_drafts or not step.decodes:
-            return
-        kv = self.kv
-        spare = kv.num_free_blocks - kv.watermark_blocks - self.promised_blocks()
-        self.drafts.plan(step, budget, kv, spare, self.queues.seqs, step_id, step_costs)
+    # ------------------------------------------------------------------ the steps, in plan order
 
-    def note_itl_target(self, budget: StepBudget) -> None:
-        """Count the steps whose prefill the ITL target held back while prompts waited for it."""
-        q = self.queues
-        if budget.held_by_target and (q.waiting or any(s.is_prefilling for s in q.running)):
-            self.counters.num_steps_held_by_itl_target += 1
+    def make_room_for_fair_head(self, step: StepDraft) -> None:
+        """Step 0 (tenants): when the first startable sequence in fair order cannot be admitted for want of a
+        slot or blocks, and its tenant would stay within its share with it, preempt the lowest-ranked
+        sequences of the tenants over their share, furthest first, until it can. They wait behind it, and
+        not for this step (`held_back`): a burst of one tenant cannot hold another's requests back."""
+        head = next((s for s in self._admission_order(step) if self.startable(s)), None)
+        if head is None or self._can_admit(head, step):
+            return
+        running = self.queues.running
+        need = self.kv.blocks_for(self._promised_len(head, prefill_tokens(head)))
+        if self.tenants.usage(running, head, need).get(head.tenant, 0.0) > 1.0:
+            return  # its own tenant is at its share: it waits for its own sequences, not for another's
+        while not self._can_admit(head, step):
+            victim = self.tenants.victim_for(head, running)
+            if victim is None:
+                return
+            self.preempt(victim)
+            step.held_back.add(victim)
+            self.counters.num_fair_share_preemptions += 1
 
     def schedule_decodes(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 1: one token for every running sequence past its prefill, in rank order, preempting the
@@ -172,6 +179,23 @@ class StepPlanner:
             self._plan_prefill(step, seq, n)
             step.spend_tenant(seq, budget.charge_prefill(need - cached, cached, n))
 
+    def plan_drafts(self, step: StepDraft, budget: StepBudget, step_id: int, step_costs: StepCosts | None) -> None:
+        """Step 3: drafts for the decodes in what prefill left of the budget, in blocks nobody was promised
+        (scheduler/draft_planner.py)."""
+        if not self.drafts.max_drafts or not step.decodes:
+            return
+        kv = self.kv
+        spare = kv.num_free_blocks - kv.watermark_blocks - self.promised_blocks()
+        self.drafts.plan(step, budget, kv, spare, self.queues.seqs, step_id, step_costs)
+
+    def note_itl_target(self, budget: StepBudget) -> None:
+        """Count the steps whose prefill the ITL target held back while prompts waited for it."""
+        q = self.queues
+        if budget.held_by_target and (q.waiting or any(s.is_prefilling for s in q.running)):
+            self.counters.num_steps_held_by_itl_target += 1
+
+    # ------------------------------------------------------------------ what the steps share
+
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
         first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
@@ -192,8 +216,6 @@ class StepPlanner:
             seq.awaiting_handoff = seq.kv_send is not None
         step.scheduled.add(seq)
 
-    # ------------------------------------------------------------------ preemption
-
     def preempt(self, seq: Sequence, count: bool = True) -> None:
         """Send a running sequence back to wait, to be recomputed (`count`: a preemption, not a resync)."""
         self.queues.send_back(seq)
@@ -208,28 +230,6 @@ class StepPlanner:
         several, weighted fair order (scheduler/tenant_planner.py)."""
         q = self.queues
         return self.tenants.admission_order(q.waiting, q.running, step) if self.shares.is_shared else list(q.waiting)
-
-    def make_room_for_fair_head(self, step: StepDraft) -> None:
-        """Step 0 (tenants): when the first startable sequence in fair order cannot be admitted for want of a
-        slot or blocks, and its tenant would stay within its share with it, preempt the lowest-ranked
-        sequences of the tenants over their share, furthest first, until it can. They wait behind it, and
-        not for this step (`held_back`): a burst of one tenant cannot hold another's requests back."""
-        head = next((s for s in self._admission_order(step) if self.startable(s)), None)
-        if head is None or self._can_admit(head, step):
-            return
-        running = self.queues.running
-        need = self.kv.blocks_for(self._promised_len(head, prefill_tokens(head)))
-        if self.tenants.usage(running, head, need).get(head.tenant, 0.0) > 1.0:
-            return  # its own tenant is at its share: it waits for its own sequences, not for another's
-        while not self._can_admit(head, step):
-            victim = self.tenants.victim_for(head, running)
-            if victim is None:
-                return
-            self.preempt(victim)
-            step.held_back.add(victim)
-            self.counters.num_fair_share_preemptions += 1
-
-    # ------------------------------------------------------------------ helpers
 
     def startable(self, seq: Sequence) -> bool:
         # an in-flight sample would be missing from the SeqStart; a pending release would reach the worker in
@@ -254,4 +254,3 @@ class StepPlanner:
         kv = self.kv
         return sum(kv.num_new_blocks(s.block_table, self._promised_len(s, s.prefill_len))
                    for s in self.queues.running if s.is_prefilling)
-

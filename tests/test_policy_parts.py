@@ -8,7 +8,7 @@ import pytest
 
 from phaseserve.params import SamplingParams
 from phaseserve.scheduler_stats import PrefixCacheStats, SpecDecodingStats
-from phaseserve.wire import KVSend, ScheduledChunk, StepResult, SubmitRequest, TokenEvent
+from phaseserve.wire import ScheduledChunk, StepResult, SubmitRequest, TokenEvent
 from scheduler.budget import StepBudget, StepDraft
 from scheduler.config import SchedulerConfig
 from scheduler.draft_planner import DraftPlanner
