@@ -7,7 +7,7 @@ operators have always read, so readers of an older scheduler's map get zeros for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 
 @dataclass
@@ -53,6 +53,9 @@ class SpecDecodingStats:
         for j in range(drafted):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted
+
+    def copy(self) -> SpecDecodingStats:
+        return replace(self, drafted_at=list(self.drafted_at), accepted_at=list(self.accepted_at))
 
     def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
         n = max(len(self.drafted_at), len(other.drafted_at))

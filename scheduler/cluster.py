@@ -31,7 +31,8 @@ from phaseserve.stack_view import (
 from scheduler.lora_routing import AdapterRecency
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.policy_stats import PolicyCounters
-from scheduler.prefix_index import RecentPrompts, request_seed
+from scheduler.prefix_index import request_seed
+from scheduler.recent_prompts import RecentPrompts
 from scheduler.quarantine import STRIKES_FIELD, Quarantine
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 

@@ -19,7 +19,6 @@ in flight for it are moot (the worker runs nothing of them, docs/architecture.md
 
 from __future__ import annotations
 
-from copy import deepcopy
 from dataclasses import replace
 
 import structlog
@@ -370,4 +369,4 @@ class WorkerPolicy:
             self.num_waiting, self.num_running, self.num_free_blocks, self.num_used_blocks, self.kv.num_blocks,
             self._next_step_id, len(self._inflight), self.queues.num_handoffs_in_flight,
             self.handoffs.num_handed_off, self.handoffs.num_handed_in, replace(self.counters),
-            self.kv.stats(), deepcopy(self.drafts.stats))
+            self.kv.stats(), self.drafts.stats.copy())

@@ -17,7 +17,8 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.prefix_index import RecentPrompts, block_hashes
+from scheduler.prefix_index import block_hashes
+from scheduler.recent_prompts import RecentPrompts
 
 
 def shared_req(rid: str, prefix: list[int], tail_len: int, max_tokens: int = 8, n_tail_seed: str | None = None):

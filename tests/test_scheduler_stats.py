@@ -64,6 +64,9 @@ def test_stats_sum_by_type():
     s1 = SpecDecodingStats(3, 3, 1, 1, [1, 1, 1], [1, 0, 0])
     s2 = SpecDecodingStats(1, 1, 1, 1, [1], [1])
     assert s1 + s2 == SpecDecodingStats(4, 4, 2, 2, [2, 1, 1], [2, 0, 0])
+    snapshot = s1.copy()  # what a policy's stats() hands out: later verifications do not change it
+    s1.observe(2, 2)
+    assert snapshot == SpecDecodingStats(3, 3, 1, 1, [1, 1, 1], [1, 0, 0]) and s1.accepted_at == [2, 1, 0]
 
 
 def test_metrics_show_the_published_stats_under_their_names():
