@@ -32,8 +32,8 @@ from scheduler.lora_routing import AdapterRecency
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
 from scheduler.policy_stats import PolicyCounters
 from scheduler.prefix_index import request_seed
-from scheduler.recent_prompts import RecentPrompts
 from scheduler.quarantine import STRIKES_FIELD, Quarantine
+from scheduler.recent_prompts import RecentPrompts
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.cluster")
