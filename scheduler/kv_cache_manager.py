@@ -79,7 +79,7 @@ class KVCacheManager:
         """The cached blocks a (re)start of `seq` would share: never its last prefill position's block."""
         if not self.prefix_caching:
             return []
-        n_tokens = seq.num_prompt_tokens + len(seq.output_ids)
+        n_tokens = seq.num_known_tokens
         most = (n_tokens - 1) // self.block_size
         return self.block_manager.cached_blocks(self._known_hashes(seq)[:most])
 
@@ -104,7 +104,7 @@ class KVCacheManager:
         if not self.prefix_caching or seq.on_worker:
             return False
         bs = self.block_size
-        n_tokens = seq.num_prompt_tokens + len(seq.output_ids)
+        n_tokens = seq.num_known_tokens
         hashes = self._known_hashes(seq)
         nxt = len(self.computed_blocks(seq))
         if nxt >= min(len(hashes), (n_tokens - 1) // bs):
@@ -125,7 +125,7 @@ class KVCacheManager:
         self.block_manager.share(seq.block_table, blocks)
         seq.num_named_blocks = len(blocks)
         cached = len(blocks) * self.block_size
-        self._queries += seq.num_prompt_tokens + len(seq.output_ids)
+        self._queries += seq.num_known_tokens
         self._hits += cached
         return cached
 
@@ -135,7 +135,7 @@ class KVCacheManager:
         if not self.prefix_caching or seq.status is not SequenceStatus.RUNNING:
             return
         bs = self.block_size
-        written = seq.num_prompt_tokens + len(seq.output_ids) - 1
+        written = seq.num_known_tokens - 1
         full = min(written // bs, len(seq.block_table))
         if full <= seq.num_named_blocks:
             return
@@ -147,7 +147,7 @@ class KVCacheManager:
     def _known_hashes(self, seq: Sequence) -> list[bytes]:
         """The names of the full blocks of the sequence's confirmed tokens (prompt + outputs), kept on it."""
         bs = self.block_size
-        known = seq.num_prompt_tokens + len(seq.output_ids)
+        known = seq.num_known_tokens
         if len(seq.block_hashes) < known // bs:
             tokens = seq.request.prompt_ids + seq.output_ids if seq.output_ids else seq.request.prompt_ids
             prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_seed

@@ -85,6 +85,11 @@ class Sequence:
         return len(self.request.prompt_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Its prompt and confirmed outputs: what a (re)start of it prefills."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
     def num_planned_outputs(self) -> int:
         """Outputs there will be once every planned step has reported (at most: drafts may be rejected)."""
         return len(self.output_ids) + self.num_inflight_samples + self.num_inflight_drafts

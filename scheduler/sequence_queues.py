@@ -14,7 +14,6 @@ from phaseserve.wire import SubmitRequest
 from scheduler.fair_share import TenantShares
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.sequence import Sequence, SequenceStatus, by_rank
-from scheduler.tenant_planner import prefill_tokens
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -120,13 +119,13 @@ class SequenceQueues:
     @property
     def queued_prefill_tokens(self) -> int:
         """Prefill tokens not yet planned: the waiting sequences' whole prefills, the rest of partial ones."""
-        return (sum(prefill_tokens(s) for s in self.waiting)
+        return (sum(s.num_known_tokens for s in self.waiting)
                 + sum(s.num_prefill_remaining for s in self.running if s.is_prefilling))
 
     def unprefilled(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, tokens to prefill, of them computed or planned) of the waiting sequences and those part
         way through their prefill, in rank order of each."""
-        return ([(s, prefill_tokens(s), 0) for s in self.waiting]
+        return ([(s, s.num_known_tokens, 0) for s in self.waiting]
                 + [(s, s.prefill_len, s.num_computed_tokens) for s in self.running if s.is_prefilling])
 
     @property

@@ -21,7 +21,7 @@ from scheduler.policy_stats import PolicyCounters
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.sequence_queues import SequenceQueues
 from scheduler.step_cost import StepCosts
-from scheduler.tenant_planner import TenantPlanner, prefill_tokens
+from scheduler.tenant_planner import TenantPlanner
 
 log = structlog.get_logger("scheduler.policy")
 
@@ -56,7 +56,7 @@ class StepPlanner:
         if head is None or self._can_admit(head, step):
             return
         running = self.queues.running
-        need = self.kv.blocks_for(self._promised_len(head, prefill_tokens(head)))
+        need = self.kv.blocks_for(self._promised_len(head, head.num_known_tokens))
         if self.tenants.usage(running, head, need).get(head.tenant, 0.0) > 1.0:
             return  # its own tenant is at its share: it waits for its own sequences, not for another's
         while not self._can_admit(head, step):
@@ -117,7 +117,7 @@ class StepPlanner:
         step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if step.head_admitted:
             horizon = budget.horizon
-            whole = chunk_cost(0, head.num_prompt_tokens + len(head.output_ids), horizon)
+            whole = chunk_cost(0, head.num_known_tokens, horizon)
             budget.head_reserve = min(whole, max(math.ceil(budget.left / 2), chunk_cost(0, 1, horizon)))
 
     def schedule_prefill_chunks(self, step: StepDraft, budget: StepBudget) -> None:
@@ -150,7 +150,7 @@ class StepPlanner:
         for seq in self._admission_order(step):
             if not self.startable(seq):
                 continue
-            need = seq.num_prompt_tokens + len(seq.output_ids)
+            need = seq.num_known_tokens
             if not self._can_admit(seq, step):
                 break
             cached = 0 if seq.on_worker else len(self.kv.computed_blocks(seq)) * self.config.block_size
@@ -200,7 +200,7 @@ class StepPlanner:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
         first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
         kv = self.kv
-        need = kv.blocks_for(self._promised_len(seq, prefill_tokens(seq)))
+        need = kv.blocks_for(self._promised_len(seq, seq.num_known_tokens))
         return (not step.preempted and len(self.queues.running) < self.config.max_num_seqs
                 and kv.can_allocate(kv.blocks_to_admit(seq, need), reserved=self.promised_blocks()))
 

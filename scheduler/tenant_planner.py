@@ -25,7 +25,7 @@ class TenantPlanner:
         """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), without the
         sequences a fair-share preemption sent back in this step."""
         waiting = [s for s in waiting if s not in step.held_back]
-        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, prefill_tokens,
+        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _known_tokens,
                           self.usage(running))
 
     @staticmethod
@@ -50,7 +50,7 @@ class TenantPlanner:
                                                                           s.num_prefill_remaining, horizon)
         for s in waiting:
             if s not in step.held_back and startable(s):
-                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, prefill_tokens(s), horizon)
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, s.num_known_tokens, horizon)
         if len(demand) > 1:
             step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
 
@@ -89,6 +89,5 @@ def _tenant_of(seq: Sequence) -> str:
     return seq.tenant
 
 
-def prefill_tokens(seq: Sequence) -> int:
-    """What a (re)start of `seq` prefills: its prompt and its confirmed outputs."""
-    return seq.num_prompt_tokens + len(seq.output_ids)
+def _known_tokens(seq: Sequence) -> int:
+    return seq.num_known_tokens
