@@ -43,7 +43,7 @@ import aiohttp
 import redis
 from tqdm import tqdm
 
-from bench.sse import sse_messages
+from phaseserve.benchmark.sse import sse_messages
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.procs import stop_process
 from phaseserve.redis_client import connect

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import structlog
 
-from bench import cli as bench_cli
-from bench.models import resolve_model, safetensors_folder
+from phaseserve.benchmark import cli as bench_cli
+from phaseserve.benchmark.models import resolve_model
+from bench.safetensors_folder import safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, max_model_len, phaseserve_server, vllm_server
 from bench.side_by_side import bench_args
 from phaseserve.redis_server import free_port
