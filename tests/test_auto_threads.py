@@ -75,20 +75,28 @@ def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     assert cpus.thread_choice(0, str(model), cores=2).threads == 3 - first.threads
 
 
-def test_a_timing_on_a_busy_machine_is_used_once_not_kept(tmp_path, monkeypatch):
-    """Contended threads time slower: an answer timed while other processes were busy would hold the worker
-    to it on every later start, however quiet the machine."""
+def test_a_timing_on_a_busy_machine_is_redone_on_the_first_quiet_start_only(tmp_path, monkeypatch):
+    """Contended threads time slower: an answer timed while other processes were busy must not hold the worker
+    on a quiet machine, and a machine still busy must not pay the timing again on every start."""
     monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", -1.0)  # as if other processes were busy
     model = make_model(tmp_path, "llama", "bfloat16")
     busy = cpus.thread_choice(0, str(model), cores=2)
-    assert busy.threads in (1, 2) and "not kept, timed again next start" in busy.reason
-    assert not (tmp_path / "cache" / "threads.json").exists()
+    assert busy.threads in (1, 2) and "timed again on the first quiet start" in busy.reason
+    (entry,) = json.loads((tmp_path / "cache" / "threads.json").read_text()).values()
+    assert entry["busy"] is True and entry["threads"] == busy.threads
+
+    real_probe = cpus.probe
+    monkeypatch.setattr(cpus, "probe", lambda *a: pytest.fail("timed again on a machine still busy"))
+    still_busy = cpus.thread_choice(0, str(model), cores=2)
+    assert still_busy.threads == busy.threads and "still busy" in still_busy.reason
+
+    monkeypatch.setattr(cpus, "probe", real_probe)
     monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", float("inf"))  # quiet now: timed again, and kept
     quiet = cpus.thread_choice(0, str(model), cores=2)
-    assert "other processes" not in quiet.reason
+    assert "other processes" not in quiet.reason and "busy" not in quiet.reason
     (entry,) = json.loads((tmp_path / "cache" / "threads.json").read_text()).values()
-    assert entry["threads"] == quiet.threads
+    assert entry["threads"] == quiet.threads and entry["busy"] is False
 
 
 def test_a_model_that_cannot_be_timed_in_time_is_chosen_by_size_once(tmp_path, monkeypatch):
