@@ -16,15 +16,15 @@ from phaseserve import cpus
 
 
 def test_every_core_only_when_its_step_beats_one_fewer_plus_the_service():
-    # bundled model here: 2.4 ms on 1 thread, 2.0 on 2; the rest of the service ~3.4 ms a step
+    # a tiny model: a second thread gains less than the rest of the service costs a step
     assert cpus.choose_threads({1: 2.4e-3, 2: 2.0e-3}, cores=2, service_s=3.4e-3).threads == 1
-    # SmolLM2-135M here: 20 ms on 1 thread, 11 on 2 -- the second core pays for the service's share of it
+    # a larger model: the second core pays for the service's share of it
     choice = cpus.choose_threads({1: 20e-3, 2: 11e-3}, cores=2, service_s=3.4e-3)
     assert choice.threads == 2
     assert "1 thread 20.0 ms, 2 threads 11.0 ms" in choice.reason and "3.4 ms" in choice.reason
     # a second thread that gains less than the service costs is not worth it
     assert cpus.choose_threads({1: 20e-3, 2: 18e-3}, cores=2, service_s=3.4e-3).threads == 1
-    # a slow machine: the same model, everything 3x slower, still gains from the second core
+    # a slower machine: the same model, everything slower in proportion, still gains from the second core
     assert cpus.choose_threads({1: 60e-3, 2: 33e-3}, cores=2, service_s=10e-3).threads == 2
     # four cores: three threads and a core for the service, unless the fourth pays for it
     assert cpus.choose_threads({3: 10e-3, 4: 9e-3}, cores=4, service_s=3e-3).threads == 3
