@@ -34,7 +34,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 # The fallback when the model cannot be timed: above this much weight a step is bound by compute and
-# memory bandwidth, below it a core left to the service pays more (README, "Benchmarks").
+# memory bandwidth, below it a core left to the service pays more (docs/decisions.md, "Threads and cores").
 LARGE_MODEL_BYTES = 100 << 20
 
 # The batch the step is timed at: workload A's concurrency, and what a busy worker runs.
