@@ -216,10 +216,10 @@ def dated_doc_headings(root: Path) -> list[str]:
 
 
 def dated_record_citations(root: Path) -> list[str]:
-    """Lines citing dated records (bench/results/<date>-<topic>.md) in the docs pages, the performance page
-    (docs/performance.md, whose job it is to link them) aside."""
+    """Lines citing dated records (bench/results/<date>-<topic>.md) in the docs pages, the two pages whose job
+    it is to link them (docs/performance.md, docs/benchmarks.md) aside."""
     return [f"{path.relative_to(root)}:{number}: {', '.join(sorted(set(DATED_RECORD.findall(line))))}"
-            for path in doc_pages(root)[1:] if path.name != "performance.md"
+            for path in doc_pages(root)[1:] if path.name not in ("performance.md", "benchmarks.md")
             for number, line in enumerate(path.read_text().splitlines(), 1) if DATED_RECORD.search(line)]
 
 
@@ -233,7 +233,7 @@ def report(root: Path, verbose: bool = False) -> str:
                         ("mixin classes", mixin_classes(root)),
                         ("imports running back up the layers", upward_imports(root)),
                         ("comment and docstring lines with a machine figure", comments_with_figures(root)),
-                        ("docs lines citing a dated record (docs/performance.md aside)", dated_record_citations(root)),
+                        ("docs lines citing a dated record (the performance and benchmarks pages aside)", dated_record_citations(root)),
                         ("docs headings with a date", dated_doc_headings(root))):
         out.append(f"{title}: {len(rows)}")
         if verbose:
