@@ -26,10 +26,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.servers import phaseserve_server
 from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient, run_load
 from phaseserve.benchmark.metrics import RequestResult, calculate_metrics
 from phaseserve.benchmark.models import resolve_model
-from bench.servers import phaseserve_server
 from phaseserve.benchmark.workloads import RequestSpec
 from phaseserve.redis_server import free_port
 

@@ -20,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from phaseserve.benchmark import cli as bench_cli
 from bench.ceiling import Ceiling, ceiling, measure_gemm_rate
-from phaseserve.benchmark.models import resolve_model
 from bench.safetensors_folder import safetensors_folder
-from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
+from phaseserve.benchmark import cli as bench_cli
+from phaseserve.benchmark.models import resolve_model
+from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
 from phaseserve.redis_server import free_port
 
 SERVERS = ("vllm", "phaseserve", "engine")

@@ -29,10 +29,10 @@ import aiohttp
 import jsonschema
 
 from bench.grammar_schemas import NESTED, SCHEMAS
-from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
 from bench.servers import phaseserve_server
-from phaseserve.benchmark.sse import sse_messages
 from phaseserve import grammar
+from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
+from phaseserve.benchmark.sse import sse_messages
 from phaseserve.models import model_source
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.redis_server import free_port

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from phaseserve.benchmark.cli import main as bench_main
 from bench.servers import vllm_thread_env
 from bench.side_by_side import bench_args, format_table, ratios
+from phaseserve.benchmark.cli import main as bench_main
 
 
 def run(label, tput, ttft99, tpot99, latency=True):

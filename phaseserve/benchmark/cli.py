@@ -17,11 +17,11 @@ from pathlib import Path
 
 import structlog
 
+from phaseserve import event_loop
 from phaseserve.benchmark import workloads
 from phaseserve.benchmark.metrics import DEFAULT_PERCENTILES, calculate_metrics, format_report, parse_goodput
 from phaseserve.benchmark.models import NAMES as MODEL_NAMES
 from phaseserve.benchmark.models import resolve_model
-from phaseserve import event_loop
 from phaseserve.procs import parse_cpus
 
 log = structlog.get_logger("bench")
