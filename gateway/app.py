@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import Counter
+from dataclasses import fields
 
 import structlog
 from aiohttp import web
@@ -14,6 +15,7 @@ from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
 from gateway.health import UNAVAILABLE, Health, assess
+from gateway.key_usage import RequestUsage
 from gateway.live_view import LIVE_VIEW, LiveView, stack_events
 from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
@@ -100,7 +102,7 @@ async def usage(request: web.Request) -> web.Response:
     key = caller(request)
     totals = await gw.backend.usage.read(key.name)
     body = {"object": "usage", "key": key.name, "tenant": key.tenant.name,
-            **{k: totals.get(k, 0) for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")},
+            **{f.name: totals.get(f.name, 0) for f in fields(RequestUsage)},
             "this_gateway": gw.quotas.current(key)}
     return web.json_response(body)
 

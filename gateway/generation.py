@@ -93,7 +93,7 @@ class Generation:
         self._lease_token: str | None = None
         self.client_gone = False  # the client went away: its stream may be resumed, so cancel after a grace
 
-    # ------------------------------------------------------------------ admission
+    # ------------------------------------------------------------------ submit, resume, end
 
     def failure(self, out: SequenceOutput | Delta) -> APIError:
         """A sequence's error for the client: a scheduler rejection means the request was bad input (400)."""
@@ -130,8 +130,8 @@ class Generation:
             tenant = self.caller.tenant
             submits.append(SubmitRequest(seq_id, gw.gateway_id, self.prompts[prompt].ids,
                                          replace(base, seed=None if base.seed is None else base.seed + k),
-                                         self.req.priority, arrival_wall, self.endpoint.grammar, tenant.name, tenant.weight,
-                                         tenant.cache_scope, self.req.cache_salt or "", lora=self.lora))
+                                         self.req.priority, arrival_wall, self.endpoint.grammar, tenant.name,
+                                         tenant.weight, tenant.cache_scope, self.req.cache_salt or "", lora=self.lora))
         self.stream = gw.backend.routes.open(self.seq_ids)  # route first: a fast worker may answer at once
         self._lease_token = await gw.backend.submissions.submit(submits)
         gw.metrics.prompt_tokens.inc(self._queued_tokens())
