@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import structlog
 from aiohttp import web
 
 from gateway import protocol as P
@@ -17,8 +16,6 @@ from gateway.tools import plan_tools
 from phaseserve import grammar
 from phaseserve.models.tokenizer import ChatTemplateError
 from phaseserve.wire import LoraRef
-
-log = structlog.get_logger("gateway")
 
 
 async def check_request(gw: Gateway, req: P.CompletionRequest | P.ChatCompletionRequest) -> LoraRef | None:
