@@ -8,7 +8,7 @@ as real ones do (workers/relay.py: consumer group on `steps:<id>` first, then th
 WorkerInfo heartbeat key) and answer every plan at once with a StepResult: one token (a fixed id) per
 chunk that reaches the end of its sequence's known tokens, finishing at max_tokens, published to the
 gateway's channel as a TokenBatch like a worker's. A fake gateway in this process keeps
-`seqs-per-worker x workers` requests in flight (SubmitRequest on `requests`, as gateway/backend.py does;
+`seqs-per-worker x workers` requests in flight (SubmitRequest on `requests`, as gateway/submissions.py does;
 a new one for each that finishes), so every worker always has work, or with `--rate R` submits R a
 second whatever finishes (the "in flight" column is then what was left unfinished at the end).
 
