@@ -19,7 +19,7 @@ def step_shape(chunks: Iterable, verifications: Collection[str] = ()) -> tuple[i
     """(tokens, keys, prefill chunks) of a step's chunks (anything with seq_id, start_pos and num_tokens),
     in one pass. A chunk of more than one token is a prefill chunk, except a verification (its seq_id in
     `verifications`): the scheduler learns what one costs beyond its tokens on its own
-    (scheduler/speculative_steps.py), so the prefill chunks' cost stays that of prefills."""
+    (scheduler/draft_planner.py), so the prefill chunks' cost stays that of prefills."""
     tokens = keys = prefills = 0
     for c in chunks:
         n = c.num_tokens

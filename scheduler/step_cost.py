@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from phaseserve.itl_target import ItlTarget, parse_itl_target  # noqa: F401 -- the setting's type, re-exported
-from phaseserve.step_shape import step_shape
 
 # Huber's constant (in robust standard deviations) and the IRLS passes
 HUBER_K = 1.5
@@ -85,9 +84,6 @@ class StepCosts:
 # weighs as PRIOR_WEIGHT steps).
 DEFAULT_PRIOR = StepCosts(overhead_s=5e-3, token_s=2e-4, key_s=2e-4 / 2048)
 PRIOR_WEIGHT = 2.0
-
-# the features of a planned step: the shared rule (phaseserve/step_shape.py) under the name the cluster uses
-plan_features = step_shape
 
 
 class StepCostModel:

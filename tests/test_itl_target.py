@@ -8,7 +8,8 @@ import pytest
 
 from scheduler.budget import StepBudget, chunk_cost, max_chunk_tokens
 from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.step_cost import ItlTarget, StepCosts, plan_features
+from phaseserve.step_shape import step_shape
+from scheduler.step_cost import ItlTarget, StepCosts
 from test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 
 # a 200M-like worker: a decode step of 16 costs ~33 ms, a 256-token chunk ~8 decode steps' worth
@@ -50,10 +51,10 @@ def test_planned_steps_stay_under_the_target_and_decodes_are_never_dropped(depth
                 long_progress[c.seq_id].append(idx)
         if idx < 2 or len(decodes) < 16 or not prefills:
             return  # the streams' own prompts, or a step with no long prefill beside all 16 streams
-        decode_s = COSTS.predict(*plan_features(decodes))
+        decode_s = COSTS.predict(*step_shape(decodes))
         bound = target.ratio * decode_s if target.ratio else target.ms / 1e3
         # the head of the queue may take one token beyond what the target leaves
-        assert COSTS.predict(*plan_features(plan.chunks)) <= bound + one_token + 1e-9, (idx, plan.chunks)
+        assert COSTS.predict(*step_shape(plan.chunks)) <= bound + one_token + 1e-9, (idx, plan.chunks)
         checked += 1
 
     plans = drive(sched, worker, depth=depth, arrivals={0: shorts, 4: longs}, on_plan=on_plan)
@@ -68,8 +69,8 @@ def test_planned_steps_stay_under_the_target_and_decodes_are_never_dropped(depth
     assert p0 == list(range(p0[0], p0[0] + len(p0)))
     assert_reference(worker, shorts + longs, cfg.max_model_len)
     assert_idle(sched)
-    assert sched.stats()["num_steps_held_by_itl_target"] > 0
-    assert sched.stats()["num_steps_past_itl_patience"] == 0  # no prompt waited its patience: the target held
+    assert sched.stats().counters.num_steps_held_by_itl_target > 0
+    assert sched.stats().counters.num_steps_past_itl_patience == 0  # no prompt waited its patience: the target held
 
 
 def test_the_target_slows_the_long_prompt_as_expected():
@@ -206,7 +207,7 @@ def test_long_prompts_beside_few_decodes_are_not_starved(depth):
 
     def on_plan(idx, plan):
         nonlocal clock
-        clock += SMALL_FIXED.predict(*plan_features(plan.chunks))
+        clock += SMALL_FIXED.predict(*step_shape(plan.chunks))
         for c in plan.chunks:
             if c.seq_id.startswith("long") and c.start_pos < 512:
                 chunks.setdefault(c.seq_id, []).append(clock)
@@ -218,7 +219,7 @@ def test_long_prompts_beside_few_decodes_are_not_starved(depth):
     worst_gap = max(b - a for times in chunks.values() for a, b in zip(times, times[1:]))
     assert worst_gap <= cfg.itl_patience_s + 1.0, worst_gap
     assert max(t[-1] for t in chunks.values()) <= 4 * cfg.itl_patience_s, sorted(t[-1] for t in chunks.values())
-    assert sched.stats()["num_steps_past_itl_patience"] > 0  # the target yielded, and it shows
+    assert sched.stats().counters.num_steps_past_itl_patience > 0  # the target yielded, and it shows
     assert_reference(worker, streams + longs, cfg.max_model_len)
     assert_idle(sched)
 

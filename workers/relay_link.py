@@ -1,5 +1,5 @@
 """The model process's end of the relay (workers/relay.py): starting the child process, its two pipes, and
-stopping it. The messages are defined in phaseserve/wire.py."""
+stopping it. The messages are defined in phaseserve/wire/relay_pipe.py."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.host_identity import default_host_id
 from phaseserve.procs import freeze_startup_heap, parse_cpus
-from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
-                             WireError, WorkerInfo)
+from phaseserve.wire import (GatewayBatch, Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch,
+                             TokenEvent, WireError, WorkerInfo)
 from workers.kv_handoff import KVHandoffs
 from workers.relay_link import RelayError, RelayLink
 
@@ -191,7 +191,8 @@ class WorkerService:
         for seq_id in plan.releases:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
-        batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
+        batches = [GatewayBatch(gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire())
+                   for gw, events in by_gateway.items()]
         self.link.send(StepWrites(entry_id, result.to_wire(), batches, plan.reset).to_pipe())
 
     def request_stop(self, *_args) -> None:
