@@ -8,8 +8,8 @@ float32 on an AVX2 CPU (no AVX512-BF16) with a weight of bf16 values (a bf16 che
 the weight kept as bf16 for the native op (kernels/native/quant_gemm_f32.cpp, bf16_linear): decode reads half
 the bytes of float32, the products are unchanged.
 Otherwise (fp32, or no native op) the weight is reordered into oneDNN's blocked layout (what
-torch.compile's freezing pass does for CPU linears): `F.linear` on a plain [out, in] bf16 matrix streams
-it at ~10-15 GB/s on one thread, the prepacked oneDNN matmul at ~30-40 GB/s. Results match `F.linear`
+torch.compile's freezing pass does for CPU linears): the prepacked oneDNN matmul streams the weight several
+times faster than `F.linear` on a plain [out, in] bf16 matrix. Results match `F.linear`
 (same fp32 accumulation). Either packed weight replaces the plain one, so memory does not grow.
 """
 
@@ -77,10 +77,10 @@ class Linear:
 
 # oneDNN builds (and JIT-compiles) a matmul primitive for every new row count and caches 1024 of them.
 # A serving step's row count is whatever the scheduler packed (decodes + prefill chunks), so unpadded
-# every step paid a new primitive: bundled model, prefills of 300-512 tokens at random lengths ran 14%
-# slower than at one fixed length, with 400-800 page faults a step against 1 (docs/model-runner.md).
+# every step paid a new primitive, and prefills at random lengths ran slower than at one fixed length, with
+# page faults on every step (docs/model-runner.md).
 # Up to ROW_QUANTUM rows (small decode batches) row counts are few and stay cached; above, rounding up to
-# a multiple of ROW_QUANTUM costs at most ROW_QUANTUM - 1 rows: under 4% of a 400-token prefill step.
+# a multiple of ROW_QUANTUM costs at most ROW_QUANTUM - 1 rows, a small part of a prefill step.
 # One row goes as two: oneDNN's one-row fp32 kernel (a matrix-vector product) sums in another order than
 # its GEMM, so a row alone in a step would get other bits than among others (tests/test_row_invariance.py).
 ROW_QUANTUM = 16
