@@ -41,7 +41,8 @@ from phaseserve.wire import (
     SubmitRequest, WireError, WorkerInfo, peek_kind,
 )
 from scheduler.client_lease import OrphanTracker
-from scheduler.cluster import Cluster, PolicyLimits, live_workers
+from scheduler.cluster import Cluster, PolicyLimits
+from scheduler.live_workers import live_workers
 from scheduler.leadership import READ_COUNT, Leadership, LeaseLost, claim_pending, create_groups, recover_records
 from scheduler.step_cost import step_deadline
 
