@@ -1,0 +1,71 @@
+"""The scheduler's look at its workers, once a refresh interval (I/O): it marks itself alive, reads the
+workers' heartbeats (scheduler/live_workers.py), fences every worker it adopts with its epoch, tells the
+cluster who left, joined or drains, and cancels the sequences whose gateway and client are gone
+(scheduler/client_lease.py)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, StepPlan, WorkerInfo
+from scheduler.client_lease import OrphanTracker
+from scheduler.cluster import Cluster
+from scheduler.live_workers import live_workers
+
+
+class WorkerRefresh:
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, cluster: Cluster, resume_grace: float,
+                 interval: float):
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self.cluster = cluster
+        self.interval = interval
+        self.orphans = OrphanTracker(resume_grace)  # sequences whose gateway and client are gone
+        self.view_wanted = False  # a gateway's live view is open (Keys.stack_view_wanted, read each refresh)
+
+    async def refresh(self, now: float, epoch: int, blameless: bool) -> None:
+        """One look; `blameless`: Redis was unreachable since the last (no strikes for workers lost with
+        it)."""
+        alive_ms = max(3000, int(3000 * self.interval))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.scheduler_alive(), self.consumer, px=alive_ms)
+        pipe.set(self.keys.scheduler_seen(self.consumer), epoch, px=alive_ms)
+        await pipe.execute()
+        members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
+        # the live view's flag rides with the heartbeats: no round trip of its own
+        *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]
+                                                + [self.keys.stack_view_wanted()])
+        self.view_wanted = self.cluster.watched = wanted is not None
+        live = live_workers(members, beats)
+        self.cluster.gone_workers(live, blameless=blameless)
+        for wid, info in live.items():
+            if wid not in self.cluster.workers:
+                await self.adopt(info, epoch)
+            self.cluster.worker_seen(info, now)
+        self.cluster.workers_refreshed()
+        await self.cancel_orphans(now)
+        self.cluster.vouch_for_quiet_sequences()
+
+    async def adopt(self, info: WorkerInfo, epoch: int) -> None:
+        # plans left in its stream by an earlier scheduler would write into blocks this one hands out
+        # then a fence: the worker forgets every sequence it holds (another scheduler's, or a life we retired),
+        # and from here on drops plans of an older epoch (a deposed scheduler's late ones). Its result
+        # (step -1) matches no open step.
+        steps = self.keys.steps(info.worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xtrim(steps, maxlen=0)
+        pipe.xadd(steps, {FIELD: StepPlan(-1, info.worker_id, epoch=epoch, reset=True).to_wire()},
+                  maxlen=STREAM_MAXLEN, approximate=True)
+        await pipe.execute()
+        self.cluster.add_worker(info, epoch)
+
+    async def cancel_orphans(self, now: float) -> None:
+        """Cancel the sequences nobody serves any more: a gateway refreshes a client lease for every sequence
+        it streams (scheduler/client_lease.py); one that died leaves leases that expire, and after the resume
+        grace its sequences stop generating instead of running to the end of their context."""
+        seq_ids = self.cluster.sequence_ids()
+        leases = await self.client.mget([self.keys.client_lease(s) for s in seq_ids]) if seq_ids else []
+        for rid in self.orphans.update(seq_ids, [v is not None for v in leases], now):
+            self.cluster.cancel(rid, "no client or gateway left")
+            self.cluster.ops.append(("abort", rid))
