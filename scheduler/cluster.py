@@ -1,5 +1,6 @@
 """The cluster: every decision the scheduler makes between its workers, pure. No Redis and no asyncio: plain
-data in, and out the writes it decided as plain tuples in `ops`, which the service sends with its next turn.
+data in, and out the writes it decided (typed: scheduler/redis_writes.py) in `ops`, which the service sends
+with its next turn.
 
 One `WorkerPolicy` per live worker (in its `WorkerSlot`) holds that worker's KV block accounting; the cluster
 only chooses between them. It is composed of one part per job, each given the parts it works with:

@@ -11,6 +11,7 @@ import structlog
 from phaseserve.wire import StepPlan, WorkerInfo
 from scheduler.cluster_stats import ClusterCounters
 from scheduler.membership import Membership
+from scheduler.redis_writes import SendPlan
 from scheduler.request_book import RequestBook
 from scheduler.routing import RequestRouter
 from scheduler.worker_slot import WorkerSlot
@@ -70,8 +71,8 @@ class Drains:
             if not slot.policy.has_unfinished():
                 wid = slot.info.worker_id
                 # step -1 matches no open step; after the plans in flight, in stream order
-                self.book.ops.append(("plan", self.book.keys.steps(wid),
-                                      StepPlan(-1, wid, epoch=epoch, drained=True).to_wire()))
+                self.book.ops.append(SendPlan(self.book.keys.steps(wid),
+                                              StepPlan(-1, wid, epoch=epoch, drained=True).to_wire()))
                 slot.drained = True
                 log.info("worker drained; it may exit", worker_id=wid)
                 self.counters.dirty = True

@@ -1,7 +1,10 @@
-"""The cluster's decided writes (`Cluster.ops`, plain tuples) queued on the service's pipeline as Redis
-commands: the one place that turns them into commands."""
+"""The writes the scheduler's decisions lead to, typed: the cluster appends them to `Cluster.ops` as plain
+data, and the service queues them on its next turn's pipeline (`queue_writes`), in order. Each says here,
+and only here, which Redis commands it is."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from phaseserve import token_log
 from phaseserve.wire import FIELD, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, Keys
@@ -9,28 +12,117 @@ from phaseserve.wire import FIELD, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, Keys
 DEAD_LETTER_MAXLEN = 10_000
 
 
-def queue_writes(pipe, keys: Keys, ops: list[tuple]) -> None:
-    """Queue every op on `pipe`, in order, and empty `ops`."""
+@dataclass(frozen=True)
+class SaveSubmit:
+    """A request's record gets its submit (a scheduler taking over re-admits every record)."""
+
+    key: str  # Keys.request_record
+    submit: bytes
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.hset(self.key, "submit", self.submit)
+
+
+@dataclass(frozen=True)
+class SetRecordField:
+    """One field of a request's record: the worker running it, its quarantine strikes."""
+
+    key: str
+    name: str
+    value: str | int
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.hset(self.key, self.name, self.value)
+
+
+@dataclass(frozen=True)
+class SaveOutputs:
+    """Confirmed output tokens from offset `start` on, into a request's record."""
+
+    key: str
+    start: int
+    tokens: list[int]
+
+    def queue(self, pipe, keys: Keys) -> None:
+        # one field per offset: a retried pipeline cannot duplicate a token
+        pipe.hset(self.key, mapping={f"{OUTPUT_FIELD_PREFIX}{self.start + i}": t for i, t in enumerate(self.tokens)})
+
+
+@dataclass(frozen=True)
+class DeleteRecord:
+    """A request is done with: its record goes."""
+
+    key: str
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.delete(self.key)
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """A plan outside a policy's steps (a drained worker's last), after the plans in flight."""
+
+    stream: str  # Keys.steps
+    plan: bytes
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.xadd(self.stream, {FIELD: self.plan}, maxlen=STREAM_MAXLEN, approximate=True)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A message to a gateway's channel (SequenceProgress)."""
+
+    channel: str
+    message: bytes
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.publish(self.channel, self.message)
+
+
+@dataclass(frozen=True)
+class TellError:
+    """An error event for a request's client: in its token log, then published (as the relay does tokens)."""
+
+    channel: str  # Keys.gateway_channel
+    batch: bytes  # TokenBatch with the event
+    event: list  # TokenEvent.to_list()
+
+    def queue(self, pipe, keys: Keys) -> None:
+        token_log.append_event(pipe, keys, self.event)
+        pipe.publish(self.channel, self.batch)
+
+
+@dataclass(frozen=True)
+class LogAbort:
+    """A sequence nobody serves was cancelled: its token log ends, so a client resuming later reads the end."""
+
+    request_id: str
+
+    def queue(self, pipe, keys: Keys) -> None:
+        token_log.append_abort(pipe, keys, self.request_id, 0)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An entry nobody can read, kept in `Keys.dead_letters` with where it came from and why."""
+
+    stream: str
+    data: bytes
+    entry_id: object
+    reason: str
+
+    def queue(self, pipe, keys: Keys) -> None:
+        pipe.xadd(keys.dead_letters, {FIELD: self.data, "stream": self.stream, "entry_id": self.entry_id,
+                                      "reason": self.reason}, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+
+RedisWrite = SaveSubmit | SetRecordField | SaveOutputs | DeleteRecord | SendPlan | Publish | TellError | LogAbort \
+    | DeadLetter
+
+
+def queue_writes(pipe, keys: Keys, ops: list[RedisWrite]) -> None:
+    """Queue every write on `pipe`, in order, and empty `ops`."""
     for op in ops:
-        kind, key = op[0], op[1]
-        if kind == "record":
-            pipe.hset(key, "submit", op[2])
-        elif kind == "hset":
-            pipe.hset(key, op[2], op[3])
-        elif kind == "outputs":  # one field per offset: a retried pipeline cannot duplicate a token
-            pipe.hset(key, mapping={f"{OUTPUT_FIELD_PREFIX}{op[2] + i}": t for i, t in enumerate(op[3])})
-        elif kind == "delete":
-            pipe.delete(key)
-        elif kind == "plan":  # a plan outside a policy's steps (a drained worker's last)
-            pipe.xadd(key, {FIELD: op[2]}, maxlen=STREAM_MAXLEN, approximate=True)
-        elif kind == "publish":
-            pipe.publish(key, op[2])
-        elif kind == "error":  # the durable copy first, as the relay does for tokens
-            token_log.append_event(pipe, keys, op[3])
-            pipe.publish(key, op[2])
-        elif kind == "abort":
-            token_log.append_abort(pipe, keys, key, 0)
-        elif kind == "dead":
-            pipe.xadd(keys.dead_letters, {FIELD: op[2], "stream": key, "entry_id": op[3], "reason": op[4]},
-                      maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        op.queue(pipe, keys)
     ops.clear()

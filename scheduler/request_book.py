@@ -1,6 +1,6 @@
 """The requests the cluster holds, pure: which worker owns each, which wait for a worker (parked), how much
 of each one's output its record holds, and the writes to its record and its client that follow. The writes
-are plain tuples in `ops`, which the service sends with its next turn (scheduler/redis_writes.py)."""
+are typed (scheduler/redis_writes.py) and wait in `ops` for the service's next turn."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import structlog
 from phaseserve.wire import Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
 from scheduler.membership import Membership
 from scheduler.quarantine import STRIKES_FIELD, Quarantine
+from scheduler.redis_writes import DeleteRecord, Publish, RedisWrite, SaveOutputs, SetRecordField, TellError
 
 log = structlog.get_logger("scheduler.cluster")
 
@@ -27,7 +28,7 @@ class RequestBook:
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
         self.outputs_written: dict[str, int] = {}  # request id -> confirmed outputs its record holds
-        self.ops: list[tuple] = []  # Redis writes decided, sent with the service's next turn
+        self.ops: list[RedisWrite] = []  # Redis writes decided, sent with the service's next turn
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.owner or any(r.request_id == request_id for r, _ in self.parked)
@@ -58,24 +59,24 @@ class RequestBook:
     def placed(self, request_id: str, worker_id: str) -> None:
         """The request runs on `worker_id` now: its record says so (a takeover reads it)."""
         self.owner[request_id] = worker_id
-        self.ops.append(("hset", self.keys.request_record(request_id), "worker", worker_id))
+        self.ops.append(SetRecordField(self.keys.request_record(request_id), "worker", worker_id))
 
     def confirmed(self, request_id: str, outputs: list[int]) -> None:
         """The request's confirmed outputs so far: its record gets them a run at a time (a takeover resumes
         from there)."""
         written = self.outputs_written.get(request_id, 0)
         if len(outputs) - written >= OUTPUTS_PER_WRITE:
-            self.ops.append(("outputs", self.keys.request_record(request_id), written, outputs[written:]))
+            self.ops.append(SaveOutputs(self.keys.request_record(request_id), written, outputs[written:]))
             self.outputs_written[request_id] = len(outputs)
 
     def strike_recorded(self, request_id: str) -> None:
         """The quarantine's count for the request goes into its record (a takeover keeps counting)."""
-        self.ops.append(("hset", self.keys.request_record(request_id), STRIKES_FIELD,
-                         self.quarantine.count(request_id)))
+        self.ops.append(SetRecordField(self.keys.request_record(request_id), STRIKES_FIELD,
+                                       self.quarantine.count(request_id)))
 
     def forget(self, request_id: str) -> None:
         """The request is done with (finished, failed or cancelled): its record goes."""
-        self.ops.append(("delete", self.keys.request_record(request_id)))
+        self.ops.append(DeleteRecord(self.keys.request_record(request_id)))
         self.outputs_written.pop(request_id, None)
         self.quarantine.forget(request_id)
 
@@ -91,8 +92,8 @@ class RequestBook:
         """An error event for a request's client: published, and in its token log, so a gateway that missed
         the message (or a client resuming later) still reads it instead of waiting for a deadline."""
         event = TokenEvent(rid, 0, [], "error", None, message, error_kind)
-        self.ops.append(("error", self.keys.gateway_channel(gateway_id),
-                         TokenBatch(-1, "scheduler", [event]).to_wire(), event.to_list()))
+        self.ops.append(TellError(self.keys.gateway_channel(gateway_id), TokenBatch(-1, "scheduler", [event]).to_wire(),
+                                  event.to_list()))
 
     def vouch_for_quiet(self, slots: list) -> None:
         """Tell each gateway which of its sequences are waiting at a live worker or prefilling
@@ -103,4 +104,4 @@ class RequestBook:
         for req in (r for s in slots for r in s.policy.quiet_progress()):
             by_gateway.setdefault(req.gateway_id, []).append(req.request_id)
         for gateway_id, seq_ids in by_gateway.items():
-            self.ops.append(("publish", self.keys.gateway_channel(gateway_id), SequenceProgress(seq_ids).to_wire()))
+            self.ops.append(Publish(self.keys.gateway_channel(gateway_id), SequenceProgress(seq_ids).to_wire()))

@@ -17,6 +17,7 @@ from phaseserve.wire import (
     FIELD, FIELD_BYTES, CancelRequest, Keys, StepResult, SubmitRequest, WireError, peek_kind,
 )
 from scheduler.cluster import Cluster
+from scheduler.redis_writes import DeadLetter, SaveSubmit
 
 log = structlog.get_logger("scheduler.service")
 
@@ -71,7 +72,7 @@ class StreamIntake:
             # before it, so lost too) the request's record: written again, with its outputs at the next write
             admitted = cluster.request_of(req.request_id)
             if admitted is not None:
-                cluster.ops.append(("record", self.keys.request_record(req.request_id), admitted.to_wire()))
+                cluster.ops.append(SaveSubmit(self.keys.request_record(req.request_id), admitted.to_wire()))
                 if req.request_id in cluster.outputs_written:
                     cluster.outputs_written[req.request_id] = 0
             return
@@ -83,7 +84,7 @@ class StreamIntake:
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         try:
             # the record first (same pipeline, earlier): a restarted scheduler finds every admitted request
-            cluster.ops.append(("record", self.keys.request_record(req.request_id), data))
+            cluster.ops.append(SaveSubmit(self.keys.request_record(req.request_id), data))
             self.admit(req)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
@@ -100,7 +101,7 @@ class StreamIntake:
         whose request id and gateway can still be read, its client gets an error instead of silence."""
         self.num_dead_letters += 1
         log.error("unreadable message; dead-lettered", stream=stream, entry_id=entry_id, reason=reason)
-        self.cluster.ops.append(("dead", stream, data, entry_id, reason))
+        self.cluster.ops.append(DeadLetter(stream, data, entry_id, reason))
         if stream != self.keys.requests:
             return
         try:

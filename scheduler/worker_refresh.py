@@ -11,6 +11,7 @@ from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, StepPlan, WorkerInfo
 from scheduler.client_lease import OrphanTracker
 from scheduler.cluster import Cluster
 from scheduler.live_workers import live_workers
+from scheduler.redis_writes import LogAbort
 
 
 class WorkerRefresh:
@@ -68,4 +69,4 @@ class WorkerRefresh:
         leases = await self.client.mget([self.keys.client_lease(s) for s in seq_ids]) if seq_ids else []
         for rid in self.orphans.update(seq_ids, [v is not None for v in leases], now):
             self.cluster.cancel(rid, "no client or gateway left")
-            self.cluster.ops.append(("abort", rid))
+            self.cluster.ops.append(LogAbort(rid))
