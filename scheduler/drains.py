@@ -6,6 +6,8 @@ Holding nothing, it gets a `drained` plan: it may exit."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import structlog
 
 from phaseserve.wire import StepPlan, WorkerInfo
@@ -19,14 +21,13 @@ from scheduler.worker_slot import WorkerSlot
 log = structlog.get_logger("scheduler.cluster")
 
 
+@dataclass
 class Drains:
-    def __init__(self, membership: Membership, router: RequestRouter, book: RequestBook, counters: ClusterCounters,
-                 drain_timeout: float):
-        self.membership = membership
-        self.router = router
-        self.book = book
-        self.counters = counters
-        self.drain_timeout = drain_timeout  # how long a draining worker's running sequences may finish there
+    membership: Membership
+    router: RequestRouter
+    book: RequestBook
+    counters: ClusterCounters
+    drain_timeout: float  # how long a draining worker's running sequences may finish there
 
     def worker_seen(self, info: WorkerInfo, now: float) -> None:
         """A live worker's heartbeat: its drain starts when it announces one (adopted draining, too)."""

@@ -4,6 +4,8 @@ transport), which decode worker takes a sequence whose prefill finished, and wha
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import structlog
 
 from phaseserve.wire import StepResult
@@ -15,12 +17,12 @@ from scheduler.worker_slot import WorkerSlot
 log = structlog.get_logger("scheduler.cluster")
 
 
+@dataclass
 class HandoffRouter:
-    def __init__(self, membership: Membership, book: RequestBook, kv_transport: str):
-        self.membership = membership
-        self.book = book
-        self.kv_transport = kv_transport  # PolicyLimits.kv_transport: "auto", "shm" or "redis"
-        self.counters = HandoffCounters()
+    membership: Membership
+    book: RequestBook
+    kv_transport: str  # PolicyLimits.kv_transport: "auto", "shm" or "redis"
+    counters: HandoffCounters = field(default_factory=HandoffCounters)
 
     def set_kv_transports(self) -> None:
         """A prefill worker streams its prefills out while a decode worker exists (else it decodes them

@@ -4,6 +4,8 @@ instead of being moved again (scheduler/quarantine.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import structlog
 
 from phaseserve.wire import ERROR_QUARANTINED, WorkerInfo
@@ -15,12 +17,12 @@ from scheduler.routing import RequestRouter
 log = structlog.get_logger("scheduler.cluster")
 
 
+@dataclass
 class LostWorkers:
-    def __init__(self, membership: Membership, router: RequestRouter, book: RequestBook, counters: ClusterCounters):
-        self.membership = membership
-        self.router = router
-        self.book = book
-        self.counters = counters
+    membership: Membership
+    router: RequestRouter
+    book: RequestBook
+    counters: ClusterCounters
 
     def gone(self, live: dict[str, WorkerInfo], blameless: bool = False) -> None:
         """Retire every worker whose heartbeat lapsed, or that started a new life. `blameless`: the scheduler

@@ -3,6 +3,8 @@ parking it while no worker can run it, and a cancel reaching the worker that hol
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import structlog
 
 from phaseserve.wire import ERROR_REJECTED, SubmitRequest
@@ -63,16 +65,16 @@ def pick_worker(staying: list[WorkerSlot], req: SubmitRequest, output_ids: list[
     return min(near, key=lambda s: (-cached[s.info.worker_id], not holds[s.info.worker_id], *by_load(s)))
 
 
+@dataclass
 class RequestRouter:
     """Admits requests to the workers `pick_worker` chooses, and routes cancels to the worker holding them."""
 
-    def __init__(self, membership: Membership, book: RequestBook, counters: ClusterCounters, limits: PolicyLimits):
-        self.membership = membership
-        self.book = book
-        self.counters = counters
-        self.limits = limits
-        self.recent_prompts = RecentPrompts()
-        self.admissions = 0
+    membership: Membership
+    book: RequestBook
+    counters: ClusterCounters
+    limits: PolicyLimits
+    recent_prompts: RecentPrompts = field(default_factory=RecentPrompts)
+    admissions: int = 0  # requests admitted so far: WorkerSlot.last_admission is one of these
 
     def admit(self, req: SubmitRequest, output_ids: list[int] | None = None) -> bool:
         slot = pick_worker(self.membership.staying(), req, output_ids)

@@ -43,6 +43,7 @@ from scheduler.worker_refresh import WorkerRefresh
 
 log = structlog.get_logger("scheduler.service")
 
+
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
                  heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
@@ -95,12 +96,10 @@ class SchedulerService:
     view_wanted = property(lambda self: self.refresher.view_wanted)
     num_dead_letters = property(lambda self: self.intake.num_dead_letters)
     num_duplicates = property(lambda self: self.intake.num_duplicates)
-    handle = property(lambda self: self.intake.handle)
     base_step_timeout = property(lambda self: self.timeouts.base_s)
     step_timeout_floor = property(lambda self: self.timeouts.floor_s)
     step_timeout = property(lambda self: self.timeouts.step_timeout)
     plan_timeout = property(lambda self: self.timeouts.plan_timeout)
-    deadline_margin = property(lambda self: self.timeouts.margin_s)
 
     def admit(self, req: SubmitRequest, output_ids: list[int] | None = None) -> bool:
         """(A method, not an alias: a test wraps it to time admissions.)"""

@@ -6,6 +6,7 @@ while someone watches."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -23,15 +24,14 @@ log = structlog.get_logger("scheduler.cluster")
 STEP_COST_LOG_EVERY = 512  # steps between log lines of a worker's learned step costs
 
 
+@dataclass
 class WorkerSteps:
-    def __init__(self, membership: Membership, book: RequestBook, handoffs: HandoffRouter,
-                 counters: ClusterCounters, itl_target: ItlTarget):
-        self.membership = membership
-        self.book = book
-        self.handoffs = handoffs
-        self.counters = counters
-        self.itl_target = itl_target  # for the step-cost log line
-        self.watched = False  # a live view is open (the service says): steps are sampled for it
+    membership: Membership
+    book: RequestBook
+    handoffs: HandoffRouter
+    counters: ClusterCounters
+    itl_target: ItlTarget  # for the step-cost log line
+    watched: bool = False  # a live view is open (the service says): steps are sampled for it
 
     def plan(self, now: float, epoch: int, plans_in_flight: int, timeout_of: Callable, deadline_margin: float
              ) -> list[tuple[str, StepPlan]]:
