@@ -1,7 +1,7 @@
 """The scheduler's look at its workers, once a refresh interval (I/O): it marks itself alive, reads the
-workers' heartbeats (scheduler/live_workers.py), fences every worker it adopts with its epoch, tells the
-cluster who left, joined or drains, and cancels the sequences whose gateway and client are gone
-(scheduler/client_lease.py)."""
+workers' heartbeats (scheduler/live_workers.py, the one reader), fences every worker it adopts with its
+epoch, tells the cluster who left, joined or drains, and cancels the sequences whose gateway and client are
+gone (scheduler/client_lease.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, StepPlan, WorkerInfo
 from scheduler.client_lease import OrphanTracker
 from scheduler.cluster import Cluster
-from scheduler.live_workers import live_workers
+from scheduler.live_workers import read_live_workers
 from scheduler.redis_writes import LogAbort
 
 
@@ -32,13 +32,10 @@ class WorkerRefresh:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.scheduler_alive(), self.consumer, px=alive_ms)
         pipe.set(self.keys.scheduler_seen(self.consumer), epoch, px=alive_ms)
-        await pipe.execute()
-        members = sorted(m.decode() for m in await self.client.smembers(self.keys.workers))
-        # the live view's flag rides with the heartbeats: no round trip of its own
-        *beats, wanted = await self.client.mget([self.keys.worker_heartbeat(m) for m in members]
-                                                + [self.keys.stack_view_wanted()])
-        self.view_wanted = self.cluster.watched = wanted is not None
-        live = live_workers(members, beats)
+        pipe.exists(self.keys.stack_view_wanted())  # the live view's flag rides along: no round trip of its own
+        *_marks, wanted = await pipe.execute()
+        self.view_wanted = self.cluster.watched = bool(wanted)
+        live = await read_live_workers(self.client, self.keys)
         self.cluster.gone_workers(live, blameless=blameless)
         for wid, info in live.items():
             if wid not in self.cluster.workers:
