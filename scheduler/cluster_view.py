@@ -25,9 +25,10 @@ def cluster_view(workers: dict[str, WorkerSlot], parked: list, limits: PolicyLim
         pstats = p.stats()
         views.append(WorkerView(
             wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
-            p.num_used_blocks, pstats["num_cached_blocks"], p.num_free_blocks, slot.info.num_blocks,
-            p.num_handoffs_in_flight, pstats["prefix_cache_queries"], pstats["prefix_cache_hits"],
-            p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps),
+            p.num_used_blocks, pstats.prefix_cache.cached_blocks, p.num_free_blocks, slot.info.num_blocks,
+            pstats.num_handoffs_in_flight, pstats.prefix_cache.queries, pstats.prefix_cache.hits,
+            pstats.spec_decoding.num_draft_tokens, pstats.spec_decoding.num_accepted_tokens,
+            list(slot.recent_steps),
             round(now - slot.last_step_at, 3) if slot.recent_steps else 0.0))
         for seq, total, done in p.unprefilled():
             unprefilled.append((seq.request, wid, total, done))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phaseserve.scheduler_stats import HandoffStats
 from phaseserve.wire import KV_TRANSPORTS
 
 MAX_PENDING_HANDOFFS = 4096  # handoffs whose transport is remembered until their receive is reported
@@ -42,7 +43,6 @@ class HandoffCounters:
         if transport is not None:
             self.bytes_by_transport[transport] = self.bytes_by_transport.get(transport, 0) + num_bytes
 
-    def as_stats(self) -> dict:
-        return {"handoff_sequences": self.sequences, "handoff_kept": self.kept, "handoff_received": self.received,
-                "handoff_failed": self.failed, "handoff_blocks": self.blocks, "handoff_bytes": self.bytes,
-                "handoff_seconds": round(self.seconds, 6), "handoff_bytes_by_transport": dict(self.bytes_by_transport)}
+    def as_stats(self) -> HandoffStats:
+        return HandoffStats(self.sequences, self.kept, self.received, self.failed, self.blocks, self.bytes,
+                            self.seconds, dict(self.bytes_by_transport))

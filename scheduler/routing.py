@@ -11,7 +11,8 @@ from phaseserve.wire import ERROR_REJECTED, SubmitRequest
 from scheduler.cluster_stats import ClusterCounters
 from scheduler.membership import Membership, PolicyLimits
 from scheduler.policy import AdmissionError
-from scheduler.prefix_cache import RecentPrompts, request_seed
+from scheduler.prefix_index import request_seed
+from scheduler.recent_prompts import RecentPrompts
 from scheduler.request_book import RequestBook
 from scheduler.worker_slot import WorkerSlot
 

@@ -4,10 +4,12 @@ most every STATS_INTERVAL_S and only when it changed, and the live view's snapsh
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgpack
 
+from phaseserve.scheduler_stats import SchedulerStats
 from phaseserve.stack_view import STACK_VIEW_IDLE_INTERVAL_S, STACK_VIEW_INTERVAL_S, STACK_VIEW_TTL_S
 from phaseserve.wire import Keys
 from scheduler.cluster import Cluster
@@ -19,7 +21,7 @@ class StatsWriter:
     def __init__(self, keys: Keys):
         self.keys = keys
         self.written_at = 0.0
-        self.last: dict | None = None
+        self.last: SchedulerStats | None = None
 
     def maybe_write(self, pipe, cluster: Cluster, now: float) -> float | None:
         """Queue the stats write if due; returns seconds until a deferred write is due (or None)."""
@@ -31,9 +33,9 @@ class StatsWriter:
         stats = cluster.stats()
         cluster.stats_dirty = False
         if stats != self.last:
-            self.last = dict(stats)
-            stats["updated_at"] = time.time()
-            pipe.set(self.keys.scheduler_stats(), msgpack.packb(stats))
+            self.last = stats
+            published = dataclasses.replace(stats, updated_at=time.time())
+            pipe.set(self.keys.scheduler_stats(), msgpack.packb(published.to_wire()))
             self.written_at = now
         return None
 

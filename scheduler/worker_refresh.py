@@ -1,5 +1,5 @@
 """The scheduler's look at its workers, once a refresh interval (I/O): it marks itself alive, reads the
-workers' heartbeats (scheduler/live_workers.py, the one reader), fences every worker it adopts with its
+workers' heartbeats (phaseserve/live_workers.py, the one reader), fences every worker it adopts with its
 epoch, tells the cluster who left, joined or drains, and cancels the sequences whose gateway and client are
 gone (scheduler/client_lease.py)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from phaseserve.live_workers import read_live_workers
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, StepPlan, WorkerInfo
 from scheduler.client_lease import OrphanTracker
 from scheduler.cluster import Cluster
-from scheduler.live_workers import read_live_workers
 from scheduler.redis_writes import LogAbort
 
 

@@ -123,7 +123,8 @@ class WorkerSteps:
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.itl_target),
-                     verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
+                     verify_units=(round(slot.policy.drafts.verify_cost.units, 2) if slot.info.speculative_tokens
+                                   else None))
 
 
 def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:

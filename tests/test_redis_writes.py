@@ -1,6 +1,6 @@
 """The scheduler's typed writes (scheduler/redis_writes.py) on a real Redis: what the cluster decides about a
 request's record, its client and its workers lands as the commands a takeover, a gateway and a worker read
-back (scheduler/leadership.py, phaseserve/token_log.py, the steps stream); and the one reader of live workers."""
+back (scheduler/leadership.py, phaseserve/token_log.py, the steps stream)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import FIELD_BYTES, ERROR_QUARANTINED, Keys, StepPlan, SubmitRequest, TokenBatch, WorkerInfo
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.leadership import confirmed_outputs
-from scheduler.live_workers import read_live_workers
 from scheduler.quarantine import STRIKES_FIELD
 from scheduler.redis_writes import DeadLetter, LogAbort, SaveSubmit, SendPlan, queue_writes
 from scheduler.request_book import OUTPUTS_PER_WRITE
@@ -91,18 +90,5 @@ async def test_a_drained_plan_and_a_dead_letter_land_in_their_streams(redis_serv
         [(_id, dead)] = await client.xrange(KEYS.dead_letters)
         assert dead == {FIELD_BYTES: b"\xc1", b"stream": KEYS.requests.encode(), b"entry_id": b"5-0",
                         b"reason": b"WireError: unreadable"}
-    finally:
-        await client.aclose()
-
-
-async def test_the_live_workers_are_the_members_with_a_readable_heartbeat(redis_server):
-    client = aioredis.Redis.from_url(redis_server)
-    good = WorkerInfo("w1", "mixed", "m", 64, 16, 2048, 1, 1.0)
-    try:
-        assert await read_live_workers(client, KEYS) == {}  # no worker ever announced
-        await client.sadd(KEYS.workers, "w1", "w2", "w3")
-        await client.set(KEYS.worker_heartbeat("w1"), good.to_wire())
-        await client.set(KEYS.worker_heartbeat("w3"), b"\xc1 not a heartbeat")  # w2's expired
-        assert await read_live_workers(client, KEYS) == {"w1": good}
     finally:
         await client.aclose()
