@@ -33,6 +33,7 @@ from phaseserve import event_loop
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, SubmitRequest
+from scheduler.client_lease import OrphanTracker
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.leadership import READ_COUNT, Leadership, LeaseLost, claim_pending, create_groups, recover_records
 from scheduler.redis_writes import queue_writes
@@ -76,8 +77,8 @@ class SchedulerService:
         self.stopping = getattr(self, "stopping", None) or asyncio.Event()
         self._next_refresh = 0.0
         self._next_claim = 0.0
-        self.refresher = WorkerRefresh(self.client, self.keys, self.consumer, self.cluster, self.resume_grace,
-                                       self.refresh_interval)
+        self.refresher = WorkerRefresh(self.client, self.keys, self.consumer, self.cluster,
+                                       OrphanTracker(self.resume_grace), self.refresh_interval)
         # `admit` looked up at each call: a test wraps the service's to time admissions
         self.intake = StreamIntake(self.cluster, self.keys, lambda: self.epoch, lambda req: self.admit(req))
         self.stats_writer = StatsWriter(self.keys)

@@ -5,6 +5,8 @@ gone (scheduler/client_lease.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis.asyncio as aioredis
 
 from phaseserve.live_workers import read_live_workers
@@ -14,16 +16,15 @@ from scheduler.cluster import Cluster
 from scheduler.redis_writes import LogAbort
 
 
+@dataclass
 class WorkerRefresh:
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, cluster: Cluster, resume_grace: float,
-                 interval: float):
-        self.client = client
-        self.keys = keys
-        self.consumer = consumer
-        self.cluster = cluster
-        self.interval = interval
-        self.orphans = OrphanTracker(resume_grace)  # sequences whose gateway and client are gone
-        self.view_wanted = False  # a gateway's live view is open (Keys.stack_view_wanted, read each refresh)
+    client: aioredis.Redis
+    keys: Keys
+    consumer: str  # the scheduler's name: its alive marks say it
+    cluster: Cluster
+    orphans: OrphanTracker  # sequences whose gateway and client are gone
+    interval: float  # seconds between refreshes
+    view_wanted: bool = False  # a gateway's live view is open (Keys.stack_view_wanted, read each refresh)
 
     async def refresh(self, now: float, epoch: int, blameless: bool) -> None:
         """One look; `blameless`: Redis was unreachable since the last (no strikes for workers lost with
