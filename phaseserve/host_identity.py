@@ -1,5 +1,5 @@
 """Which host a process runs on, as the KV handoff sees it: workers on one host hand KV over through
-shared memory, others through Redis (scheduler/cluster.py, `set_kv_transports`).
+shared memory, others through Redis (scheduler/handoff_routing.py, `set_kv_transports`).
 
 The hostname alone is not a host: processes in separate network namespaces of one machine (`ip netns`,
 the multi-host tests, pods sharing a node) report the same hostname, yet each is reachable only over

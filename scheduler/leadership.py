@@ -24,6 +24,7 @@ from phaseserve import token_log
 from phaseserve.wire import OUTPUT_FIELD_PREFIX, Keys, SubmitRequest, WireError
 from scheduler.cluster import Cluster
 from scheduler.quarantine import STRIKES_FIELD
+from scheduler.redis_writes import DeadLetter
 
 log = structlog.get_logger("scheduler.leadership")
 
@@ -132,7 +133,7 @@ async def recover_records(client: aioredis.Redis, keys: Keys, cluster: Cluster) 
             req = SubmitRequest.from_wire(data)
         except (WireError, KeyError, TypeError, ValueError) as e:
             log.warning("dropping unreadable request record", key=key, error=str(e))
-            cluster.ops.append(("dead", "record", data, key, f"unreadable record: {e}"))
+            cluster.ops.append(DeadLetter("record", data, key, f"unreadable record: {e}"))
             await client.delete(key)
             continue
         if cluster.is_known(req.request_id):

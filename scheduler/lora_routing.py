@@ -3,7 +3,7 @@
 A worker loads an adapter when a sequence of it first runs there and keeps its --max-loras most recently
 used ones (workers/lora.py). The scheduler sends it every sequence, so it keeps the same order itself
 instead of asking: routing then prefers a worker that holds a request's adapter (no load from disk, and
-its prefix blocks are there), within the same load slack as a cached prefix (scheduler/cluster.py).
+its prefix blocks are there), within the same load slack as a cached prefix (scheduler/routing.py).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ async def run_topology(model_dir, ps, url, keys, roles, kv_transport="auto", wor
             await gw.submit(f"r{i}", p, max_tokens=MAX_TOKENS)
         await gw.wait(lambda: len(gw.finish) == len(ps), 60)
         await gw.wait(lambda: sched.stats().num_running == 0, 10)
-        sched._stats_dirty, sched._stats_written_at = True, 0.0
+        sched.cluster.stats_dirty, sched.stats_writer.written_at = True, 0.0
         return [gw.tokens[f"r{i}"] for i in range(len(ps))], sched.stats(), gw, workers
     finally:
         await stop(client, sched, gw, tasks)

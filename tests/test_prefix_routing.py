@@ -1,4 +1,4 @@
-"""Cache-aware routing and the cluster's side of prefix caching (scheduler/cluster.py), pure: no Redis. Fake
+"""Cache-aware routing and the cluster's side of prefix caching (scheduler/routing.py), pure: no Redis. Fake
 workers (tests/test_scheduler_policy.py's) run each plan the cluster sends, so caches fill as they would."""
 
 from __future__ import annotations

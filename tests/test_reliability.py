@@ -25,7 +25,7 @@ from phaseserve.wire import (
     FIELD, CancelRequest, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest, TokenBatch,
     TokenEvent, WorkerInfo,
 )
-from scheduler.cluster import OUTPUTS_PER_WRITE
+from scheduler.request_book import OUTPUTS_PER_WRITE
 from scheduler.service import PolicyLimits, SchedulerService
 from service_harness import Gateway, SchedulerProcess, WorkerProcess, WorkerThread, start, stop
 from workers.runner import ModelRunner

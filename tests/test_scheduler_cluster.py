@@ -1,5 +1,5 @@
-"""The cluster's decisions (scheduler/cluster.py) without Redis: routing, admission, drains, lost workers,
-given-up steps and quarantined requests, as plain data in and the writes it decided (`Cluster.ops`) out."""
+"""The cluster's decisions (scheduler/cluster.py and its parts) without Redis: routing, admission, drains, lost
+workers, given-up steps and quarantined requests, as plain data in and the writes it decided (`Cluster.ops`) out."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, Keys, StepPlan, 
                              TokenEvent, WorkerInfo)
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.quarantine import STRIKES_FIELD
+from scheduler.redis_writes import DeleteRecord, SendPlan, SetRecordField, TellError
 
 KEYS = Keys("t")
 
@@ -28,8 +29,8 @@ def cluster(*infos: WorkerInfo) -> Cluster:
     return c
 
 
-def ops_of(c: Cluster, kind: str) -> list[tuple]:
-    return [op for op in c.ops if op[0] == kind]
+def ops_of(c: Cluster, kind: type) -> list:
+    return [op for op in c.ops if isinstance(op, kind)]
 
 
 def test_new_requests_go_to_the_least_loaded_worker_and_ties_to_the_least_recently_given():
@@ -39,7 +40,7 @@ def test_new_requests_go_to_the_least_loaded_worker_and_ties_to_the_least_recent
     c.workers["a"].policy.cancel("r1")
     del c.owner["r1"]
     assert c.admit(req("r3")) and c.owner["r3"] == "a"  # a holds nothing now: the least loaded
-    assert ("hset", KEYS.request_record("r3"), "worker", "a") in c.ops
+    assert SetRecordField(KEYS.request_record("r3"), "worker", "a") in c.ops
 
 
 def test_decode_workers_take_new_sequences_only_when_no_other_worker_lives():
@@ -54,14 +55,14 @@ def test_a_prompt_no_worker_can_hold_fails_alone_and_names_the_largest_worker():
     c = cluster(info("small", num_blocks=8, max_model_len=128), info("big", num_blocks=64, max_model_len=4096))
     assert not c.admit(req("huge", prompt_len=1100))
     assert "huge" not in c.owner and c.admit(req("fits"))
-    [error] = ops_of(c, "error")
-    event = TokenBatch.from_wire(error[2]).events[0]
+    [error] = ops_of(c, TellError)
+    event = TokenBatch.from_wire(error.batch).events[0]
     assert event.error_kind == ERROR_REJECTED and "64" in event.error  # the client's error, the big worker's
-    assert ("delete", KEYS.request_record("huge")) in c.ops
+    assert DeleteRecord(KEYS.request_record("huge")) in c.ops
     # a resumed sequence no survivor can hold is the cluster's failure, not the client's
     c.ops.clear()
     assert not c.admit(req("resumed", prompt_len=1100), output_ids=[3])
-    assert TokenBatch.from_wire(ops_of(c, "error")[0][2]).events[0].error_kind is None
+    assert TokenBatch.from_wire(ops_of(c, TellError)[0].batch).events[0].error_kind is None
 
 
 def test_a_draining_worker_gets_nothing_new_gives_back_what_waits_and_is_told_when_it_holds_nothing():
@@ -70,9 +71,9 @@ def test_a_draining_worker_gets_nothing_new_gives_back_what_waits_and_is_told_wh
     c.worker_seen(info("a", draining=True), now=0.0)
     assert c.workers["a"].draining and [r.request_id for r, _ in c.parked] == ["r1"] and not c.owner  # no other worker
     c.advance_drains(now=0.1, epoch=3)
-    [drained] = ops_of(c, "plan")
-    plan = StepPlan.from_wire(drained[2])
-    assert drained[1] == KEYS.steps("a") and plan.drained and plan.epoch == 3 and c.workers["a"].drained
+    [drained] = ops_of(c, SendPlan)
+    plan = StepPlan.from_wire(drained.plan)
+    assert drained.stream == KEYS.steps("a") and plan.drained and plan.epoch == 3 and c.workers["a"].drained
     c.add_worker(info("b"), epoch=3)
     c.place_parked()
     assert c.owner == {"r1": "b"}
@@ -110,7 +111,7 @@ def run_plans(c: Cluster) -> list[tuple[str, StepPlan]]:
 
 
 def errors_of(c: Cluster) -> dict[str, TokenEvent]:
-    return {ev.seq_id: ev for op in ops_of(c, "error") for ev in TokenBatch.from_wire(op[2]).events}
+    return {ev.seq_id: ev for op in ops_of(c, TellError) for ev in TokenBatch.from_wire(op.batch).events}
 
 
 def test_a_request_running_on_two_workers_that_failed_is_quarantined_instead_of_moved_again():
@@ -121,7 +122,7 @@ def test_a_request_running_on_two_workers_that_failed_is_quarantined_instead_of_
     assert c.owner == {"poison": "a", "queued": "b"}
     c.retire_worker("a", "heartbeat expired")
     assert c.owner["poison"] in ("b", "c") and c.quarantine.count("poison") == 1
-    assert ("hset", KEYS.request_record("poison"), STRIKES_FIELD, 1) in c.ops  # a takeover keeps counting
+    assert SetRecordField(KEYS.request_record("poison"), STRIKES_FIELD, 1) in c.ops  # a takeover keeps counting
     run_plans(c)
     second = c.owner["poison"]
     c.ops.clear()
@@ -129,7 +130,7 @@ def test_a_request_running_on_two_workers_that_failed_is_quarantined_instead_of_
     assert "poison" not in c.owner and not c.parked  # failed, not moved to the third worker
     event = errors_of(c)["poison"]
     assert event.error_kind == ERROR_QUARANTINED and event.error.startswith("request quarantined")
-    assert ("delete", KEYS.request_record("poison")) in c.ops
+    assert DeleteRecord(KEYS.request_record("poison")) in c.ops
     assert c.stats().num_quarantined == 1 and c.quarantine.count("poison") == 0
     # what waited on the failed worker was in none of its steps: moved, no strike
     assert "queued" in c.owner and c.quarantine.count("queued") == 0
@@ -147,7 +148,7 @@ def test_workers_leaving_on_purpose_or_lost_to_a_redis_outage_strike_nobody():
     # its heartbeat lapsed while the scheduler could not reach Redis: the outage's, not the sequence's
     c.gone_workers({other: c.workers[other].info}, blameless=True)
     assert holder not in c.workers and c.owner["r1"] == other
-    assert c.quarantine.count("r1") == 0 and ops_of(c, "error") == []
+    assert c.quarantine.count("r1") == 0 and ops_of(c, TellError) == []
 
 
 def test_strikes_are_forgotten_when_a_request_ends_and_restored_at_a_takeover():

@@ -1,5 +1,5 @@
-"""The live view's data without a browser: the scheduler's StackView (scheduler/cluster.py) as a worker's steps
-run, its writing only while a gateway wants it (scheduler/service.py), the gateway's frame of it
+"""The live view's data without a browser: the scheduler's StackView (scheduler/cluster_view.py) as a worker's steps
+run, its writing only while a gateway wants it (scheduler/stats_publishing.py), the gateway's frame of it
 (gateway/live_view.py) and the last minute's percentiles read from histogram buckets (gateway/latency_window.py)."""
 
 from __future__ import annotations
