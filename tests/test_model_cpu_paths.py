@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import cpu_isa, native
 from kernels import reference as ref
+from kernels.dispatch.linears import BF16_GEMM
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
@@ -20,12 +21,10 @@ from workers.runner import MIN_BUCKET_BLOCKS, ModelRunner, decode_buckets
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 64, 33, 100])  # 33, 100: padded to a multiple of ROW_QUANTUM
-def test_packed_linear_matches_f_linear(monkeypatch, dtype, rows):
+def test_packed_linear_matches_f_linear(fresh_dispatch, dtype, rows):
     """oneDNN's packed weight: fp32, and bf16 where the native GEMM does not run (forced off here; the
     native one is tested in test_native_bf16_gemm.py)."""
-    import kernels
-
-    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
+    fresh_dispatch.pin(BF16_GEMM, None, None)
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     x = torch.randn(rows, 80, generator=g).to(dtype)
@@ -241,7 +240,7 @@ def test_decode_buckets_split_only_where_padding_would_be_large():
 
 
 @pytest.mark.parametrize("decode_path", ["torch", "native"])
-def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypatch, decode_path):
+def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypatch, fresh_dispatch, decode_path):
     """A long sequence decoding beside short ones: every sequence's greedy tokens match a run of that
     sequence alone. The torch decode path (which pads each call to its longest context) attends the long one
     in its own bucket; the native one reads each sequence's own length and takes all in one call."""
@@ -249,7 +248,6 @@ def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypat
         monkeypatch.setenv(native.ENV_SWITCH, "0")
     elif not cpu_isa.supports(native.REQUIRES["attention_f32"]):
         pytest.skip(f"the fp32 native attention needs {native.REQUIRES['attention_f32']}")
-    monkeypatch.setattr(kernels, "_attention_choice", {})
     path = make_model(tmp_path, "llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (9, 300, 12, 5)]

@@ -17,6 +17,7 @@ import torch
 import kernels
 import kernels.native as native
 from kernels import reference as ref
+from kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
@@ -347,7 +348,7 @@ def test_this_machine_never_falls_back_silently(monkeypatch, fresh_dispatch):
 
 def test_dispatch_off_switch_runs_torch(monkeypatch, fresh_dispatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert kernels._native_layer_ops(torch.bfloat16) is None
+    assert native_layer_ops(torch.bfloat16) is None
     g = torch.Generator().manual_seed(4)
     x, residual, weight = _norm_case(g, 3, 64)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5, residual)[0], ref.rms_norm(x, weight, 1e-5, residual)[0])
@@ -394,7 +395,7 @@ def test_bf16_model_logits_equal_with_native_and_torch_layer_ops(tmp_path, ops, 
     schedule = [[33, 1, 1, 1, 1, 1, 1, 1], [7, 7, 16]]  # prefill chunks, then decodes beside them
     got = {}
     for impl in ("native", "torch"):
-        kernels._layer_ops_choice[torch.bfloat16] = ops if impl == "native" else None
+        fresh_dispatch.pin(LAYER_OPS, torch.bfloat16, LayerOps(ops, torch.bfloat16) if impl == "native" else None)
         runner = ModelRunner(path, dtype="bfloat16", num_blocks=64)
         got[impl] = _logits(runner, seqs, schedule)
     assert got["native"].shape[0] == 40 + 30

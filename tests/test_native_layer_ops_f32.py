@@ -18,6 +18,8 @@ import kernels
 import kernels.native as native
 from kernels import cpu_isa
 from kernels import reference as ref
+from kernels.dispatch.choices import implementation, torch_vector_floats
+from kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
@@ -33,7 +35,7 @@ def ops():
 
 
 def _silu(ops, x):
-    return ops.silu_and_mul(x, kernels._torch_vector_floats())
+    return ops.silu_and_mul(x, torch_vector_floats())
 
 
 def _norm_case(g, tokens, hidden, scale=3.0):
@@ -278,13 +280,13 @@ def test_float32_layer_ops_dispatch_natively_and_give_the_reference_bits(ops, mo
     assert qo is q and ko is k  # rotated in place
     assert torch.equal(qo, expected[3][0]) and torch.equal(ko, expected[3][1])
     assert torch.equal(k_cache, ekc) and torch.equal(v_cache, evc)
-    assert kernels._implementation("layer_ops_f32") == "native avx2"
+    assert implementation("layer_ops_f32") == "native avx2"
 
 
 def test_below_avx2_float32_layer_ops_take_torch(monkeypatch, fresh_dispatch):
     monkeypatch.setenv(cpu_isa.ENV_CAP, "baseline")
     monkeypatch.setattr(native, "_loaded", {})
-    assert kernels._native_layer_ops(torch.float32) is None
+    assert native_layer_ops(torch.float32) is None
     g = torch.Generator().manual_seed(4)
     x, residual, weight = _norm_case(g, 3, 64)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5, residual)[0], ref.rms_norm(x, weight, 1e-5, residual)[0])
@@ -316,7 +318,7 @@ def test_fp32_model_logits_equal_with_native_and_torch_layer_ops(tmp_path, ops, 
     schedule = [[33, 1, 1, 1, 1, 1, 1, 1], [7, 7, 16]]
     got = {}
     for impl in ("native", "torch"):
-        kernels._layer_ops_choice[torch.float32] = kernels._LayerOps(ops, torch.float32) if impl == "native" else None
+        fresh_dispatch.pin(LAYER_OPS, torch.float32, LayerOps(ops, torch.float32) if impl == "native" else None)
         got[impl] = _logits(ModelRunner(path, dtype="float32", num_blocks=64), seqs, schedule)
     assert got["native"].shape[0] == 40 + 30
     assert torch.equal(got["native"], got["torch"])
