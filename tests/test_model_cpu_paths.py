@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
 from kernels import cpu_isa, native
 from kernels import reference as ref
 from kernels.dispatch.linears import BF16_GEMM
