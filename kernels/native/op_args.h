@@ -8,8 +8,6 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
-#include "row_tensors.h"
-
 #include <cstdint>
 
 namespace op_args {
@@ -46,7 +44,9 @@ inline int64_t check_norm_args(const Tensor& x, const Tensor* residual, const Te
   STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
   if (residual != nullptr) {
     check_rows(*residual, dtype, "residual", "add_rms_norm");
-    STD_TORCH_CHECK(shape_of(*residual) == shape_of(x), "add_rms_norm: residual shape differs from x's");
+    bool same = residual->dim() == x.dim();  // compared in place: no shape vectors on this per-layer path
+    for (int64_t i = 0; same && i < x.dim(); i++) same = residual->size(i) == x.size(i);
+    STD_TORCH_CHECK(same, "add_rms_norm: residual shape differs from x's");
   }
   return n;
 }
