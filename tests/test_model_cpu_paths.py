@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_isa, native
+from kernels import cpu_isa, native, reference_sampling
 from kernels import reference as ref
 from kernels.dispatch.linears import BF16_GEMM
 from model_factory import make_model
@@ -60,19 +60,20 @@ def _sample_args(B, V, seed, top_k, top_p, scale=3.0):
 @pytest.mark.parametrize("seed", range(4))
 def test_sample_prefix_filter_equals_full_sort(monkeypatch, seed):
     """A vocab wider than the prefix: rows with small top-k, no top-k with top-p, and unfiltered rows."""
-    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 64)
+    monkeypatch.setattr(reference_sampling, "_SAMPLE_PREFIX", 64)
     args = _sample_args(6, 500, seed, [0, 5, 40, 0, 64, 0], [1.0, 1.0, 0.9, 0.5, 0.7, 0.3], scale=6.0)
-    assert ref._top_k_top_p_prefix(args[0] / args[1].unsqueeze(1), torch.tensor([500, 5, 40, 500, 64, 500]),
-                                   args[3]) is not None  # the prefix path decides these rows
+    k = torch.tensor([500, 5, 40, 500, 64, 500])
+    prefix = reference_sampling._top_k_top_p_prefix(args[0] / args[1].unsqueeze(1), k, args[3])
+    assert prefix is not None  # the prefix path decides these rows
     expected = _sorted_sample(*args)
     assert torch.equal(ref.sample(*args), expected)
 
 
 def test_sample_falls_back_to_full_sort_when_prefix_is_short(monkeypatch):
-    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 8)
+    monkeypatch.setattr(reference_sampling, "_SAMPLE_PREFIX", 8)
     # flat logits: top-p 0.95 needs far more than 8 tokens; top-k 100 does not fit either
     args = _sample_args(2, 300, 0, [0, 100], [0.95, 1.0], scale=0.1)
-    assert ref._top_k_top_p_prefix(args[0], torch.tensor([300, 100]), args[3]) is None
+    assert reference_sampling._top_k_top_p_prefix(args[0], torch.tensor([300, 100]), args[3]) is None
     assert torch.equal(ref.sample(*args), _sorted_sample(*args))
 
 
@@ -80,7 +81,7 @@ def _sorted_sample(logits, temperature, top_k, top_p, min_p, noise):
     t = temperature.unsqueeze(1)
     V = logits.shape[1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V)).long()
-    x = ref._top_k_top_p_sorted(logits / t, k, top_p)
+    x = reference_sampling._top_k_top_p_sorted(logits / t, k, top_p)
     return (x.softmax(dim=1) / noise).argmax(dim=1)
 
 
