@@ -159,7 +159,7 @@ def prefill_calls(rounds: int, dtype=torch.bfloat16) -> None:
 
 
 def prefill_steps(model: str, rounds: int) -> None:
-    from bench.models import resolve_model
+    from phaseserve.benchmark.models import resolve_model
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
     from workers.runner import ModelRunner
@@ -204,7 +204,7 @@ MIXED_PROMPTS, MIXED_PROMPT_LEN, MIXED_DECODES = 4, 128, 16
 def mixed_steps(model: str, rounds: int) -> None:
     """Workload A's heaviest step: MIXED_PROMPTS new 128-token prompts (no cached prefix) beside
     MIXED_DECODES running sequences' decodes (context ~MIXED_PROMPT_LEN + 32)."""
-    from bench.models import resolve_model
+    from phaseserve.benchmark.models import resolve_model
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
     from workers.runner import ModelRunner

@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 from bench.bench_model import build_random_model, measure_bandwidth
+from phaseserve.params import SamplingParams
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from phaseserve.params import SamplingParams
 from workers.cpu_memory import keep_heap_memory
 from workers.kv_cache import KVCache, bytes_per_block
 from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender

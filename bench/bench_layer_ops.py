@@ -23,8 +23,8 @@ import torch
 
 import kernels
 from bench.bench_model import CONTEXT, RunnerBench, best, measure_bandwidth, measure_matmul, weight_bytes
-from bench.models import resolve_model
 from kernels.dispatch.layer_ops import LAYER_OPS
+from phaseserve.benchmark.models import resolve_model
 
 
 DTYPE = torch.bfloat16  # the activations' dtype (--dtype)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def engine_ab(name: str, threads: int, rounds: int, dtype: str = "auto") -> dict[str, tuple[float, float]]:
-    from bench.workloads import Vocab, random_workload
+    from phaseserve.benchmark.workloads import Vocab, random_workload
     from phaseserve.stack.engine import Engine
     from phaseserve.params import SamplingParams
 

@@ -95,7 +95,7 @@ def ceiling(model_dir: str | Path, prompts: int, input_len: float, output_len: f
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.models import resolve_model
+    from phaseserve.benchmark.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small-200m")

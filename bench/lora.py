@@ -26,11 +26,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.loadgen import ClientConfig, OpenAIStreamClient, run_load
-from bench.metrics import RequestResult, calculate_metrics
-from bench.models import resolve_model
 from bench.servers import phaseserve_server
-from bench.workloads import RequestSpec
+from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient, run_load
+from phaseserve.benchmark.metrics import RequestResult, calculate_metrics
+from phaseserve.benchmark.models import resolve_model
+from phaseserve.benchmark.workloads import RequestSpec
 from phaseserve.redis_server import free_port
 
 TABLE = (("output tok/s", "output_throughput", "{:.1f}"), ("TTFT p50 ms", "median_ttft_ms", "{:.1f}"),

@@ -29,10 +29,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.loadgen import ClientConfig, OpenAIStreamClient
-from bench.models import resolve_model, safetensors_folder
+from bench.safetensors_folder import safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
-from bench.workloads import RequestSpec
+from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient
+from phaseserve.benchmark.models import resolve_model
+from phaseserve.benchmark.workloads import RequestSpec
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.redis_server import free_port
 

@@ -22,9 +22,9 @@ import time
 
 from tqdm import tqdm
 
-from phaseserve.stack.engine import Engine
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.params import SamplingParams
+from phaseserve.stack.engine import Engine
 from phaseserve.wire import SubmitRequest
 
 SUBJECTS = ["The quick brown fox", "Hello world!", "Once upon a time", "Paged attention keeps",

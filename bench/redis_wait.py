@@ -33,9 +33,9 @@ async def time_submits(backend: Backend, n: int, into: list[float]) -> None:
     for _ in range(n):
         req = SubmitRequest(uuid.uuid4().hex, backend.gateway_id, PROMPT, SamplingParams(max_tokens=16))
         t0 = time.perf_counter()
-        await backend.submit([req])
+        await backend.submissions.submit([req])
         into.append(time.perf_counter() - t0)
-        backend.drop_leases([req.request_id])
+        backend.leases.drop([req.request_id])
 
 
 async def run(url: str, submits: int, rounds: int) -> dict[str, list[float]]:

@@ -1,9 +1,9 @@
 """`python -m bench.wire_codec [--ref main] [--rounds 7]`: the wire codec's cost, this tree's against another
 revision's, side by side in one process.
 
-The old phaseserve/wire.py (and the params.py it uses) are taken from `git show REF:...` into a temporary
-package, so both codecs run on the same machine at the same moment, alternating in rounds. Messages: a
-typical StepPlan (16 decodes with their block tables, and a new sequence's 512-token prefill chunk), the
+The old wire (phaseserve/wire.py, or the package phaseserve/wire/, and the params.py it uses) is taken from
+`git show REF:...` into a temporary folder, so both codecs run on the same machine at the same moment,
+alternating in rounds. Messages: a typical StepPlan (16 decodes with their block tables, and a new sequence's 512-token prefill chunk), the
 StepResult and the TokenBatch of such a step. Prints microseconds per encode and per decode (best round)
 and the ratio new / old (above 1: the new code is slower).
 """
@@ -11,7 +11,7 @@ and the ratio new / old (above 1: the new code is slower).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import subprocess
 import sys
 import tempfile
@@ -25,20 +25,31 @@ BLOCK_SIZE = 16
 
 
 def load_old(ref: str, into: Path) -> ModuleType:
-    """wire.py at `ref`, importing the params.py of the same revision."""
+    """The wire at `ref` (one module, phaseserve/wire.py, or the package phaseserve/wire/), importing the
+    params.py of the same revision."""
     root = Path(__file__).resolve().parent.parent
-    for name in ("params", "wire"):
-        src = subprocess.run(["git", "show", f"{ref}:phaseserve/{name}.py"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout
-        src = src.replace("from phaseserve.params import", "from old_params import")
-        (into / f"old_{name}.py").write_text(src)
+
+    def show(path: str) -> str | None:
+        done = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else None
+
+    def rename(src: str) -> str:
+        return src.replace("from phaseserve.params import", "from old_params import").replace(
+            "phaseserve.wire", "old_wire")
+
+    (into / "old_params.py").write_text(show("phaseserve/params.py"))
+    module = show("phaseserve/wire.py")
+    if module is not None:
+        (into / "old_wire.py").write_text(rename(module))
+    else:
+        (into / "old_wire").mkdir()
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:phaseserve/wire/"], cwd=root, check=True,
+                               capture_output=True, text=True).stdout.split()
+        for name in names:
+            if name.endswith(".py"):
+                (into / "old_wire" / name).write_text(rename(show(f"phaseserve/wire/{name}")))
     sys.path.insert(0, str(into))
-    modules = {}
-    for name in ("old_params", "old_wire"):
-        spec = importlib.util.spec_from_file_location(name, into / f"{name}.py")
-        modules[name] = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[name])
-    return modules["old_wire"]
+    return importlib.import_module("old_wire")
 
 
 def messages(w: ModuleType) -> dict[str, object]:
@@ -65,7 +76,7 @@ def per_call_us(fn, arg, number: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ref", default="main", help="the git revision whose wire.py is the old codec")
+    ap.add_argument("--ref", default="main", help="the git revision whose wire is the old codec")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--number", type=int, default=2000, help="calls per round")
     args = ap.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import Counter
+from dataclasses import fields
 
 import structlog
 from aiohttp import web
@@ -14,6 +15,7 @@ from gateway.auth import auth_middleware, caller, load_api_keys
 from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
 from gateway.generate import create_chat_completion, create_completion
 from gateway.health import UNAVAILABLE, Health, assess
+from gateway.key_usage import RequestUsage
 from gateway.live_view import LIVE_VIEW, LiveView, stack_events
 from gateway.lora_routes import add_routes as add_lora_routes
 from gateway.metrics import CONTENT_TYPE
@@ -30,7 +32,7 @@ log = structlog.get_logger("gateway")
 
 async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    workers = await gw.backend.alive_workers()
+    workers = await gw.backend.workers.alive()
     max_len = gw.max_model_len(workers) or None
     body = P.models_response(gw.model_name, gw.created, max_len)
     body["data"] += [P.lora_model_card(a.name, a.path, gw.model_name, gw.created, max_len)
@@ -42,7 +44,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     name = request.match_info["model"]
     adapter = await gw.loras.resolve(name)  # 404 for a name that is neither the base model nor an adapter
-    max_len = gw.max_model_len(await gw.backend.alive_workers()) or None
+    max_len = gw.max_model_len(await gw.backend.workers.alive()) or None
     if adapter is not None:
         return web.json_response(P.lora_model_card(adapter.name, adapter.path, gw.model_name, gw.created, max_len))
     return web.json_response(P.model_card(gw.model_name, gw.created, max_len))
@@ -53,10 +55,10 @@ async def version(_request: web.Request) -> web.Response:
 
 
 async def _assess(gw: Gateway) -> tuple[Health, list, dict]:
-    workers = await gw.backend.alive_workers(max_age_s=0.0)
-    stats = await gw.backend.scheduler_stats() or {}
+    workers = await gw.backend.workers.alive(max_age_s=0.0)
+    stats = await gw.backend.scheduler.stats() or {}
     roles = Counter(w.role for w in workers)
-    scheduler_alive = await gw.backend.scheduler_alive()
+    scheduler_alive = await gw.backend.scheduler.alive()
     return (assess(roles, gw.backend.subscribed.is_set(), scheduler_alive, stats.get("num_workers", 0)),
             workers, stats)
 
@@ -88,8 +90,8 @@ async def health_ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    stats = await gw.backend.scheduler_stats()
-    workers = await gw.backend.alive_workers()
+    stats = await gw.backend.scheduler.stats()
+    workers = await gw.backend.workers.alive()
     gw.metrics.set_cluster_state(stats, workers)
     return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -98,9 +100,9 @@ async def usage(request: web.Request) -> web.Response:
     """The calling key's own usage: its totals over every gateway, and what it holds on this one now."""
     gw = request.app[GATEWAY]
     key = caller(request)
-    totals = await gw.backend.usage(key.name)
+    totals = await gw.backend.usage.read(key.name)
     body = {"object": "usage", "key": key.name, "tenant": key.tenant.name,
-            **{k: totals.get(k, 0) for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")},
+            **{f.name: totals.get(f.name, 0) for f in fields(RequestUsage)},
             "this_gateway": gw.quotas.current(key)}
     return web.json_response(body)
 

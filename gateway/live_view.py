@@ -160,7 +160,7 @@ class LiveView:
 
     async def sample(self) -> dict:
         view = await self.read_view()
-        workers = await self.backend.alive_workers(max_age_s=0.0)
+        workers = await self.backend.workers.alive(max_age_s=0.0)
         return frame(view, workers, self.window.summary(), time.time())
 
     async def _run(self) -> None:

@@ -15,6 +15,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from phaseserve.grammar import MASK_BUCKETS_S
+from phaseserve.scheduler_stats import SchedulerStats
 from phaseserve.wire import KV_TRANSPORTS, WorkerInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -93,24 +94,28 @@ class GatewayMetrics:
         self.preemptions = Gauge("phaseserve_num_preemptions", "Preemptions since the scheduler started "
                                  "(cumulative, as reported by the scheduler)", registry=r)
         # prefill -> decode handoffs (phase workers), cumulative as the scheduler reports them
-        self.handoffs = {key: Gauge(f"phaseserve_kv_{key}", help_text, registry=r) for key, help_text in (
-            ("handoff_sequences", "Sequences handed from a prefill worker to a decode worker (scheduler)"),
-            ("handoff_blocks", "KV blocks decode workers received from prefill workers (scheduler)"),
-            ("handoff_bytes", "KV bytes decode workers received from prefill workers (scheduler)"),
-            ("handoff_received", "KV transfers decode workers applied (scheduler)"),
-            ("handoff_failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
-            ("handoff_kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
+        # keyed by the HandoffStats field each shows
+        self.handoffs = {key: Gauge(f"phaseserve_kv_handoff_{key}", help_text, registry=r) for key, help_text in (
+            ("sequences", "Sequences handed from a prefill worker to a decode worker (scheduler)"),
+            ("blocks", "KV blocks decode workers received from prefill workers (scheduler)"),
+            ("bytes", "KV bytes decode workers received from prefill workers (scheduler)"),
+            ("received", "KV transfers decode workers applied (scheduler)"),
+            ("failed", "Handoffs whose KV transfer failed; the sequence was recomputed (scheduler)"),
+            ("kept", "Sequences a prefill worker decoded itself: no decode worker had room (scheduler)"),
         )}
         self.handoff_transport_bytes = Gauge("phaseserve_kv_handoff_transport_bytes", "KV bytes decode workers "
                                              "received, by transport: shm (one host) or redis (over the "
                                              "network) (scheduler)", ["transport"], registry=r)
         # prefix caching, cumulative (tokens) as the scheduler reports them, and the blocks cached now
-        self.prefix_cache = {key: Gauge(f"phaseserve_{key}", help_text, registry=r) for key, help_text in (
-            ("prefix_cache_queries", "Prompt tokens (prompt + outputs of a recompute) looked up in the prefix "
-                                     "cache at each sequence start (scheduler)"),
-            ("prefix_cache_hits", "Of those, tokens found cached: not computed again (scheduler)"),
-            ("prefix_cache_evictions", "Cached KV blocks evicted to make room (scheduler)"),
-            ("kv_blocks_cached", "KV blocks holding a cached prefix now, in use or not (scheduler)"),
+        # keyed by the PrefixCacheStats field each shows
+        self.prefix_cache = {key: Gauge(name, help_text, registry=r) for key, name, help_text in (
+            ("queries", "phaseserve_prefix_cache_queries", "Prompt tokens (prompt + outputs of a recompute) "
+                                                           "looked up in the prefix cache at each sequence start "
+                                                           "(scheduler)"),
+            ("hits", "phaseserve_prefix_cache_hits", "Of those, tokens found cached: not computed again (scheduler)"),
+            ("evictions", "phaseserve_prefix_cache_evictions", "Cached KV blocks evicted to make room (scheduler)"),
+            ("cached_blocks", "phaseserve_kv_blocks_cached", "KV blocks holding a cached prefix now, in use or not "
+                                                             "(scheduler)"),
         )}
         self.held_by_itl_target = Gauge("phaseserve_num_steps_held_by_itl_target", "Steps whose prefill the "
                                         "ITL target held back while prompts waited (cumulative, scheduler)",
@@ -175,6 +180,8 @@ class GatewayMetrics:
         self._finished.labels(model_name=self._model, finished_reason=reason).inc()
 
     def set_cluster_state(self, stats: dict | None, workers: list[WorkerInfo]) -> None:
+        """Copy the scheduler's published stats (its wire map, None when there is none yet) and the live
+        workers into the gauges."""
         self.workers_alive.set(len(workers))
         self.worker_info.clear()  # a worker gone since the last scrape leaves no series behind
         self.worker_kernels.clear()
@@ -182,39 +189,38 @@ class GatewayMetrics:
             self.worker_info.labels(w.worker_id, w.role, w.host, w.dtype, w.cpu_level).set(1)
             for family, implementation in w.kernels.items():
                 self.worker_kernels.labels(w.worker_id, family, implementation).set(1)
-        stats = stats or {}
-        used, total = float(stats.get("kv_blocks_used", 0)), float(stats.get("kv_blocks_total", 0))
-        self.running.set(stats.get("num_running", 0))
-        self.waiting.set(stats.get("num_waiting", 0))
+        st = SchedulerStats.from_wire(stats or {})
+        used, total = float(st.kv_blocks_used), float(st.kv_blocks_total)
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
         self.kv_used.set(used)
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
         self.kv_usage_perc.set(used / total if total else 0.0)
-        self.waiting_tokens.set(stats.get("num_waiting_tokens", 0))
-        self.stale_results.set(stats.get("num_stale_results", 0))
+        self.waiting_tokens.set(st.num_waiting_tokens)
+        self.stale_results.set(st.num_stale_results)
         for transport in KV_TRANSPORTS:
-            self.handoff_transport_bytes.labels(transport).set(
-                (stats.get("handoff_bytes_by_transport") or {}).get(transport, 0))
-        self.preemptions.set(stats.get("num_preemptions", 0))
-        self.fair_share_preemptions.set(stats.get("num_fair_share_preemptions", 0))
+            self.handoff_transport_bytes.labels(transport).set(st.handoffs.bytes_by_transport.get(transport, 0))
+        self.preemptions.set(st.num_preemptions)
+        self.fair_share_preemptions.set(st.num_fair_share_preemptions)
         for key, gauge in self.handoffs.items():
-            gauge.set(stats.get(key, 0))
+            gauge.set(getattr(st.handoffs, key))
         for key, gauge in self.prefix_cache.items():
-            gauge.set(stats.get(key, 0))
-        self.held_by_itl_target.set(stats.get("num_steps_held_by_itl_target", 0))
-        self.past_itl_patience.set(stats.get("num_steps_past_itl_patience", 0))
-        drafted, accepted = stats.get("num_draft_tokens", 0), stats.get("num_accepted_tokens", 0)
-        self.spec_slots.set(stats.get("num_draft_slots", 0))
-        self.spec_drafted.set(drafted)
-        self.spec_accepted.set(accepted)
-        self.spec_rate.set(accepted / drafted if drafted else 0.0)
+            gauge.set(getattr(st.prefix_cache, key))
+        self.held_by_itl_target.set(st.num_steps_held_by_itl_target)
+        self.past_itl_patience.set(st.num_steps_past_itl_patience)
+        spec = st.spec_decoding
+        self.spec_slots.set(spec.num_draft_slots)
+        self.spec_drafted.set(spec.num_draft_tokens)
+        self.spec_accepted.set(spec.num_accepted_tokens)
+        self.spec_rate.set(spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0)
         self.spec_rate_at.clear()
-        for j, (d, a) in enumerate(zip(stats.get("drafted_at", []), stats.get("accepted_at", []))):
+        for j, (d, a) in enumerate(zip(spec.drafted_at, spec.accepted_at)):
             self.spec_rate_at.labels(str(j + 1)).set(a / d if d else 0.0)
-        self.quarantined.set(stats.get("num_quarantined", 0))
-        self.sat_out.set(stats.get("num_sat_out", 0))
-        self.stats_age.set(stats.get("updated_at", 0))
-        self.grammar_masks.counts = stats.get("grammar_masks") or []
+        self.quarantined.set(st.num_quarantined)
+        self.sat_out.set(st.num_sat_out)
+        self.stats_age.set(st.updated_at)
+        self.grammar_masks.counts = st.grammar_masks
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
 """The Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel.
 
-A response is generated through the chat path (gateway/generate.py's plan_chat and Generation: the chat
-template, tokenization, grammar enforcement for tools and json_schema, submission, delivery); this module
-only translates the request (responses_protocol.py), builds the output items and the typed events
-(responses_events.py) and keeps stored responses in Redis (responses_store.py).
+A response is generated through the chat path (gateway/generate.py's plan_chat, gateway/generation.py's
+Generation with the chat endpoint: the chat template, tokenization, grammar enforcement for tools and
+json_schema, submission, delivery); this module only translates the request (responses_protocol.py), builds
+the output items and the typed events (responses_events.py) and keeps stored responses in Redis
+(responses_store.py).
 
 A stored response is saved when it starts (status in_progress: GET and cancel work from any gateway while it
 runs) and again when it ends. A request naming `previous_response_id` re-renders the whole conversation
@@ -22,7 +23,10 @@ from aiohttp import web
 from gateway import protocol as P
 from gateway.auth import CLIENT_KEY
 from gateway.errors import APIError, bad_request, read_body
-from gateway.generate import SSE_JSON, Generation, Prompt, check_request, client_of, plan_chat
+from gateway.endpoints import ChatEndpoint
+from gateway.generate import check_request, client_of, plan_chat
+from gateway.generation import Generation, Prompt
+from gateway.sse_writer import SSE_JSON
 from gateway.output import Delta
 from gateway.responses_events import ResponseBuilder, usage
 from gateway.responses_protocol import ResponsesRequest, chat_messages, chat_request, responses_error
@@ -74,7 +78,7 @@ class ResponseRun:
         self.owner = owner
         self.response = _response_object(gw, req, RESPONSE_PREFIX + gen.request_id, gen.created)
         self.builder = ResponseBuilder(self.response)
-        self.reader = gen.reader()
+        self.reader = gen.endpoint.reader()
 
     def _feed(self, d: Delta) -> list[dict]:
         if self.reader is None:
@@ -222,7 +226,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         lora = await check_request(gw, chat)
         plan = await plan_chat(gw, chat, [m.model_dump(exclude_none=True) for m in chat.messages],
                                client_of(request))
-        gen = Generation(request, gw, chat, "chat", [Prompt(plan.prompt_ids)], plan=plan, lora=lora)
+        gen = Generation(request, gw, chat, ChatEndpoint(chat, plan), [Prompt(plan.prompt_ids)], lora=lora)
         run = ResponseRun(request, gw, req, gen, items, owner)
         if req.background:
             return web.json_response(await run.start_background())
@@ -261,6 +265,6 @@ async def cancel_response(request: web.Request) -> web.Response:
     if status != "in_progress":
         raise bad_request(f"Response '{response_id}' is {status}; only a response in progress can be cancelled.",
                           "response_id")
-    await gw.backend.cancel([f"{response_id.removeprefix(RESPONSE_PREFIX)}-0"], "abort")
+    await gw.backend.submissions.cancel([f"{response_id.removeprefix(RESPONSE_PREFIX)}-0"], "abort")
     record = await gw.responses.update_status(response_id, owner, "cancelled")
     return web.json_response(record["response"] if record else {"id": response_id, "status": "cancelled"})

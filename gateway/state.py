@@ -9,7 +9,8 @@ import uuid
 
 from aiohttp import web
 
-from gateway.backend import Backend, DeliveryConfig
+from gateway.backend import Backend
+from gateway.token_delivery import DeliveryConfig
 from gateway.metrics import GatewayMetrics
 from gateway.lora_registry import LoraRegistry
 from gateway.prompt_encoder import PromptEncoder
@@ -53,7 +54,8 @@ class Gateway:
                                                        settings.client_lease_ttl, settings.resume_grace))
         self.background_tasks: set = set()  # background responses generating here (kept referenced)
         self.responses = ResponseStore(self.backend.redis, self.keys, settings.responses_ttl,
-                                       self.backend.replicas_to_wait_for, self.backend.wait_timeout_ms)
+                                       self.backend.submissions.replicas_to_wait_for,
+                                       self.backend.submissions.wait_timeout_ms)
         self.metrics = GatewayMetrics(self.model_name)
         self.loras = LoraRegistry(self.backend.redis, self.keys.lora_adapters(), self.model_name,
                                   settings.max_lora_rank)

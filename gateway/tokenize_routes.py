@@ -59,7 +59,7 @@ async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse_body(TokenizeRequest, await read_body(request))
     await _check_model(gw, req.model)
-    max_len = gw.max_model_len(await gw.backend.alive_workers())
+    max_len = gw.max_model_len(await gw.backend.workers.alive())
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await gw.prompts.encode(req.prompt, max_len, add_special_tokens=add_special)

@@ -8,10 +8,10 @@ A step on every core also pays for the rest of the service (gateway, scheduler, 
 per step lands on the model's cores and stalls its threads at every barrier); with a core kept free it
 runs beside the model, and the step takes the longer of the two. The fewer-threads choice wins unless its
 step is longer than the all-cores step plus that service time. The answer is cached in
-`<cache dir>/threads.json` (keyed by CPU, core count and model files) and kept, unless other processes kept
-the machine busy during the timing: contended threads time slower, so such an answer is used for this start
-only and the next start times again (an answer kept from a busy timing once held a 2-core worker to one
-thread that a quiet machine timed 1.7x faster on two). Where the model cannot be timed
+`<cache dir>/threads.json` (keyed by CPU, core count and model files). Contended threads time slower, so an
+answer timed while other processes kept the machine busy is cached marked busy: a later start on a machine
+still busy uses it (timing again there would only repeat the contention) and says so in one line, and the
+first start that finds the machine quiet times again and keeps that answer. Where the model cannot be timed
 (or the child overruns PROBE_TIMEOUT_S) the choice is by model size, and cached as well. The launcher's
 core split and the worker it starts read the same answer. This module imports no torch itself: the
 launcher must not pay for it.
@@ -34,7 +34,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 # The fallback when the model cannot be timed: above this much weight a step is bound by compute and
-# memory bandwidth, below it a core left to the service pays more (README, "Benchmarks").
+# memory bandwidth, below it a core left to the service pays more (docs/decisions.md, "Threads and cores").
 LARGE_MODEL_BYTES = 100 << 20
 
 # The batch the step is timed at: workload A's concurrency, and what a busy worker runs.
@@ -51,8 +51,10 @@ PROBE_BUDGET_S = 3.0
 # The probe child's whole life: loading the model and compiling its native ops on a first start, then the
 # timing. Past it the choice is by size.
 PROBE_TIMEOUT_S = 180.0
-# Other processes' load during the timing above which the reason says so (the answer is kept all the same).
+# Other processes' load (cores) above which a timing counts as made on a busy machine.
 BUSY_MACHINE_CORES = 0.3
+# Seconds a start samples the machine's load for, to tell whether a busy machine's timing may be redone.
+BUSY_CHECK_S = 0.5
 
 
 @dataclass
@@ -109,12 +111,22 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         return ThreadChoice(auto_threads(0, cores, weight_bytes), "no config.json to load the model from: by size")
     key = cache_key(model_dir, files, cores)
     cached = read_cache().get(key)
+    why = "once for this model and machine"
     if isinstance(cached, dict) and isinstance(cached.get("threads"), int) and 1 <= cached["threads"] <= cores:
-        return ThreadChoice(cached["threads"], f"{cached.get('reason')} (measured {cached.get('measured_at')})")
+        kept = ThreadChoice(cached["threads"], f"{cached.get('reason')} (measured {cached.get('measured_at')})")
+        if not cached.get("busy"):
+            return kept
+        others = others_load(BUSY_CHECK_S)
+        if others > BUSY_MACHINE_CORES:
+            kept.reason += (f"; timed on a busy machine and still busy ({others:.1f} cores used by other "
+                            "processes): kept until a quiet start times it again")
+            log.info("worker threads from a busy machine's timing", threads=kept.threads, reason=kept.reason)
+            return kept
+        why = "again: the last timing ran on a busy machine, and it is quiet now"
     counts = [cores - 1, cores]
-    log.info("timing the model on different thread counts (once for this model and machine)",
+    log.info(f"timing the model on different thread counts ({why})",
              model=model_dir, threads=counts, budget_s=PROBE_BUDGET_S)
-    keep = True
+    busy = False
     try:
         step_s, others = probe(model_dir, counts)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
@@ -123,12 +135,12 @@ def thread_choice(num_threads: int, model_dir: str, cores: int | None = None) ->
         choice = ThreadChoice(auto_threads(0, cores, weight_bytes), f"timing failed ({e}): by size")
     else:
         choice = choose_threads(step_s, cores, service_cpu_per_step())
-        if others > BUSY_MACHINE_CORES:
-            choice.reason += f"; other processes used {others:.1f} cores meanwhile: not kept, timed again next start"
-            keep = False
-    if keep:
-        write_cache(key, {"threads": choice.threads, "reason": choice.reason,
-                          "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        busy = others > BUSY_MACHINE_CORES
+        if busy:
+            choice.reason += (f"; other processes used {others:.1f} cores meanwhile: timed again on the first "
+                              "quiet start")
+    write_cache(key, {"threads": choice.threads, "reason": choice.reason, "busy": busy,
+                      "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
     log.info("worker threads chosen", threads=choice.threads, reason=choice.reason)
     return choice
 
@@ -150,6 +162,19 @@ def probe(model_dir: str, counts: list[int]) -> tuple[dict[int, float], float]:
     ours = (child1.ru_utime + child1.ru_stime) - (child0.ru_utime + child0.ru_stime)
     others = max(0.0, machine_busy_s() - busy0 - ours) / max(1e-9, time.monotonic() - wall0)
     return step_s, others
+
+
+def others_load(seconds: float) -> float:
+    """How many cores other processes keep busy, sampled over `seconds` (0 where /proc/stat is missing)."""
+    busy0, own0, wall0 = machine_busy_s(), _own_cpu_s(), time.monotonic()
+    time.sleep(seconds)
+    others = machine_busy_s() - busy0 - (_own_cpu_s() - own0)
+    return max(0.0, others) / max(1e-9, time.monotonic() - wall0)
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine_busy_s() -> float:

@@ -2,7 +2,7 @@
 
 The scheduler writes one `StackView` to `Keys.stack_view()` at most every STACK_VIEW_INTERVAL_S (less
 often while it holds no sequence), with a TTL, from state it keeps anyway: nothing here is computed per
-token, and no process waits on it. A message of the wire's codec (phaseserve/wire.py), versioned like every
+token, and no process waits on it. A message of the wire's codec (phaseserve/wire/codec.py), versioned like every
 other; it is no part of the request path, so its bytes are not pinned.
 """
 

@@ -7,7 +7,7 @@ block (the worker's attention reads only positions < a sequence's length, so
 no id needs reserving as padding).
 
 With prefix caching a block is referenced by every sequence whose table holds it. A block no sequence holds
-is free: empty, or named in the prefix index (scheduler/prefix_cache.py) and kept until a block is needed
+is free: empty, or named in the prefix index (scheduler/prefix_index.py) and kept until a block is needed
 and no empty one is left, when the least recently used named one is evicted. So cached blocks count as free
 for admission and for the KV figures. A block is only ever taken for a later plan than the ones that read
 it, and a worker runs its plans in order: no plan in flight reads a block after it is reused.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from phaseserve.kv_admission import cdiv, watermark_blocks
-from scheduler.prefix_cache import BlockHash, PrefixIndex
+from scheduler.prefix_index import BlockHash, PrefixIndex
 
 
 class BlockManager:

@@ -24,14 +24,16 @@ from phaseserve.wire import (
     ERROR_QUARANTINED, ERROR_REJECTED, KV_TRANSPORTS, Keys, SequenceProgress, StepPlan, StepResult, SubmitRequest,
     TokenBatch, TokenEvent, WireError, WorkerInfo,
 )
+from phaseserve.scheduler_stats import HandoffStats, PrefixCacheStats, SchedulerStats, SpecDecodingStats
 from phaseserve.stack_view import (
     STEPS_SHOWN, WAITING_SHOWN, StackView, StepSample, TenantShare, WaitingSequence, WorkerView,
 )
 from scheduler.lora_routing import AdapterRecency
 from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts, request_seed
+from scheduler.policy_stats import PolicyCounters
+from scheduler.prefix_index import request_seed
 from scheduler.quarantine import STRIKES_FIELD, Quarantine
-from scheduler.speculation import SpeculationStats
+from scheduler.recent_prompts import RecentPrompts
 from scheduler.step_cost import ItlTarget, StepCostModel, plan_features
 
 log = structlog.get_logger("scheduler.cluster")
@@ -45,9 +47,6 @@ STEP_IDS_PER_ADOPTION = 1_000_000_000
 # behind the client, and regenerates the rest: the same tokens (greedy, or sampled with the request's seed,
 # exactly in float32), or it reads them from the relay's token log when there is one.
 OUTPUTS_PER_WRITE = 16
-PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
-# a policy's counters kept when its worker goes away (the cluster's stats are since the scheduler started)
-RETIRED_COUNTERS = (*PREFIX_COUNTERS, "num_sat_out")
 MAX_PENDING_HANDOFFS = 4096  # handoffs whose transport is remembered until their receive is reported
 
 
@@ -173,10 +172,9 @@ class HandoffCounters:
         if transport is not None:
             self.bytes_by_transport[transport] = self.bytes_by_transport.get(transport, 0) + num_bytes
 
-    def as_stats(self) -> dict:
-        return {"handoff_sequences": self.sequences, "handoff_kept": self.kept, "handoff_received": self.received,
-                "handoff_failed": self.failed, "handoff_blocks": self.blocks, "handoff_bytes": self.bytes,
-                "handoff_seconds": round(self.seconds, 6), "handoff_bytes_by_transport": dict(self.bytes_by_transport)}
+    def as_stats(self) -> HandoffStats:
+        return HandoffStats(self.sequences, self.kept, self.received, self.failed, self.blocks, self.bytes,
+                            self.seconds, dict(self.bytes_by_transport))
 
 
 class Cluster:
@@ -189,9 +187,10 @@ class Cluster:
         self.workers: dict[str, WorkerSlot] = {}
         self.owner: dict[str, str] = {}  # request id -> worker id
         self.parked: list[tuple[SubmitRequest, list[int] | None]] = []  # no live worker to run them yet
-        self.retired_preemptions = 0  # preemptions counted by policies of workers that went away
-        # counters of policies of workers that went away (prefix caches went with them)
-        self.retired_counts = {k: 0 for k in RETIRED_COUNTERS}
+        # counters of policies of workers that went away (the cluster's stats are since the scheduler started;
+        # prefix caches went with them)
+        self.retired = PolicyCounters()
+        self.retired_prefix_cache = PrefixCacheStats()
         self.quarantine = Quarantine(quarantine_after)  # strikes of sequences present at worker failures
         self.recent_prompts = RecentPrompts()
         self.ops: list[tuple] = []  # Redis writes decided, sent with the service's next turn
@@ -259,10 +258,10 @@ class Cluster:
         strike (unless the worker left on purpose, or `blameless`), and is failed at the quarantine's limit
         (scheduler/quarantine.py)."""
         slot = self.workers.pop(wid)
-        self.retired_preemptions += slot.policy.num_preemptions
         pstats = slot.policy.stats()
-        for k in RETIRED_COUNTERS:
-            self.retired_counts[k] += pstats[k]
+        self.retired.num_preemptions += pstats.counters.num_preemptions
+        self.retired.num_sat_out += pstats.counters.num_sat_out
+        self.retired_prefix_cache += pstats.prefix_cache.counters_only()
         suspects = set() if blameless or slot.draining else slot.policy.running_ids()
         moved = slot.policy.take_all()
         if slot.drained and not moved:
@@ -629,7 +628,8 @@ class Cluster:
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
                      itl_target=str(self.limits.itl_target),
-                     verify_units=round(slot.policy.verify_cost.units, 2) if slot.info.speculative_tokens else None)
+                     verify_units=(round(slot.policy.drafts.verify_cost.units, 2) if slot.info.speculative_tokens
+                                   else None))
 
     @staticmethod
     def sample_step(slot: WorkerSlot, result: StepResult, now: float) -> None:
@@ -657,9 +657,10 @@ class Cluster:
             pstats = p.stats()
             workers.append(WorkerView(
                 wid, slot.role, slot.info.host, slot.info.threads, slot.draining, p.num_running, p.num_waiting,
-                p.num_used_blocks, pstats["num_cached_blocks"], p.num_free_blocks, slot.info.num_blocks,
-                p.num_handoffs_in_flight, pstats["prefix_cache_queries"], pstats["prefix_cache_hits"],
-                p.spec_stats.num_draft_tokens, p.spec_stats.num_accepted_tokens, list(slot.recent_steps),
+                p.num_used_blocks, pstats.prefix_cache.cached_blocks, p.num_free_blocks, slot.info.num_blocks,
+                pstats.num_handoffs_in_flight, pstats.prefix_cache.queries, pstats.prefix_cache.hits,
+                pstats.spec_decoding.num_draft_tokens, pstats.spec_decoding.num_accepted_tokens,
+                list(slot.recent_steps),
                 round(now - slot.last_step_at, 3) if slot.recent_steps else 0.0))
             for seq, total, done in p.unprefilled():
                 unprefilled.append((seq.request, wid, total, done))
@@ -709,35 +710,25 @@ class Cluster:
                 step_id, sent_at, _timeout = slot.in_flight[i]
                 slot.in_flight[i] = (step_id, sent_at, 0.0)
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         policies = [s.policy for s in self.workers.values()]
-        return {
-            "num_waiting": sum(p.num_waiting for p in policies) + len(self.parked),
-            # prompt tokens not prefilled yet (queued, parked, or mid-prompt): the unmet demand a deployment
-            # scales its workers on
-            "num_waiting_tokens": sum(p.queued_prefill_tokens for p in policies)
+        per = [p.stats() for p in policies]
+        return SchedulerStats(
+            num_waiting=sum(p.num_waiting for p in per) + len(self.parked),
+            num_waiting_tokens=sum(p.queued_prefill_tokens for p in policies)
             + sum(len(r.prompt_ids) + len(o or ()) for r, o in self.parked),
-            "num_stale_results": self.num_stale_results,
-            "num_running": sum(p.num_running for p in policies),
-            "kv_blocks_used": sum(p.num_used_blocks for p in policies),
-            "kv_blocks_total": sum(s.info.num_blocks for s in self.workers.values()),
-            "num_preemptions": sum(p.num_preemptions for p in policies) + self.retired_preemptions,
-            "num_fair_share_preemptions": sum(p.num_fair_share_preemptions for p in policies),  # live workers'
-            "num_workers": len(policies),
-            **self.handoffs.as_stats(),
-            "num_steps_held_by_itl_target": sum(p.num_steps_held_by_itl_target for p in policies),
-            "num_steps_past_itl_patience": sum(p.num_steps_past_itl_patience for p in policies),
-            **self.prefix_cache_stats(),
-            **SpeculationStats.total([p.spec_stats for p in policies]).as_stats(),
-            "grammar_masks": self.grammar_masks,
-            "num_sat_out": sum(p.num_sat_out for p in policies) + self.retired_counts["num_sat_out"],
-            "num_quarantined": self.quarantine.num_quarantined,
-        }
-
-    def prefix_cache_stats(self) -> dict:
-        """Prefix cache counters (tokens queried and found, blocks evicted) since this scheduler took the
-        lease, and the blocks cached now."""
-        per_policy = [s.policy.stats() for s in self.workers.values()]
-        out = {k: sum(p[k] for p in per_policy) + self.retired_counts[k] for k in PREFIX_COUNTERS}
-        out["kv_blocks_cached"] = sum(p["num_cached_blocks"] for p in per_policy)
-        return out
+            num_stale_results=self.num_stale_results,
+            num_running=sum(p.num_running for p in per),
+            kv_blocks_used=sum(p.num_used_blocks for p in per),
+            kv_blocks_total=sum(s.info.num_blocks for s in self.workers.values()),
+            num_preemptions=sum(p.counters.num_preemptions for p in per) + self.retired.num_preemptions,
+            num_fair_share_preemptions=sum(p.counters.num_fair_share_preemptions for p in per),  # live workers'
+            num_workers=len(per),
+            handoffs=self.handoffs.as_stats(),
+            num_steps_held_by_itl_target=sum(p.counters.num_steps_held_by_itl_target for p in per),
+            num_steps_past_itl_patience=sum(p.counters.num_steps_past_itl_patience for p in per),
+            prefix_cache=sum((p.prefix_cache for p in per), self.retired_prefix_cache),
+            spec_decoding=sum((p.spec_decoding for p in per), SpecDecodingStats()),
+            grammar_masks=list(self.grammar_masks),
+            num_sat_out=sum(p.counters.num_sat_out for p in per) + self.retired.num_sat_out,
+            num_quarantined=self.quarantine.num_quarantined)

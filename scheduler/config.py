@@ -49,7 +49,7 @@ class SchedulerConfig:
     itl_patience_s: float = 15.0
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
-    # share the cached KV blocks of prompts' common prefixes (scheduler/prefix_caching.py)
+    # share the cached KV blocks of prompts' common prefixes (scheduler/kv_cache_manager.py)
     enable_prefix_caching: bool = True
     # speculative decoding: the most drafts a decode may verify (the worker's WorkerInfo.speculative_tokens;
     # 0 = off), and whether the policy chooses fewer per step by acceptance and step cost

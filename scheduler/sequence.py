@@ -12,8 +12,8 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
-from scheduler.prefix_cache import request_seed
-from scheduler.speculation import Acceptance
+from scheduler.prefix_index import request_seed
+from scheduler.draft_rule import Acceptance
 
 
 class SequenceStatus(enum.Enum):
@@ -43,17 +43,17 @@ class Sequence:
     kv_send: KVSend | None = None
     awaiting_handoff: bool = False
     kv_receive: KVReceive | None = None
-    # prefix caching (scheduler/prefix_caching.py): the names of the full blocks of its known tokens, how many
+    # prefix caching (scheduler/kv_cache_manager.py): the names of the full blocks of its known tokens, how many
     # blocks of its table are named in the cache, and the positions its current start found cached
     block_hashes: list[bytes] = field(default_factory=list)
     num_named_blocks: int = 0
     num_cached_tokens: int = 0
-    # speculative decoding (scheduler/speculative_steps.py): drafts allowed by the steps in flight, in
+    # speculative decoding (scheduler/draft_planner.py): drafts allowed by the steps in flight, in
     # total and per step id, and the measured acceptance the next steps' drafts are chosen by
     num_inflight_drafts: int = 0
     drafts_in_step: dict[int, int] = field(default_factory=dict)
     acceptance: Acceptance = field(default_factory=Acceptance)
-    # a step sat it out (its grammar matcher not ready on the worker; scheduler/step_results.py): the plans up
+    # a step sat it out (its grammar matcher not ready on the worker; scheduler/policy.py, `update`): the plans up
     # to this step id were made before that was known, and run nothing of it. sat_out: since its last token
     void_until: int = -1
     sat_out: bool = False
@@ -83,6 +83,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its prompt and confirmed outputs: what a (re)start of it prefills."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
 
     @property
     def num_planned_outputs(self) -> int:

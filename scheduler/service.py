@@ -35,6 +35,7 @@ from redis.exceptions import ResponseError
 from phaseserve import event_loop, token_log
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
+from phaseserve.scheduler_stats import SchedulerStats
 from phaseserve.stack_view import STACK_VIEW_IDLE_INTERVAL_S, STACK_VIEW_INTERVAL_S, STACK_VIEW_TTL_S
 from phaseserve.wire import (
     FIELD, FIELD_BYTES, OUTPUT_FIELD_PREFIX, STREAM_MAXLEN, CancelRequest, Keys, StepPlan, StepResult,
@@ -90,7 +91,7 @@ class SchedulerService:
         self._stats_written_at = 0.0
         self.view_wanted = False  # a gateway's live view is open (Keys.stack_view_wanted, read each refresh)
         self._view_written_at = 0.0
-        self._last_stats: dict | None = None
+        self._last_stats: SchedulerStats | None = None
         self._acks: list[tuple[str, list]] = []
         self._next_claim = 0.0
         self.num_dead_letters = 0
@@ -248,9 +249,9 @@ class SchedulerService:
         stats = self.stats()
         self._stats_dirty = False
         if stats != self._last_stats:
-            self._last_stats = dict(stats)
-            stats["updated_at"] = time.time()
-            pipe.set(self.keys.scheduler_stats(), msgpack.packb(stats))
+            self._last_stats = stats
+            published = dataclasses.replace(stats, updated_at=time.time())
+            pipe.set(self.keys.scheduler_stats(), msgpack.packb(published.to_wire()))
             self._stats_written_at = now
         return None
 

@@ -1,9 +1,20 @@
-"""The house in numbers, as a newcomer meets it: run `python scripts/structure.py` from the repo root.
+"""The house in numbers, as a newcomer meets it: `python scripts/structure.py [-v] [REPO]` (REPO: the repo root,
+by default the one holding this script; `-v` lists every row behind a count).
 
-Prints, per service package, its largest class and function (in lines); the lines of the scheduler's service
-loop and policy; the imports from the shared ground (phaseserve/ outside phaseserve/stack/, the top layer that
-composes the services) into any service; code comments that carry a
-unit of time or a ratio (figures that rot); and docs headings with a date in them (a lab notebook's headings).
+Prints, per part (the services gateway/, scheduler/, workers/ with kernels/ under them, the shared ground
+phaseserve/, the composers), its largest class and function in lines; the files over 400 lines; the mixin
+classes (named *Mixin, or with two or more bases that are classes of this repo); the imports that run back up
+the layers; the comment and docstring lines that carry a machine figure (a number with a unit of time, rate or
+ratio, which rots as machines and code change); the docs' citations of dated records and headings with a date;
+and the README's size.
+
+The layers, bottom to top: the shared ground (phaseserve/, except the composers) < the services (gateway/,
+scheduler/, workers/; kernels/ sits under workers/, which alone may use it) < the composers (the CLI, the
+launcher, the in-process engine and the benchmark client that drives it: phaseserve/stack/ and
+phaseserve/benchmark/ today, or a top-level stack/ folder). An import runs back up when a shared module imports a
+service or a composer, or a service imports a composer or another service (workers/ may import kernels/).
+Imports are read by module name, so `phaseserve.gateway.x` (the folders mapped under one namespace) is the
+gateway as much as `gateway.x` is.
 """
 
 from __future__ import annotations
@@ -15,81 +26,230 @@ import sys
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "scheduler", "workers", "kernels", "phaseserve")
 SERVICES = ("gateway", "scheduler", "workers")
-WATCHED_FILES = ("scheduler/service.py", "scheduler/policy.py")
-# a number followed by a unit of time, or a ratio such as 1.5x / 0.98x
-FIGURE = re.compile(r"\b\d+(\.\d+)?\s*(ns|us|µs|ms|s|sec|seconds|minutes)\b|\b\d+(\.\d+)?x\b")
+PARTS = (*SERVICES, "kernels", "phaseserve", "composers")
+COMPOSER_FOLDERS = ("phaseserve/stack", "phaseserve/benchmark", "stack")
+LONG_FILE = 400
+RANK = {"ground": 0, "kernels": 1, "gateway": 1, "scheduler": 1, "workers": 1, "composers": 2}
+# a number and a unit of time, rate or ratio: 3 ms, 1.7 s, 40 µs, 12 tok/s, 25 GB/s, 1.5x, 0.98×, 7%; not a
+# setting's value quoted as written (`1.3x`, '80ms') nor a plural ("503s")
+FIGURE = re.compile(
+    r"(?<![\w.`'\"])\d+(?:[.,]\d+)*(?:"
+    r"\s*(?:ns|us|µs|ms)(?![\w/])|\s+(?:s|sec|secs|seconds?|minutes?|hours?)(?![\w/])"
+    r"|\s*(?:tok|tokens|req|requests|steps|GB|MB|KB|GiB|MiB|GFLOP|TFLOP|B)/s(?!\w)"
+    r"|[x×](?!\w)"
+    r"|\s*%)")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+DATED_RECORD = re.compile(r"\b20\d\d-\d\d-\d\d-[\w.-]+\.md\b")
 
 
-def python_files(pkg: str) -> list[Path]:
-    return sorted(p for p in (ROOT / pkg).rglob("*.py") if "bundled_model" not in p.parts)
+def python_files(root: Path, folder: str) -> list[Path]:
+    base = root / folder
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.rglob("*.py") if "bundled_model" not in p.parts)
 
 
-def largest(pkg: str, kind: type) -> tuple[int, str]:
-    best = (0, "-")
-    for path in python_files(pkg):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, kind):
+def part_of_path(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).as_posix()
+    if any(rel == c or rel.startswith(c + "/") for c in COMPOSER_FOLDERS):
+        return "composers"
+    return rel.split("/")[0]
+
+
+def layer_of_module(module: str) -> str | None:
+    """The layer of a dotted module name of this repo (None: not this repo's)."""
+    parts = module.split(".")
+    if parts[0] == "phaseserve" and len(parts) > 1 and parts[1] in (*SERVICES, "kernels"):
+        parts = parts[1:]  # the folders mapped under the phaseserve namespace
+    top = parts[0]
+    if top in ("stack",) or (top == "phaseserve" and len(parts) > 1 and parts[1] in ("stack", "benchmark")):
+        return "composers"
+    if top == "phaseserve":
+        return "ground"
+    return top if top in (*SERVICES, "kernels") else None
+
+
+def layer_of_path(root: Path, path: Path) -> str:
+    part = part_of_path(root, path)
+    return "ground" if part == "phaseserve" else part
+
+
+def product_files(root: Path) -> list[Path]:
+    files = {p for folder in (*SERVICES, "kernels", "phaseserve", "stack") for p in python_files(root, folder)}
+    return sorted(files)
+
+
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def largest_per_part(root: Path) -> dict[str, tuple[tuple[int, str], tuple[int, str]]]:
+    best: dict[str, list[tuple[int, str]]] = {part: [(0, "-"), (0, "-")] for part in PARTS}
+    for path in product_files(root):
+        part = part_of_path(root, path)
+        for node in ast.walk(parsed(path)):
+            slot = (0 if isinstance(node, ast.ClassDef)
+                    else 1 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if slot is not None:
                 size = node.end_lineno - node.lineno + 1
-                best = max(best, (size, f"{path.relative_to(ROOT)}:{node.name}"))
-    return best
+                best[part][slot] = max(best[part][slot], (size, f"{path.relative_to(root)}:{node.name}"))
+    return {part: (rows[0], rows[1]) for part, rows in best.items()}
 
 
-def shared_imports_of_services() -> list[str]:
-    """Modules of the shared ground that import a service (it should import none; phaseserve/stack/ may)."""
-    found = []
-    for path in python_files("phaseserve"):
-        if "stack" in path.relative_to(ROOT / "phaseserve").parts[:1]:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                     else [])
-            for name in names:
-                if name.split(".")[0] in SERVICES:
-                    found.append(f"{path.relative_to(ROOT)} -> {name}")
-    return sorted(set(found))
+def long_files(root: Path) -> list[str]:
+    rows = []
+    for folder in (*SERVICES, "phaseserve", "stack"):
+        for path in python_files(root, folder):
+            lines = len(path.read_text().splitlines())
+            if lines > LONG_FILE:
+                rows.append(f"{path.relative_to(root)}: {lines}")
+    return rows
 
 
-def comments_with_figures() -> list[str]:
-    found = []
-    for pkg in PACKAGES:
-        for path in python_files(pkg):
-            tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-            for tok in tokens:
-                if tok.type == tokenize.COMMENT and FIGURE.search(tok.string):
-                    found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}")
+def base_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):  # Generic[T], Protocol[T]
+        return base_name(node.value)
+    return None
+
+
+def mixin_classes(root: Path) -> list[str]:
+    files = product_files(root)
+    classes = [(path, node) for path in files for node in ast.walk(parsed(path)) if isinstance(node, ast.ClassDef)]
+    own = {node.name for _, node in classes}
+    rows = []
+    for path, node in classes:
+        bases = [b for b in map(base_name, node.bases) if b in own]
+        if node.name.endswith("Mixin") or len(bases) >= 2:
+            rows.append(f"{path.relative_to(root)}:{node.name}({', '.join(bases)})")
+    return rows
+
+
+def imported_modules(tree: ast.Module, package: list[str]) -> set[str]:
+    """Every module a file imports, anywhere in it (function-level imports too), with `from m import name`
+    also as m.name where that is another layer's; relative imports resolved against `package`."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            # `from phaseserve import stack` names a module of another layer than its package's
+            found.update(f"{module}.{a.name}" for a in node.names
+                         if layer_of_module(f"{module}.{a.name}") != layer_of_module(module))
     return found
 
 
-def dated_doc_headings() -> list[str]:
-    found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if line.startswith("#") and DATE.search(line):
-                found.append(f"{path.relative_to(ROOT)}:{number}")
-    return found
+def upward_imports(root: Path) -> list[str]:
+    rows = set()
+    for path in product_files(root):
+        own = layer_of_path(root, path)
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        package = parts[:-1]
+        for module in imported_modules(parsed(path), package):
+            layer = layer_of_module(module)
+            if layer is None or layer == own or (own == "workers" and layer == "kernels"):
+                continue
+            if RANK[layer] >= RANK[own]:
+                rows.add(f"{path.relative_to(root)} ({own}) -> {module} ({layer})")
+    return sorted(rows)
 
 
-def main() -> int:
-    verbose = "-v" in sys.argv
-    print("largest class and function per package (lines):")
-    for pkg in PACKAGES:
-        (cls_n, cls), (fn_n, fn) = largest(pkg, ast.ClassDef), largest(pkg, (ast.FunctionDef, ast.AsyncFunctionDef))
-        print(f"  {pkg:<11} class {cls_n:>4}  {cls}\n  {'':<11} func  {fn_n:>4}  {fn}")
-    for rel in WATCHED_FILES:
-        print(f"lines of {rel}: {len((ROOT / rel).read_text().splitlines())}")
-    for title, rows in (("shared package imports of a service", shared_imports_of_services()),
-                        ("code comments with a time or a ratio", comments_with_figures()),
-                        ("docs headings with a date", dated_doc_headings())):
-        print(f"{title}: {len(rows)}")
+def docstring_lines(tree: ast.Module) -> list[tuple[int, str]]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                for offset, text in enumerate(first.value.value.splitlines()):
+                    lines.append((first.lineno + offset, text))
+    return lines
+
+
+def figure_lines(path: Path) -> list[tuple[int, str]]:
+    """The comment and docstring lines of a Python file (or the // and /* */ lines of a C++ one) with a
+    machine figure."""
+    text = path.read_text()
+    candidates: list[tuple[int, str]] = []
+    if path.suffix == ".py":
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                candidates.append((tok.start[0], tok.string))
+        candidates += docstring_lines(parsed(path))
+    else:
+        in_block = False
+        for number, line in enumerate(text.splitlines(), 1):
+            comment = ""
+            if in_block or "/*" in line:
+                comment = line
+                in_block = "*/" not in line.split("/*")[-1] if "/*" in line else "*/" not in line
+            elif "//" in line:
+                comment = line[line.index("//"):]
+            if comment:
+                candidates.append((number, comment))
+    return [(n, c.strip()) for n, c in sorted(set(candidates)) if FIGURE.search(c)]
+
+
+def comments_with_figures(root: Path) -> list[str]:
+    files = product_files(root)
+    native = root / "kernels" / "native"
+    if native.is_dir():
+        files += sorted(p for p in native.rglob("*") if p.suffix in (".cpp", ".h", ".hpp", ".cc"))
+    return [f"{path.relative_to(root)}:{n}: {text}" for path in files for n, text in figure_lines(path)]
+
+
+def doc_pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def dated_doc_headings(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{number}" for path in doc_pages(root)
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if line.startswith("#") and DATE.search(line)]
+
+
+def dated_record_citations(root: Path) -> list[str]:
+    """Lines citing dated records (bench/results/<date>-<topic>.md) in the docs pages, the two pages whose job
+    it is to link them (docs/performance.md, docs/benchmarks.md) aside."""
+    return [f"{path.relative_to(root)}:{number}: {', '.join(sorted(set(DATED_RECORD.findall(line))))}"
+            for path in doc_pages(root)[1:] if path.name not in ("performance.md", "benchmarks.md")
+            for number, line in enumerate(path.read_text().splitlines(), 1) if DATED_RECORD.search(line)]
+
+
+def report(root: Path, verbose: bool = False) -> str:
+    out = ["largest class and function per part (lines):"]
+    for part, ((cls_n, cls), (fn_n, fn)) in largest_per_part(root).items():
+        out.append(f"  {part:<11} class {cls_n:>4}  {cls}")
+        out.append(f"  {'':<11} func  {fn_n:>4}  {fn}")
+    for title, rows in ((f"files over {LONG_FILE} lines (gateway/, scheduler/, workers/, phaseserve/)",
+                         long_files(root)),
+                        ("mixin classes", mixin_classes(root)),
+                        ("imports running back up the layers", upward_imports(root)),
+                        ("comment and docstring lines with a machine figure", comments_with_figures(root)),
+                        ("docs lines citing a dated record (the performance and benchmarks pages aside)", dated_record_citations(root)),
+                        ("docs headings with a date", dated_doc_headings(root))):
+        out.append(f"{title}: {len(rows)}")
         if verbose:
-            print("".join(f"    {r}\n" for r in rows), end="")
+            out += [f"    {r}" for r in rows]
+    readme = root / "README.md"
+    out.append(f"README.md: {readme.stat().st_size / 1000:.1f} KB ({readme.stat().st_size} bytes)")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    verbose = "-v" in argv
+    roots = [a for a in argv if a != "-v"]
+    root = Path(roots[0]).resolve() if roots else Path(__file__).resolve().parent.parent
+    print(report(root, verbose))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -9,8 +9,8 @@ import tempfile
 # standard library is @jit-decorated at import, interpreted only if this is set,
 # and tests/test_triton_kernels.py runs the kernels on CPU under the interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
-# Tiny test models: one intra-op thread is fastest, and on a busy 2-core machine a second
-# OpenMP thread makes every parallel op wait ~10 ms for a descheduled peer (tests ran 10x slower).
+# Tiny test models: one intra-op thread is fastest, and on a busy machine a second OpenMP thread makes
+# every parallel op wait for a descheduled peer.
 # Set before torch loads, so spawned worker processes inherit it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests never read or fill the user's model cache (a test that needs the cache sets its own).

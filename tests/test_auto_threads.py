@@ -16,15 +16,15 @@ from phaseserve import cpus
 
 
 def test_every_core_only_when_its_step_beats_one_fewer_plus_the_service():
-    # bundled model here: 2.4 ms on 1 thread, 2.0 on 2; the rest of the service ~3.4 ms a step
+    # a tiny model: a second thread gains less than the rest of the service costs a step
     assert cpus.choose_threads({1: 2.4e-3, 2: 2.0e-3}, cores=2, service_s=3.4e-3).threads == 1
-    # SmolLM2-135M here: 20 ms on 1 thread, 11 on 2 -- the second core pays for the service's share of it
+    # a larger model: the second core pays for the service's share of it
     choice = cpus.choose_threads({1: 20e-3, 2: 11e-3}, cores=2, service_s=3.4e-3)
     assert choice.threads == 2
     assert "1 thread 20.0 ms, 2 threads 11.0 ms" in choice.reason and "3.4 ms" in choice.reason
     # a second thread that gains less than the service costs is not worth it
     assert cpus.choose_threads({1: 20e-3, 2: 18e-3}, cores=2, service_s=3.4e-3).threads == 1
-    # a slow machine: the same model, everything 3x slower, still gains from the second core
+    # a slower machine: the same model, everything slower in proportion, still gains from the second core
     assert cpus.choose_threads({1: 60e-3, 2: 33e-3}, cores=2, service_s=10e-3).threads == 2
     # four cores: three threads and a core for the service, unless the fourth pays for it
     assert cpus.choose_threads({3: 10e-3, 4: 9e-3}, cores=4, service_s=3e-3).threads == 3
@@ -75,20 +75,28 @@ def test_threads_are_timed_once_per_model_and_machine(tmp_path, monkeypatch):
     assert cpus.thread_choice(0, str(model), cores=2).threads == 3 - first.threads
 
 
-def test_a_timing_on_a_busy_machine_is_used_once_not_kept(tmp_path, monkeypatch):
-    """Contended threads time slower: an answer timed while other processes were busy would hold the worker
-    to it on every later start, however quiet the machine."""
+def test_a_timing_on_a_busy_machine_is_redone_on_the_first_quiet_start_only(tmp_path, monkeypatch):
+    """Contended threads time slower: an answer timed while other processes were busy must not hold the worker
+    on a quiet machine, and a machine still busy must not pay the timing again on every start."""
     monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", -1.0)  # as if other processes were busy
     model = make_model(tmp_path, "llama", "bfloat16")
     busy = cpus.thread_choice(0, str(model), cores=2)
-    assert busy.threads in (1, 2) and "not kept, timed again next start" in busy.reason
-    assert not (tmp_path / "cache" / "threads.json").exists()
+    assert busy.threads in (1, 2) and "timed again on the first quiet start" in busy.reason
+    (entry,) = json.loads((tmp_path / "cache" / "threads.json").read_text()).values()
+    assert entry["busy"] is True and entry["threads"] == busy.threads
+
+    real_probe = cpus.probe
+    monkeypatch.setattr(cpus, "probe", lambda *a: pytest.fail("timed again on a machine still busy"))
+    still_busy = cpus.thread_choice(0, str(model), cores=2)
+    assert still_busy.threads == busy.threads and "still busy" in still_busy.reason
+
+    monkeypatch.setattr(cpus, "probe", real_probe)
     monkeypatch.setattr(cpus, "BUSY_MACHINE_CORES", float("inf"))  # quiet now: timed again, and kept
     quiet = cpus.thread_choice(0, str(model), cores=2)
-    assert "other processes" not in quiet.reason
+    assert "other processes" not in quiet.reason and "busy" not in quiet.reason
     (entry,) = json.loads((tmp_path / "cache" / "threads.json").read_text()).values()
-    assert entry["threads"] == quiet.threads
+    assert entry["threads"] == quiet.threads and entry["busy"] is False
 
 
 def test_a_model_that_cannot_be_timed_in_time_is_chosen_by_size_once(tmp_path, monkeypatch):

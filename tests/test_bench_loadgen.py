@@ -13,7 +13,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from bench.cli import main as bench_main
+from phaseserve.benchmark.cli import main as bench_main
 from model_factory import write_tokenizer
 
 FIRST_S = 0.06

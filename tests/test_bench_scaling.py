@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from bench.scaling import _ints, best_vllm, format_tables, growth, main, steady_decode_step
+from bench.scaling import _ints, main, steady_decode_step
+from bench.scaling_report import best_vllm, format_tables, growth
 
 
 def stream(start, ttft, gaps, tokens=None):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from bench.cli import main as bench_main
 from bench.servers import vllm_thread_env
 from bench.side_by_side import bench_args, format_table, ratios
+from phaseserve.benchmark.cli import main as bench_main
 
 
 def run(label, tput, ttft99, tpot99, latency=True):
@@ -63,7 +63,7 @@ def test_client_cpus_pin_only_the_run_and_parse_strictly():
 
     import pytest
 
-    from bench import cli
+    from phaseserve.benchmark import cli
 
     assert cli._cpu_list("1") == [1] and cli._cpu_list("3, 2,3") == [2, 3]
     for bad in ("", "a", "1;2", "3-1", "-1", ","):

@@ -5,7 +5,7 @@ import json
 
 from bench import spec_timeline
 from bench.speculative import add_ratios, build_parser, cell_args
-from bench.models import resolve_model
+from phaseserve.benchmark.models import resolve_model
 
 
 def test_each_cell_gets_its_own_prompts_so_no_cell_runs_on_anothers_prefix_cache():
@@ -14,7 +14,7 @@ def test_each_cell_gets_its_own_prompts_so_no_cell_runs_on_anothers_prefix_cache
     a = cell_args("copy", 1, args, model, "off", "http://x", args.seed + 0)
     b = cell_args("copy", 16, args, model, "off", "http://x", args.seed + 1)
     assert a.seed != b.seed
-    from bench.cli import build_specs, _vocab
+    from phaseserve.benchmark.cli import build_specs, _vocab
     pa, _ = build_specs(a, _vocab(a, model))
     pb, _ = build_specs(b, _vocab(b, model))
     assert [s.prompt for s in pa] != [s.prompt for s in pb[:len(pa)]]

@@ -70,10 +70,10 @@ async def test_streams_complete_from_the_token_log_when_pubsub_loses_every_messa
                     expected.append(text_of((await read_sse(resp))[1]))
             # stop the second gateway's subscriber: the channel is gone, its messages are dropped by Redis
             backend = runner.app[GATEWAY].backend
-            reader = backend._tasks[0]
+            reader = backend.tasks[0]
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            assert await backend._sub_redis.pubsub_numsub(
+            assert await backend.connections.subscriber.pubsub_numsub(
                 f"{stack.key_prefix}:gw:gw-second") == [(f"{stack.key_prefix}:gw:gw-second".encode(), 0)]
 
             async def one(p):

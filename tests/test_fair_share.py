@@ -87,7 +87,7 @@ def test_one_named_tenant_plans_exactly_as_no_tenant():
         plans = drive(sched, worker, arrivals={0: reqs[:5], 3: reqs[5:]})
         runs.append([(p.starts and [s.seq_id for s in p.starts], [(c.seq_id, c.start_pos, c.num_tokens)
                                                                    for c in p.chunks], p.releases) for p in plans])
-        assert sched.stats()["num_fair_share_preemptions"] == 0
+        assert sched.stats().counters.num_fair_share_preemptions == 0
     assert runs[0] == runs[1]
 
 
@@ -116,7 +116,7 @@ def test_a_flood_of_one_tenant_does_not_hold_back_another_s_request():
         assert_reference(worker, flood + [b], cfg.max_model_len)
         assert_idle(sched)
         if tenants[0]:
-            assert sched.stats()["num_fair_share_preemptions"] >= 1
+            assert sched.stats().counters.num_fair_share_preemptions >= 1
     assert first["a"] == 0  # B starts on the first plan after it arrives
     assert first["none"] > 40  # FCFS: behind A's queue
 
@@ -150,7 +150,7 @@ def test_a_decode_short_of_a_block_preempts_the_tenant_most_over_its_share():
         sched.add_request(r)
     while True:
         plan = sched.schedule()
-        if sched.num_preemptions:
+        if sched.stats().counters.num_preemptions:
             break
         sched.update(worker.run(plan))
     assert plan.releases and plan.releases[0].startswith("a"), plan.releases
@@ -211,7 +211,7 @@ def test_prefix_blocks_are_shared_within_a_cache_scope_only():
     assert cached == {"a1": 0, "a2": 192, "b1": 0, "a3": 0, "c1": 192}
     # and routing sees the same: a's prompt is cached for a's scope only
     prompt = make_req("p", 200).prompt_ids
-    from scheduler.prefix_cache import scope_seed
+    from scheduler.prefix_index import scope_seed
     assert sched.num_cached_tokens(prompt, scope_seed("a", "")) == 192
     assert sched.num_cached_tokens(prompt, scope_seed("b", "")) == 192  # b1 ran: b's own copy now
     assert sched.num_cached_tokens(prompt, scope_seed("d", "")) == 0
@@ -244,7 +244,7 @@ def test_random_load_of_three_tenants_keeps_every_invariant_and_matches_referenc
         arrivals.setdefault(rng.randint(0, 120), []).append(r)
     drive(sched, worker, depth=depth, arrivals=arrivals)
     st = sched.stats()
-    assert st["num_preemptions"] > 0 and st["num_finished"] == 45 and st["num_resyncs"] == 0
+    assert st.counters.num_preemptions > 0 and st.counters.num_finished == 45 and st.counters.num_resyncs == 0
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
     assert not sched.shares.active and not sched.shares.vtime

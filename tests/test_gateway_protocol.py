@@ -7,12 +7,12 @@ import json
 import pytest
 
 from gateway import protocol as P
-from gateway.backend import Backend
+from gateway.token_delivery import TokenRoutes
 from gateway.errors import APIError
 from gateway.output import SequenceOutput, chat_logprobs, completion_logprobs
 from gateway.stop_strings import StopStringMatcher
 from phaseserve.models.tokenizer import Tokenizer
-from phaseserve.wire import Keys, TokenEvent
+from phaseserve.wire import TokenEvent
 from text_model_factory import make_text_model
 
 
@@ -227,19 +227,19 @@ def test_error_event_finishes_with_error(tok):
 
 
 def test_request_stream_drops_duplicates_trims_overlaps_and_holds_gaps_for_a_fill():
-    backend = Backend("redis://127.0.0.1:1/0", Keys("t"), "gw")  # never connects in this test
-    stream = backend.open(["a-0"])
+    routes = TokenRoutes()
+    stream = routes.open(["a-0"])
     stream.deliver(TokenEvent("a-0", 0, [1, 2]))
     stream.deliver(TokenEvent("a-0", 0, [1, 2]))  # replayed: dropped
     stream.deliver(TokenEvent("a-0", 1, [2, 3], None, [[-1.0, []], [-2.0, []]]))  # overlap: keep [3]
     stream.deliver(TokenEvent("a-0", 5, [6], "stop"))  # gap (3, 4 missing): held, a fill from the log asked for
-    assert stream.queue.qsize() == 2 and stream in backend._fill_wanted and "a-0" in backend._routes
+    assert stream.queue.qsize() == 2 and stream in routes.fill_wanted and "a-0" in routes.by_seq
     stream.deliver(TokenEvent("a-0", 3, [4, 5]), from_log=True)  # the fill
     stream.release_held()
     got = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
     assert [(e.offset, e.token_ids) for e in got] == [(0, [1, 2]), (2, [3]), (3, [4, 5]), (5, [6])]
     assert got[1].logprobs == [[-2.0, []]]
-    assert "a-0" not in backend._routes  # final event: the route is gone
+    assert "a-0" not in routes.by_seq  # final event: the route is gone
 
 
 def test_a_choice_cut_by_max_tokens_mid_character_ends_before_it(tok):

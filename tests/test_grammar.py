@@ -396,4 +396,4 @@ def test_constrained_streams_stay_valid_and_exact_with_speculation_on(tokenizer)
         for c in got:
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(tokenizer.decode(c.token_ids)), NESTED)
-    assert on.scheduler.spec_stats.num_accepted_tokens > 0  # drafts were verified under the grammar
+    assert on.scheduler.stats().spec_decoding.num_accepted_tokens > 0  # drafts were verified under the grammar

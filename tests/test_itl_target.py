@@ -68,8 +68,8 @@ def test_planned_steps_stay_under_the_target_and_decodes_are_never_dropped(depth
     assert p0 == list(range(p0[0], p0[0] + len(p0)))
     assert_reference(worker, shorts + longs, cfg.max_model_len)
     assert_idle(sched)
-    assert sched.stats()["num_steps_held_by_itl_target"] > 0
-    assert sched.stats()["num_steps_past_itl_patience"] == 0  # no prompt waited its patience: the target held
+    assert sched.stats().counters.num_steps_held_by_itl_target > 0
+    assert sched.stats().counters.num_steps_past_itl_patience == 0  # no prompt waited its patience: the target held
 
 
 def test_the_target_slows_the_long_prompt_as_expected():
@@ -218,7 +218,7 @@ def test_long_prompts_beside_few_decodes_are_not_starved(depth):
     worst_gap = max(b - a for times in chunks.values() for a, b in zip(times, times[1:]))
     assert worst_gap <= cfg.itl_patience_s + 1.0, worst_gap
     assert max(t[-1] for t in chunks.values()) <= 4 * cfg.itl_patience_s, sorted(t[-1] for t in chunks.values())
-    assert sched.stats()["num_steps_past_itl_patience"] > 0  # the target yielded, and it shows
+    assert sched.stats().counters.num_steps_past_itl_patience > 0  # the target yielded, and it shows
     assert_reference(worker, streams + longs, cfg.max_model_len)
     assert_idle(sched)
 

@@ -347,7 +347,8 @@ def test_the_transfer_directory_is_the_stacks_own_and_ids_are_unguessable(tmp_pa
         ShmKVSender("t-1", random_cache(torch.bfloat16), [1], directory=loose)
     # transfer ids (so file names) are random, not a counter another user could predict
     policy = WorkerPolicy(SchedulerConfig(num_blocks=8, block_size=16, max_model_len=64), "w", transfer_prefix="e1")
-    ids = [next(policy._transfer_ids) for _ in range(50)]
+    policy.kv_transport = "shm"
+    ids = [policy.handoffs.new_send().transfer_id for _ in range(50)]
     assert len(set(ids)) == 50 and all(re.fullmatch(r"e1-[0-9a-f]{24}", i) for i in ids)
 
 

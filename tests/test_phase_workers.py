@@ -63,7 +63,7 @@ async def run_topology(model_dir, ps, url, keys, roles, kv_transport="auto", wor
         for i, p in enumerate(ps):
             await gw.submit(f"r{i}", p, max_tokens=MAX_TOKENS)
         await gw.wait(lambda: len(gw.finish) == len(ps), 60)
-        await gw.wait(lambda: sched.stats()["num_running"] == 0, 10)
+        await gw.wait(lambda: sched.stats().num_running == 0, 10)
         sched._stats_dirty, sched._stats_written_at = True, 0.0
         return [gw.tokens[f"r{i}"] for i in range(len(ps))], sched.stats(), gw, workers
     finally:
@@ -83,18 +83,18 @@ async def test_greedy_outputs_do_not_depend_on_the_topology(model, topology, red
     assert gw.conflicts == 0 and gw.duplicates == 0
     if "prefill" in roles:
         # every sequence prefilled on the prefill worker and decoded on a decode worker
-        assert st["handoff_sequences"] == len(ps) == st["handoff_received"]
-        assert st["handoff_failed"] == 0 and st["handoff_kept"] == 0
+        assert st.handoffs.sequences == len(ps) == st.handoffs.received
+        assert st.handoffs.failed == 0 and st.handoffs.kept == 0
         bs = 16
-        assert st["handoff_blocks"] == sum(-(-n // bs) for n in PROMPT_LENS)
+        assert st.handoffs.blocks == sum(-(-n // bs) for n in PROMPT_LENS)
         kv = workers[0].service.runner.kv
         per_token = 2 * kv.num_layers * kv.block_shape[1] * kv.block_shape[2] * kv.dtype.itemsize
-        assert st["handoff_bytes"] == st["handoff_blocks"] * bs * per_token
+        assert st.handoffs.bytes == st.handoffs.blocks * bs * per_token
         decoded = [w.service.steps_run for w in workers if w.service.info.role == "decode"]
         assert all(n > 0 for n in decoded), decoded  # two decode workers: both take sequences
         assert workers[0].service.handoffs.num_sent == {"redis" if transport == "redis" else "shm": len(ps)}
     else:
-        assert st["handoff_sequences"] == 0
+        assert st.handoffs.sequences == 0
 
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
@@ -107,9 +107,9 @@ async def test_speculative_greedy_outputs_do_not_depend_on_the_topology(model, t
     outputs, st, gw, workers = await run_topology(model_dir, ps, redis_server, Keys("ps"), roles, speculative=spec)
     assert outputs == reference
     assert gw.conflicts == 0 and gw.duplicates == 0
-    assert st["num_draft_tokens"] > 0  # with phase workers, every decode (so every draft) ran on a decode worker
+    assert st.spec_decoding.num_draft_tokens > 0  # with phase workers, every decode (so every draft) ran on a decode worker
     if "decode" in roles:
-        assert st["handoff_sequences"] == len(ps)
+        assert st.handoffs.sequences == len(ps)
 
 
 async def test_a_decode_worker_with_a_draft_model_gives_the_reference(model, redis_server):
@@ -121,7 +121,7 @@ async def test_a_decode_worker_with_a_draft_model_gives_the_reference(model, red
                                             speculative=spec)
     assert outputs == reference
     assert gw.conflicts == 0 and gw.duplicates == 0
-    assert st["num_accepted_tokens"] >= 0.9 * st["num_draft_tokens"] > 0
+    assert st.spec_decoding.num_accepted_tokens >= 0.9 * st.spec_decoding.num_draft_tokens > 0
 
 
 async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_server):
@@ -157,7 +157,7 @@ async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_ser
     outputs, st, gw, _ = await run_topology(model_dir, ps, redis_server, Keys("pf"), ("prefill", "decode"),
                                             worker_hook=break_one_receive)
     assert failed and outputs == reference
-    assert st["handoff_failed"] == 1 and st["handoff_received"] == len(ps) - 1
+    assert st.handoffs.failed == 1 and st.handoffs.received == len(ps) - 1
     assert gw.conflicts == 0
 
 
@@ -178,7 +178,7 @@ async def test_a_prefill_worker_dying_mid_prompt_loses_nothing(model, redis_serv
         for i, p in enumerate(ps):
             await gw.submit(f"r{i}", p, max_tokens=MAX_TOKENS)
         # the longest prompt is partway through its chunks on the prefill worker
-        await gw.wait(lambda: 0 < (sched.workers["p0"].policy._seqs.get("r5") or type("x", (), {
+        await gw.wait(lambda: 0 < (sched.workers["p0"].policy.queues.seqs.get("r5") or type("x", (), {
             "num_computed_tokens": 0})).num_computed_tokens < PROMPT_LENS[5], 20)
         prefill.runner.execute = lambda plan: (dead.wait(), inner(plan))[1]
         prefill.relay.kill()

@@ -130,7 +130,7 @@ async def test_a_poison_grammar_beside_a_stream_fails_alone_with_no_stall_and_no
         assert list(sched.workers) == ["w1"] and sched.workers["w1"].info.started_at == life
         assert sched.num_steps_given_up == 0
         stats = sched.stats()
-        assert stats["num_sat_out"] >= 1 and stats["num_quarantined"] == 0
+        assert stats.num_sat_out >= 1 and stats.num_quarantined == 0
         assert "overran" not in (tmp_path / "w1.log").read_text()
     finally:
         await stop(client, sched, gw, tasks)

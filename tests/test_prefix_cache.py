@@ -17,7 +17,8 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
 from scheduler.block_manager import BlockManager
 from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.prefix_cache import RecentPrompts, block_hashes
+from scheduler.prefix_index import block_hashes
+from scheduler.recent_prompts import RecentPrompts
 
 
 def shared_req(rid: str, prefix: list[int], tail_len: int, max_tokens: int = 8, n_tail_seed: str | None = None):
@@ -98,7 +99,7 @@ def test_a_resent_prefix_is_not_prefilled_again_and_gives_the_same_tokens():
     plans = run_one(sched, worker, first)
     assert plans[0].starts[0].num_cached == 0
     assert_idle(sched)
-    assert sched.stats()["num_cached_blocks"] > 0  # kept after the sequence finished
+    assert sched.stats().prefix_cache.cached_blocks > 0  # kept after the sequence finished
     # turn 2 resends turn 1 (prompt + answer) and more
     history = first.prompt_ids + worker.published["t1"]
     second = shared_req("t2", history, 7)
@@ -109,8 +110,8 @@ def test_a_resent_prefix_is_not_prefilled_again_and_gives_the_same_tokens():
     assert plans[0].chunks[0].start_pos == start.num_cached
     assert_reference(worker, [first, second], cfg.max_model_len)
     st = sched.stats()
-    assert st["prefix_cache_hits"] == start.num_cached
-    assert st["prefix_cache_queries"] == len(first.prompt_ids) + len(second.prompt_ids)
+    assert st.prefix_cache.hits == start.num_cached
+    assert st.prefix_cache.queries == len(first.prompt_ids) + len(second.prompt_ids)
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_position():
@@ -136,7 +137,7 @@ def test_n_choices_prefill_once_and_fork():
     plans = drive(sched, worker)
     starts = [s for p in plans for s in p.starts]
     assert [s.num_cached for s in starts] == [0, 200, 200, 200]
-    assert sched.stats()["num_prefill_tokens"] == 203 + 3 * 3
+    assert sched.stats().counters.num_prefill_tokens == 203 + 3 * 3
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
 
@@ -157,9 +158,9 @@ def test_shared_prefixes_under_preemption_match_the_reference_and_release_every_
         reqs.append(r)
         arrivals.setdefault(rng.randint(0, 120), []).append(r)
     drive(sched, worker, depth=depth, arrivals=arrivals)
-    assert sched.num_preemptions > 0  # the pool is small on purpose
+    assert sched.stats().counters.num_preemptions > 0  # the pool is small on purpose
     st = sched.stats()
-    assert st["prefix_cache_hits"] > 0 and st["prefix_cache_evictions"] > 0
+    assert st.prefix_cache.hits > 0 and st.prefix_cache.evictions > 0
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
 
@@ -174,11 +175,11 @@ def test_cancel_and_preempt_release_each_reference_once():
         sched.add_request(r)
     inflight = sched.schedule()
     nxt = sched.schedule()  # two plans in flight when a sharer is cancelled and another preempted
-    shared = sched._seqs["c0"].block_table[:10]
-    assert all(sched.block_manager.refs(b) == 4 for b in shared)
+    shared = sched.queues.seqs["c0"].block_table[:10]
+    assert all(sched.kv.block_manager.refs(b) == 4 for b in shared)
     sched.cancel("c1")
-    sched._preempt(sched._seqs["c2"])
-    assert all(sched.block_manager.refs(b) == 2 for b in shared)
+    sched.steps.preempt(sched.queues.seqs["c2"])
+    assert all(sched.kv.block_manager.refs(b) == 2 for b in shared)
     assert_references(sched)
     assert not sched.cancel("c1")  # a second cancel releases nothing
     for plan in (inflight, nxt):
@@ -188,7 +189,7 @@ def test_cancel_and_preempt_release_each_reference_once():
     assert_references(sched)
     drive(sched, worker)
     assert_idle(sched)
-    assert sched.block_manager.num_cached_blocks >= 10  # the system prompt stays cached
+    assert sched.kv.stats().cached_blocks >= 10  # the system prompt stays cached
 
 
 def test_blocks_of_a_lost_step_are_never_shared():
@@ -200,7 +201,7 @@ def test_blocks_of_a_lost_step_are_never_shared():
     lost = sched.schedule()
     assert lost.chunks[0].num_tokens == 69
     sched.drop_step(lost.step_id)  # its plan never reached the worker
-    assert sched.block_manager.num_cached_blocks == 0
+    assert sched.kv.stats().cached_blocks == 0
     sched.add_request(shared_req("b", system, 5))
     plans = drive(sched, worker)
     # one of them computes the prompt from scratch (the lost plan's blocks are not cached), the other starts
@@ -218,12 +219,12 @@ def test_a_cached_block_in_use_by_a_plan_in_flight_is_never_evicted():
     sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     system = prefix_tokens(20)
     run_one(sched, worker, shared_req("a", system, 1, max_tokens=2))
-    assert sched.num_free_blocks == 12 and sched.block_manager.num_cached_blocks == 5
+    assert sched.num_free_blocks == 12 and sched.kv.stats().cached_blocks == 5
     sched.add_request(shared_req("b", system, 1, max_tokens=12))
     sched.add_request(make_req("big", 28, max_tokens=2))  # needs blocks only evicting can give
     plans = drive(sched, worker, depth=2)
     assert plans[0].starts[0].num_cached == 20
-    assert sched.block_manager.num_evictions > 0
+    assert sched.kv.stats().evictions > 0
     assert_idle(sched)
 
 
@@ -233,11 +234,11 @@ def test_cached_blocks_count_as_free_for_admission_and_stats():
     sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     run_one(sched, worker, make_req("a", 40, max_tokens=2))
     st = sched.stats()
-    assert st["num_cached_blocks"] == 10 and st["num_free_blocks"] == 16 and st["num_used_blocks"] == 0
+    assert st.prefix_cache.cached_blocks == 10 and st.num_free_blocks == 16 and st.num_used_blocks == 0
     whole = make_req("whole", 60, max_tokens=4)  # every block of the cache
     run_one(sched, worker, whole)
     assert_reference(worker, [whole], cfg.max_model_len)
-    assert sched.stats()["prefix_cache_evictions"] == 10
+    assert sched.stats().prefix_cache.evictions == 10
 
 
 def test_prefix_caching_off_shares_nothing():
@@ -249,7 +250,7 @@ def test_prefix_caching_off_shares_nothing():
     plans = run_one(sched, worker, shared_req("b", system, 3))
     assert plans[0].starts[0].num_cached == 0
     st = sched.stats()
-    assert st["num_cached_blocks"] == st["prefix_cache_hits"] == 0
+    assert st.prefix_cache.cached_blocks == st.prefix_cache.hits == 0
 
 
 def test_cached_prefix_length_for_routing():

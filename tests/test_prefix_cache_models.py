@@ -48,12 +48,12 @@ def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(model_dir, num_bl
     off, st_off = run(model_dir, False, **settings)
     on, st_on = run(model_dir, True, **settings)
     assert on == off
-    assert st_off["prefix_cache_hits"] == 0
+    assert st_off.prefix_cache.hits == 0
     # wave 1 shares the system prompt (and n = 3 forks), wave 2 resends whole histories
-    assert st_on["prefix_cache_hits"] >= 4 * 64
-    assert st_on["num_prefill_tokens"] < st_off["num_prefill_tokens"]
+    assert st_on.prefix_cache.hits >= 4 * 64
+    assert st_on.counters.num_prefill_tokens < st_off.counters.num_prefill_tokens
     if num_blocks == 14:
-        assert st_on["num_preemptions"] > 0  # the cache lets more start at once: they preempt
+        assert st_on.counters.num_preemptions > 0  # the cache lets more start at once: they preempt
 
 
 def test_a_worker_reads_a_cached_prefix_only_from_blocks_it_wrote_itself():

@@ -64,11 +64,11 @@ async def test_cached_prefixes_give_the_reference_tokens_in_every_topology(model
             await gw.submit(f"b{i}", p, max_tokens=MAX_TOKENS)
         await gw.wait(lambda: len(gw.finish) == 2 * len(wave1), 60)
         assert [gw.tokens[f"b{i}"] for i in range(len(wave1))] == out2
-        await gw.wait(lambda: sched.stats()["num_running"] == 0, 10)
+        await gw.wait(lambda: sched.stats().num_running == 0, 10)
         st = sched.stats()
         # wave 1: the system prompt (2 blocks) for all but the first, the whole shared prompt for the n = 3
         # copies; wave 2: each history's full blocks
-        assert st["prefix_cache_hits"] >= 4 * 32 + sum(len(p) // 16 * 16 for p in wave1) - 5 * 16
+        assert st.prefix_cache.hits >= 4 * 32 + sum(len(p) // 16 * 16 for p in wave1) - 5 * 16
         assert gw.conflicts == 0 and gw.duplicates == 0
     finally:
         await stop(client, sched, gw, tasks)
@@ -106,7 +106,7 @@ async def test_sixteen_multi_turn_sessions_on_two_mixed_workers_stay_with_their_
         assert stayed >= 0.9 * len(later), ran_on
         per_worker = [list(ran_on.values()).count(w) for w in ("mixed0", "mixed1")]
         assert max(per_worker) <= 1.5 * min(per_worker), per_worker
-        assert sched.stats()["prefix_cache_hits"] > 0
+        assert sched.stats().prefix_cache.hits > 0
     finally:
         await stop(client, sched, gw, tasks)
         for w in workers:

@@ -13,7 +13,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import LoraRef, SubmitRequest, WorkerInfo
 from scheduler.cluster import Cluster, PolicyLimits
 from scheduler.lora_routing import DEFAULT_MAX_LORAS, AdapterRecency
-from scheduler.prefix_cache import request_seed, scope_seed
+from scheduler.prefix_index import request_seed, scope_seed
 
 
 def info(wid: str, num_blocks: int = 256, started_at: float = 1.0) -> WorkerInfo:
@@ -83,7 +83,7 @@ def test_a_restarted_worker_is_never_told_it_holds_a_prefix_and_a_new_scheduler_
     while c.owner:
         sim.step()
     assert c.workers["a"].policy.num_cached_tokens(system + [6]) == 96
-    assert c.stats()["kv_blocks_cached"] > 0 and c.stats()["prefix_cache_queries"] == 101
+    assert c.stats().prefix_cache.cached_blocks > 0 and c.stats().prefix_cache.queries == 101
     # the worker restarts (a new life): its cache is empty, and so is its new policy's index
     c.gone_workers({"a": info("a", started_at=2.0)})
     assert "a" not in c.workers
@@ -92,7 +92,7 @@ def test_a_restarted_worker_is_never_told_it_holds_a_prefix_and_a_new_scheduler_
     [plan] = [p for _, p in c.plan_steps(0.0, 3, 1, lambda plan, expected: 30.0, 1.0)]
     assert plan.starts[0].num_cached == 0
     st = c.stats()
-    assert st["prefix_cache_queries"] == 101 + 101 and st["prefix_cache_hits"] == 0  # kept across the retire
+    assert st.prefix_cache.queries == 101 + 101 and st.prefix_cache.hits == 0  # kept across the retire
     # a scheduler taking over builds its policies afresh: nothing is cached in its view
     fresh = Cluster(KEYS, PolicyLimits())
     fresh.add_worker(info("a", started_at=2.0), epoch=4)
@@ -111,7 +111,7 @@ def test_a_lost_worker_s_shared_sequences_release_their_references_and_move():
     sim.step()
     assert {c.owner[f"s{i}"] for i in range(2)} == {"a"}  # the cached prefix draws them to a (within slack)
     policy = c.workers["a"].policy
-    assert any(policy.block_manager.refs(b) > 1 for s in policy._running for b in s.block_table)
+    assert any(policy.kv.block_manager.refs(b) > 1 for s in policy.queues.running for b in s.block_table)
     c.retire_worker("a", "heartbeat expired")  # take_all: every reference released once, none twice
     assert policy.num_used_blocks == 0 and policy.num_free_blocks == policy.config.num_blocks
     assert all(c.owner[f"s{i}"] == "b" for i in range(3))

@@ -12,7 +12,8 @@ import time
 import pytest
 import redis
 
-from gateway.backend import Backend, DeliveryConfig
+from gateway.backend import Backend
+from gateway.token_delivery import DeliveryConfig
 from phaseserve.params import SamplingParams
 from phaseserve.redis_client import connect, connect_async
 from phaseserve.redis_topologies import SERVICE, SentinelSet
@@ -38,18 +39,18 @@ async def test_an_accepted_submit_is_on_the_replica_when_the_gateway_answers(sen
     try:
         await backend.start()
         for i in range(20):
-            await backend.submit([SubmitRequest(f"r{i}", "gw", [1, 2, 3], SamplingParams())])
+            await backend.submissions.submit([SubmitRequest(f"r{i}", "gw", [1, 2, 3], SamplingParams())])
             # read at once from the replica: WAIT returned only once it had the entry
             assert replica.xlen(keys.requests) == i + 1
-        assert backend.replicas_to_wait_for() == 1
+        assert backend.submissions.replicas_to_wait_for() == 1
 
         _replica(sentinels).proc.kill()  # the replica is gone: no failover could save anything now
         deadline = time.monotonic() + 10
-        while backend.replicas_to_wait_for() != 0:
+        while backend.submissions.replicas_to_wait_for() != 0:
             assert time.monotonic() < deadline, "the gateway did not notice the replica leave"
             await asyncio.sleep(0.05)
         t0 = time.monotonic()
-        await backend.submit([SubmitRequest("alone", "gw", [1, 2, 3], SamplingParams())])
+        await backend.submissions.submit([SubmitRequest("alone", "gw", [1, 2, 3], SamplingParams())])
         assert time.monotonic() - t0 < 2.5  # no WAIT for a replica that is not there (its timeout: 5 s)
     finally:
         replica.close()

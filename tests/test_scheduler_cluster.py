@@ -130,7 +130,7 @@ def test_a_request_running_on_two_workers_that_failed_is_quarantined_instead_of_
     event = errors_of(c)["poison"]
     assert event.error_kind == ERROR_QUARANTINED and event.error.startswith("request quarantined")
     assert ("delete", KEYS.request_record("poison")) in c.ops
-    assert c.stats()["num_quarantined"] == 1 and c.quarantine.count("poison") == 0
+    assert c.stats().num_quarantined == 1 and c.quarantine.count("poison") == 0
     # what waited on the failed worker was in none of its steps: moved, no strike
     assert "queued" in c.owner and c.quarantine.count("queued") == 0
 
@@ -178,4 +178,4 @@ def test_quarantine_after_zero_never_fails_a_request():
         c.retire_worker(wid, "heartbeat expired")
         c.add_worker(info(wid), epoch=3)
         c.place_parked()
-    assert c.quarantine.count("r1") == 3 and "r1" in c.owner and c.stats()["num_quarantined"] == 0
+    assert c.quarantine.count("r1") == 3 and "r1" in c.owner and c.stats().num_quarantined == 0

@@ -7,7 +7,8 @@ import asyncio
 
 import psutil
 
-from bench.scheduler_load import FakeWorker, LoadConfig, run_load
+from bench.scheduler_load import run_load
+from bench.scheduler_load_fakes import FakeWorker, LoadConfig
 from phaseserve.params import SamplingParams
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan

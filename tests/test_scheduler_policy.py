@@ -172,7 +172,7 @@ class Checker:
     def __init__(self, sched: WorkerPolicy):
         self.sched = sched
         # prefill length of each sequence's current incarnation (those started before this driver too)
-        self.prefill_len: dict[str, int] = {q.seq_id: q.prefill_len for q in sched._running}
+        self.prefill_len: dict[str, int] = {q.seq_id: q.prefill_len for q in sched.queues.running}
         self.num_cached: dict[str, int] = {}  # positions each start found in the prefix cache
 
     def check(self, plan: StepPlan) -> None:
@@ -193,7 +193,7 @@ class Checker:
         for c in plan.chunks:
             need = -(-(c.start_pos + c.num_tokens) // bs)
             # a sequence planned again after sitting out keeps the blocks given to its moot plans
-            assert len(c.block_table) == need or len(c.block_table) > need and s._seqs[c.seq_id].void_until >= 0
+            assert len(c.block_table) == need or len(c.block_table) > need and s.queues.seqs[c.seq_id].void_until >= 0
             for b in c.block_table:
                 assert 0 <= b < cfg.num_blocks
             for b in c.block_table[c.start_pos // bs:]:  # the blocks it writes are its own
@@ -222,9 +222,9 @@ class Checker:
 def assert_references(s: WorkerPolicy) -> None:
     """Every block's reference count is the number of running tables holding it: no reference is dropped
     twice or leaked (cached blocks nobody holds count as free)."""
-    held = Counter(b for q in s._running for b in q.block_table)
+    held = Counter(b for q in s.queues.running for b in q.block_table)
     assert s.num_used_blocks == len(held)
-    assert all(s.block_manager.refs(b) == n for b, n in held.items()), held
+    assert all(s.kv.block_manager.refs(b) == n for b, n in held.items()), held
 
 
 def plan_cost(plan: StepPlan, horizon: int) -> float:
@@ -253,9 +253,9 @@ def drive(sched: WorkerPolicy, worker: FakeWorker, *, depth: int = 1, arrivals: 
                 on_plan(len(plans) - 1, plan)
         elif not inflight and (stop_after is not None or not (sched.has_unfinished() or arrivals)):
             st = sched.stats()  # idle (or stopped early with every planned step run and applied)
-            assert st["num_steps_in_flight"] == 0
+            assert st.num_steps_in_flight == 0
             if worker.strict:  # a clean run never produces a result the scheduler has to ignore
-                assert st["num_ignored_results"] == st["num_ignored_events"] == st["num_resyncs"] == 0, st
+                assert st.counters.num_ignored_results == st.counters.num_ignored_events == st.counters.num_resyncs == 0, st
             return plans
         if inflight and (len(inflight) >= depth or plan is None):
             sched.update(worker.run(inflight.popleft()))
@@ -328,7 +328,7 @@ def test_long_prompt_never_displaces_decodes_and_is_chunked(depth):
     assert [c.start_pos for c in prefill] == [0, 496, 992, 1488, 1984]
     assert decodes_per_plan == [16] * 5, "every decode stays in every step of the long prefill"
     assert_reference(worker, shorts + [long], cfg.max_model_len)
-    assert sched.num_preemptions == 0
+    assert sched.stats().counters.num_preemptions == 0
     assert_idle(sched)
 
 
@@ -381,7 +381,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(depth):
     sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
     reqs = [make_req(f"s{i}", 5 + i, max_tokens=20) for i in range(6)]
     drive(sched, worker, depth=depth, arrivals={0: reqs})
-    assert sched.num_preemptions > 0
+    assert sched.stats().counters.num_preemptions > 0
     assert worker.recompute_starts, "a preempted sequence must be re-prefilled over prompt + outputs"
     for step_id, rid, outputs in worker.recompute_starts:
         ref, _ = reference(next(r for r in reqs if r.request_id == rid), cfg.max_model_len)
@@ -400,10 +400,10 @@ def test_victim_is_lowest_priority_then_latest_arrival():
             sched.add_request(r)
         while True:
             plan = sched.schedule()
-            if sched.num_preemptions:
+            if sched.stats().counters.num_preemptions:
                 break
             sched.update(worker.run(plan))
-        assert sched.num_preemptions == 1 and plan.releases == [victim]
+        assert sched.stats().counters.num_preemptions == 1 and plan.releases == [victim]
         assert victim not in {c.seq_id for c in plan.chunks}, "the victim is not planned"
         sched.update(worker.run(plan))
         drive(sched, worker)
@@ -422,7 +422,7 @@ def test_no_admission_in_a_step_that_preempted():
     assert [(x.seq_id, x.num_tokens) for x in p0.chunks] == [("a", 4), ("c", 24)]  # 7 of 8 blocks
     sched.update(worker.run(p0))
     p1 = sched.schedule()  # a's decode takes the last block; c's decode needs one: c (latest) is preempted
-    assert sched.num_preemptions == 1 and p1.releases == ["c"]
+    assert sched.stats().counters.num_preemptions == 1 and p1.releases == ["c"]
     assert [x.seq_id for x in p1.chunks] == ["a"] and p1.starts == [], "d must not slip in behind a preemption"
     sched.update(worker.run(p1))
     drive(sched, worker)
@@ -490,7 +490,7 @@ def test_all_blocks_free_after_cancels():
     worker.run(plan)
     assert worker.seqs == {}
     assert_idle(sched)
-    assert sched.stats()["num_cancelled"] == 6
+    assert sched.stats().counters.num_cancelled == 6
 
 
 # ---------------------------------------------------------------------------- pipelining
@@ -538,8 +538,8 @@ def test_a_sequence_whose_preparation_is_not_ready_sits_out_and_is_planned_again
     sched, worker = WorkerPolicy(cfg), FakeWorker(cfg, prepare_steps={"slow": 7})
     plans = drive(sched, worker, depth=depth, arrivals={0: reqs})
     assert_reference(worker, reqs, cfg.max_model_len)
-    assert worker.sat_out >= 3 and sched.stats()["num_sat_out"] >= 3
-    assert worker.recompute_starts == [] and sched.num_preemptions == 0
+    assert worker.sat_out >= 3 and sched.stats().counters.num_sat_out >= 3
+    assert worker.recompute_starts == [] and sched.stats().counters.num_preemptions == 0
     assert sum(st.seq_id == "slow" for p in plans for st in p.starts) == 1  # started once: its build goes on
     # its prefill's first chunk ran beside the others; only the chunk that samples waited for the matcher
     slow = [c for p in plans for c in p.chunks if c.seq_id == "slow"]
@@ -561,14 +561,14 @@ def test_update_ignores_unknown_duplicate_and_stale_results():
     assert sched.update(StepResult(99, "local", res.events)) == []  # a step never planned
     bad = StepResult(p0.step_id, "local", [TokenEvent("a", 1, res.events[0].token_ids)])
     sched.update(bad)  # wrong offset: ignored, and the sequence is recomputed from what is confirmed
-    assert sched.stats()["num_resyncs"] == 1 and sched.num_waiting == 1 and sched.num_free_blocks == 32
+    assert sched.stats().counters.num_resyncs == 1 and sched.num_waiting == 1 and sched.num_free_blocks == 32
     assert sched.update(res) == []  # that step is already settled
     plan = sched.schedule()  # the restart waits until the worker has been told to drop the old state
     assert plan.releases == ["a"] and plan.starts == [] and plan.chunks == []
     assert sched.update(worker.run(plan)) == []
     drive(sched, worker)
     assert worker.published["a"] == reference(a, cfg.max_model_len)[0]
-    assert sched.stats()["num_ignored_results"] == 2 and sched.stats()["num_ignored_events"] == 1
+    assert sched.stats().counters.num_ignored_results == 2 and sched.stats().counters.num_ignored_events == 1
     assert_idle(sched)
 
 
@@ -637,11 +637,11 @@ def test_random_load_never_exceeds_budget_and_matches_reference(depth, chunked, 
         reqs.append(r)
         arrivals.setdefault(rng.randint(0, 150), []).append(r)
     drive(sched, worker, depth=depth, arrivals=arrivals)
-    assert sched.num_preemptions > 0  # the pool is small on purpose
+    assert sched.stats().counters.num_preemptions > 0  # the pool is small on purpose
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
     st = sched.stats()
-    assert st["num_finished"] == 40 and st["num_resyncs"] == 0
+    assert st.counters.num_finished == 40 and st.counters.num_resyncs == 0
 
 
 def test_chunked_prefill_off_schedules_whole_prompts():
@@ -859,7 +859,7 @@ def test_long_prompt_chunks_shrink_as_its_prefix_grows(horizon):
     for c, cost, _ in full:  # each step fills the budget: less than one more token would fit
         assert 512 - chunk_cost(c.start_pos + c.num_tokens, 1, horizon) < cost <= 512
     assert_reference(worker, shorts + [long], cfg.max_model_len)
-    assert sched.num_preemptions == 0
+    assert sched.stats().counters.num_preemptions == 0
     assert_idle(sched)
 
 
@@ -883,7 +883,7 @@ def test_random_mixes_stay_within_the_cost_budget(seed, depth):
     drive(sched, worker, depth=depth, arrivals=arrivals)
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
-    assert sched.stats()["num_finished"] == 32
+    assert sched.stats().counters.num_finished == 32
 
 
 @pytest.mark.parametrize("horizon", [0, 980])
@@ -945,7 +945,7 @@ def test_long_prompts_share_the_cap_while_short_prompts_fill_the_budget(depth, h
     if horizon == 0:
         assert [c for c in long_cost_per_plan[:3]] == [128, 128, 128]
     assert_reference(worker, streams + longs + burst, cfg.max_model_len)
-    assert sched.num_preemptions == 0
+    assert sched.stats().counters.num_preemptions == 0
     assert_idle(sched)
 
 

@@ -21,7 +21,8 @@ from phaseserve.stack.engine import Engine
 from phaseserve.wire import ScheduledChunk, StepResult, SubmitRequest, TokenEvent
 from scheduler.config import SchedulerConfig
 from scheduler.policy import WorkerPolicy
-from scheduler.speculation import Acceptance, DraftCandidate, SpeculationStats, choose_drafts
+from phaseserve.scheduler_stats import SpecDecodingStats
+from scheduler.draft_rule import Acceptance, DraftCandidate, choose_drafts
 from scheduler.step_cost import StepCosts
 from workers.speculation import NgramProposer, accepted_run
 
@@ -139,11 +140,11 @@ def test_acceptance_follows_what_the_worker_reports_and_recovers_when_idle():
     assert a.rate > low + 0.2  # pulled back toward the prior: it is tried again
     a.observe(0, 0)
     assert a.fill < 1.0
-    s = SpeculationStats()
+    s = SpecDecodingStats()
     s.observe(3, 1)
     s.observe(1, 1)
-    assert s.as_stats()["drafted_at"] == [2, 1, 1] and s.as_stats()["accepted_at"] == [2, 0, 0]
-    assert SpeculationStats.total([s, s]).num_accepted_tokens == 4
+    assert s.drafted_at == [2, 1, 1] and s.accepted_at == [2, 0, 0]
+    assert (s + s).num_accepted_tokens == 4 and (s + s).drafted_at == [4, 2, 2]
 
 
 # ---------------------------------------------------------------- the policy, plans in flight
@@ -180,9 +181,9 @@ def test_plans_in_flight_carry_the_highest_position_and_the_slack_below_it():
     p3 = policy.schedule()
     (c3,) = p3.chunks
     assert (c3.start_pos, c3.slack) == (12, 3)  # 8 (after p1) + 4 at most from p2
-    assert policy.spec_stats.as_stats() == {"num_draft_slots": 9, "num_draft_tokens": 3, "num_accepted_tokens": 1,
-                                            "num_verifications": 1, "drafted_at": [1, 1, 1],
-                                            "accepted_at": [1, 0, 0]}
+    assert policy.stats().spec_decoding == SpecDecodingStats(num_draft_slots=9, num_draft_tokens=3,
+                                                             num_accepted_tokens=1, num_verifications=1,
+                                                             drafted_at=[1, 1, 1], accepted_at=[1, 0, 0])
 
 
 def test_drafts_never_plan_past_max_tokens_and_never_preempt():
@@ -198,7 +199,7 @@ def test_drafts_never_plan_past_max_tokens_and_never_preempt():
     submit(tight, "c", n_prompt=7, max_tokens=8, first=20)  # no prefix shared with "b"
     tight.schedule()
     plan = tight.schedule()
-    assert tight.num_preemptions == 0 and tight.num_free_blocks == 0 and len(plan.chunks) == 2
+    assert tight.stats().counters.num_preemptions == 0 and tight.num_free_blocks == 0 and len(plan.chunks) == 2
     for c in plan.chunks:
         assert c.num_draft == 0 and c.start_pos + 1 <= len(c.block_table) * 4
 
@@ -209,7 +210,7 @@ def test_a_lost_step_with_drafts_is_recomputed_and_its_slack_released():
     p0, p1, p2 = policy.schedule(), policy.schedule(), policy.schedule()
     policy.update(StepResult(p0.step_id, "local", [TokenEvent("a", 0, [9])]))
     policy.update(StepResult(p2.step_id, "local", []))  # p1's result never came: "a" is recomputed
-    seq = policy._seqs["a"]
+    seq = policy.queues.seqs["a"]
     assert seq.num_inflight_drafts == 0 and seq.drafts_in_step == {} and seq.num_inflight_samples == 0
     assert policy.num_waiting == 1
 
@@ -270,9 +271,9 @@ def test_greedy_outputs_are_identical_with_speculation_on_and_off(name, gqa_mode
     for spec in (FIXED, NGRAM):
         on = Engine(path, dtype="float32", speculative=spec)
         assert outputs(on, prompts, params) == reference, spec
-        assert on.scheduler.stats()["num_resyncs"] == 0  # no planned decode was skipped and recomputed
+        assert on.scheduler.stats().counters.num_resyncs == 0  # no planned decode was skipped and recomputed
         if spec is FIXED:
-            stats = on.scheduler.spec_stats
+            stats = on.scheduler.stats().spec_decoding
             assert stats.num_accepted_tokens > 0 and on.num_steps < off.num_steps
 
 
@@ -284,8 +285,8 @@ def test_greedy_outputs_are_identical_under_preemption():
     reference = outputs(off, prompts, params)
     on = Engine(path, dtype="float32", num_blocks=14, block_size=16, speculative=FIXED)
     assert outputs(on, prompts, params) == reference
-    assert on.scheduler.num_preemptions > 0 and on.scheduler.spec_stats.num_accepted_tokens > 0
-    assert on.scheduler.stats()["num_resyncs"] == 0
+    assert on.scheduler.stats().counters.num_preemptions > 0 and on.scheduler.stats().spec_decoding.num_accepted_tokens > 0
+    assert on.scheduler.stats().counters.num_resyncs == 0
 
 
 def run_of_several(completion) -> tuple[int, int] | None:
@@ -327,7 +328,7 @@ def test_seeded_samples_are_identical_with_speculation_on_and_off():
     prompts += [prompts[0]] * 3
     params += [SamplingParams(temperature=0.8, seed=10 + i, max_tokens=40, ignore_eos=True) for i in range(3)]
     assert outputs(on, prompts, params) == outputs(off, prompts, params)
-    assert on.scheduler.spec_stats.num_accepted_tokens > 0
+    assert on.scheduler.stats().spec_decoding.num_accepted_tokens > 0
 
 
 def test_unseeded_samples_come_from_the_models_distribution(tmp_path):
@@ -360,7 +361,7 @@ def test_unseeded_samples_come_from_the_models_distribution(tmp_path):
         for c in on.generate([prompt] * 1000, params):
             key = tuple(c.token_ids)
             counts[key] = counts.get(key, 0) + 1
-    assert on.scheduler.spec_stats.num_accepted_tokens > 500  # verifications drew many of these tokens
+    assert on.scheduler.stats().spec_decoding.num_accepted_tokens > 500  # verifications drew many of these tokens
     # cells expected fewer than 5 times are pooled
     chi2, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
     for key, p in exact.items():
@@ -410,7 +411,7 @@ def test_the_worker_runs_a_plain_decode_behind_rejected_drafts_where_the_sequenc
 
 
 def test_a_verifications_extra_cost_is_learned_from_measured_steps():
-    from scheduler.speculation import PRIOR_VERIFY_UNITS, VerifyCost
+    from scheduler.draft_rule import PRIOR_VERIFY_UNITS, VerifyCost
     v = VerifyCost()
     assert v.units == PRIOR_VERIFY_UNITS
     for i in range(40):  # the prediction runs 1 ms short on every step; each verification adds 0.5 ms
@@ -433,9 +434,9 @@ def test_the_policy_learns_the_verify_cost_from_results():
         p = policy.schedule()
         (c,) = p.chunks
         predicted = policy.step_costs.predict(3, 3 * c.start_pos + 6, 0)
-        policy.update(StepResult(p.step_id, "local", [TokenEvent("a", len(policy._seqs["a"].output_ids), [9])],
+        policy.update(StepResult(p.step_id, "local", [TokenEvent("a", len(policy.queues.seqs["a"].output_ids), [9])],
                                  step_time_s=predicted + 2e-4, ran=[3, 3 * c.start_pos + 6, 0], drafted={"a": 2}))
-    assert policy.verify_cost.units == pytest.approx(2.0, rel=0.01)
+    assert policy.drafts.verify_cost.units == pytest.approx(2.0, rel=0.01)
 
 
 def test_drafts_take_only_what_prefill_leaves_under_the_itl_target():
@@ -458,7 +459,7 @@ def test_drafts_take_only_what_prefill_leaves_under_the_itl_target():
         for _ in range(4):
             p = policy.schedule()
             out.append(p)
-            outputs = len(policy._seqs["s"].output_ids)
+            outputs = len(policy.queues.seqs["s"].output_ids)
             policy.update(StepResult(p.step_id, "local", [TokenEvent("s", outputs, [5])]))
         return out
 
@@ -494,6 +495,6 @@ def test_a_draft_model_keeps_greedy_outputs_identical(name, gqa_model):
     on = Engine(path, dtype="float32", speculative={"method": "draft_model", "model": str(path),
                                                     "num_speculative_tokens": 3, "adaptive": False})
     assert outputs(on, prompts, params) == reference
-    stats = on.scheduler.spec_stats
+    stats = on.scheduler.stats().spec_decoding
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
-    assert on.scheduler.stats()["num_resyncs"] == 0
+    assert on.scheduler.stats().counters.num_resyncs == 0

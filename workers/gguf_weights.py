@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from tqdm import tqdm
 
-from phaseserve.models.gguf_files import NON_WEIGHT_TENSORS, GGUFMetadata, check_tensors, hf_tensor_name
+from phaseserve.models.gguf_metadata import NON_WEIGHT_TENSORS, GGUFMetadata, check_tensors, hf_tensor_name
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """The worker's Redis side, in a process of its own: step plans in, step writes and heartbeats out.
 
 The model process (workers/service.py) starts it with `python -m workers.relay PLANS_FD WRITES_FD` and
-talks to it over two pipes (multiprocessing connections; the messages are defined in phaseserve/wire.py):
+talks to it over two pipes (multiprocessing connections; the messages are defined in phaseserve/wire/relay_pipe.py):
 
 - `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one `StepWrites` per plan
   (entry id of the plan, StepResult bytes or None: ack only, TokenBatch bytes per gateway), or a

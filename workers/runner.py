@@ -677,7 +677,7 @@ class ModelRunner:
 def step_shape(chunks: list[ScheduledChunk], drafts: dict[str, list[int]]) -> list[int]:
     """[tokens, keys, prefill chunks] of the chunks a step ran (the scheduler's step-cost features). A
     verification is not counted as a prefill chunk: the scheduler learns what one costs beyond its tokens on
-    its own (scheduler/speculative_steps.py), and the prefill chunks' cost stays that of prefills."""
+    its own (scheduler/draft_planner.py), and the prefill chunks' cost stays that of prefills."""
     tokens = keys = prefills = 0
     for c in chunks:
         n, s = c.num_tokens, c.start_pos

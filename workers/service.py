@@ -35,8 +35,8 @@ from kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.host_identity import default_host_id
 from phaseserve.procs import freeze_startup_heap, parse_cpus, stop_process
-from phaseserve.wire import (Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch, TokenEvent,
-                             WireError, WorkerInfo, relay_to_model)
+from phaseserve.wire import (GatewayBatch, Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch,
+                             TokenEvent, WireError, WorkerInfo, relay_to_model)
 from workers.handoff import KVHandoffs
 
 log = structlog.get_logger("workers.service")
@@ -230,7 +230,8 @@ class WorkerService:
         for seq_id in plan.releases:
             if seq_id not in started:
                 self.gateway_of.pop(seq_id, None)
-        batches = [[gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire()] for gw, events in by_gateway.items()]
+        batches = [GatewayBatch(gw, TokenBatch(plan.step_id, self.worker_id, events).to_wire())
+                   for gw, events in by_gateway.items()]
         self._send(StepWrites(entry_id, result.to_wire(), batches, plan.reset).to_pipe())
 
     def _send(self, message: bytes) -> None:

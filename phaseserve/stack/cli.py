@@ -27,7 +27,7 @@ COMMANDS = {
     "scheduler": ("scheduler.service", "main"),
     "worker": ("workers.service", "main"),
     "pull": ("phaseserve.models.pull", "main"),
-    "bench": ("bench.cli", "main"),
+    "bench": ("phaseserve.benchmark.cli", "main"),
 }
 
 

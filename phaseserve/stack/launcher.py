@@ -135,9 +135,8 @@ def core_placement(values: dict) -> dict[str, list[int] | None] | None:
     """Which CPUs each process runs on (keys: worker_names(), "relay", "gateway", "scheduler", "redis"),
     or None (all anywhere). With bind_cores, each worker (whatever its role) gets cores of its own (an equal
     share, cut to the threads it uses); the other services share what is left, or run anywhere (None) when
-    nothing is. A single worker that would use every core is not pinned at all. On a 2-core machine the
-    bundled model's worker otherwise loses ~10% of its steps to the gateway, scheduler and Redis waking up
-    on its core (workload A, docs/architecture.md)."""
+    nothing is. A single worker that would use every core is not pinned at all. Unpinned, a small model's
+    worker loses steps to the gateway, scheduler and Redis waking up on its cores (docs/architecture.md)."""
     if not values.get("bind_cores") or not hasattr(os, "sched_setaffinity"):
         return None
     cores = usable_cores()

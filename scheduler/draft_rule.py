@@ -15,7 +15,7 @@ token's cost) or acceptance is low.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # acceptance before a sequence has been measured: half its drafts kept, weighing as PRIOR_TRIALS verifications
 PRIOR_ACCEPTANCE = 0.5
@@ -147,51 +147,6 @@ def choose_drafts(candidates: list[DraftCandidate], *, step_units: float, step_t
             nxt = token_units(c.position + j + 1, horizon)
             heapq.heappush(heap, (-c.fill * c.rate ** (j + 1) / nxt, i, j + 1))
     return chosen
-
-
-@dataclass
-class SpeculationStats:
-    """Counts for /metrics: drafts verified and kept, in total and by position in the run (1 = first)."""
-
-    num_draft_slots: int = 0  # drafts plans allowed (budget and blocks reserved), proposed or not
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.num_verifications += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        grow = drafted - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at += [0] * grow
-            self.accepted_at += [0] * grow
-        for j in range(drafted):
-            self.drafted_at[j] += 1
-            self.accepted_at[j] += j < accepted
-
-    @classmethod
-    def total(cls, parts: list[SpeculationStats]) -> SpeculationStats:
-        out = cls()
-        for p in parts:
-            out.num_draft_slots += p.num_draft_slots
-            out.num_draft_tokens += p.num_draft_tokens
-            out.num_accepted_tokens += p.num_accepted_tokens
-            out.num_verifications += p.num_verifications
-            for j, (d, a) in enumerate(zip(p.drafted_at, p.accepted_at)):
-                if j == len(out.drafted_at):
-                    out.drafted_at.append(0)
-                    out.accepted_at.append(0)
-                out.drafted_at[j] += d
-                out.accepted_at[j] += a
-        return out
-
-    def as_stats(self) -> dict:
-        return {"num_draft_slots": self.num_draft_slots, "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-                "num_verifications": self.num_verifications, "drafted_at": list(self.drafted_at),
-                "accepted_at": list(self.accepted_at)}
 
 
 def fixed_drafts(candidates: list[DraftCandidate]) -> dict[object, int]:

@@ -18,7 +18,7 @@ import structlog
 from phaseserve.models import model_source
 from phaseserve.models.model_source import bundled_model_path
 
-log = structlog.get_logger("bench.models")
+log = structlog.get_logger("phaseserve.benchmark.models")
 
 SMALL_200M = dict(num_hidden_layers=16, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
                   num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -105,34 +105,3 @@ def _train_byte_level(dst: Path) -> None:
         "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}",
     }))
-
-
-def safetensors_folder(model_dir: Path, cache_dir: str | Path | None = None) -> Path:
-    """A folder servers without a GGUF reader (vLLM) load: the model itself, or for a folder phaseserve
-    reads through a GGUF, that GGUF dequantized by transformers into bf16 safetensors (built once)."""
-    gguf = model_dir / "weights.gguf"
-    if not gguf.exists():
-        return model_dir
-    gguf = gguf.resolve()
-    path = (Path(cache_dir) if cache_dir else default_cache_dir()) / f"{gguf.stem}-bf16"
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return path
-    import torch
-    from safetensors.torch import save_file
-
-    from workers.gguf_weights import load_gguf_weights
-
-    log.info("dequantizing the GGUF into a safetensors folder for vLLM", gguf=str(gguf), path=str(path))
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # phaseserve's own GGUF reader: its tensors equal transformers' dequantized ones (tests/test_gguf.py)
-    weights = load_gguf_weights(gguf, torch.bfloat16)
-    save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-    # config, tokenizer and chat template as phaseserve serves them (built from the GGUF's metadata)
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(model_dir / f, tmp / f)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
-

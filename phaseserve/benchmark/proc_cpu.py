@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-log = structlog.get_logger("bench.proc_cpu")
+log = structlog.get_logger("phaseserve.benchmark.proc_cpu")
 
 _TICK = os.sysconf("SC_CLK_TCK")
 CLIENT = "client"  # this process: the bench's own load generator

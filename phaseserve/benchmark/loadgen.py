@@ -3,7 +3,7 @@
 Fixed concurrency (a semaphore, as `vllm bench serve --max-concurrency`) and/or Poisson arrivals
 (`--request-rate`, gamma with `burstiness`; 1.0 is Poisson). The interference workload adds one long
 prompt every K seconds while the short streams run. Timing follows vLLM's request functions exactly
-(see bench/metrics.py).
+(see phaseserve/benchmark/metrics.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import aiohttp
 import numpy as np
 import structlog
 
-from bench.metrics import RequestResult
-from bench.sse import sse_messages
-from bench.workloads import RequestSpec, Vocab
+from phaseserve.benchmark.metrics import RequestResult
+from phaseserve.benchmark.sse import sse_messages
+from phaseserve.benchmark.workloads import RequestSpec, Vocab
 
-log = structlog.get_logger("bench.loadgen")
+log = structlog.get_logger("phaseserve.benchmark.loadgen")
 
 
 class PromptFormatError(RuntimeError):

@@ -1,5 +1,0 @@
-import sys
-
-from bench.cli import main
-
-sys.exit(main())

@@ -1,0 +1,93 @@
+"""The tenant rules of a worker's plans: the order the waiting queue is admitted in, each tenant's part of a
+step's prefill budget, and whose sequence a preemption takes. No I/O; the shares themselves are
+scheduler/fair_share.py, the reasons docs/tenants.md. The policy asks only while `shares.is_shared`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.budget import StepBudget, StepDraft, chunk_cost
+from scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.sequence import Sequence
+
+
+class TenantPlanner:
+    """Fair-share decisions over one worker's queues (passed in: the policy owns them)."""
+
+    def __init__(self, shares: TenantShares, kv: KVCacheManager, max_num_seqs: int):
+        self.shares = shares
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+
+    def admission_order(self, waiting: list[Sequence], running: list[Sequence], step: StepDraft) -> list[Sequence]:
+        """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), without the
+        sequences a fair-share preemption sent back in this step."""
+        waiting = [s for s in waiting if s not in step.held_back]
+        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _known_tokens,
+                          self.usage(running))
+
+    @staticmethod
+    def allow(step: StepDraft, seq: Sequence, budget: StepBudget) -> float:
+        """What a partial prefill of `seq`'s tenant may take: its tenant's room, less the head's reserve when
+        the head of the queue is the same tenant's (the head's start is kept within its tenant's part)."""
+        left = step.tenant_left(seq)
+        if step.head is not None and step.head_admitted and step.head.tenant == seq.tenant:
+            left -= budget.head_reserve
+        return left
+
+    def split_prefill_budget(self, step: StepDraft, budget: StepBudget, waiting: list[Sequence],
+                             running: list[Sequence], startable: Callable[[Sequence], bool]) -> None:
+        """What each tenant's prefill chunks may take of what decodes left this step: max-min fair shares by
+        weight of the cost of what each has to prefill (its partial prefills' rest, its startable waiting
+        prompts'), so a tenant with little to do gets all of it and the rest is split by weight."""
+        horizon = budget.horizon
+        demand: dict[str, float] = {}
+        for s in running:
+            if s.is_prefilling and s not in step.scheduled:
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(s.num_computed_tokens,
+                                                                          s.num_prefill_remaining, horizon)
+        for s in waiting:
+            if s not in step.held_back and startable(s):
+                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, s.num_known_tokens, horizon)
+        if len(demand) > 1:
+            step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
+
+    def usage(self, running: list[Sequence], extra: Sequence | None = None,
+              extra_blocks: int = 0) -> dict[str, float]:
+        """Each busy tenant's holding over its weighted share: the larger of its KV blocks' and its
+        sequence slots' (with `extra` counted as admitted with `extra_blocks` more)."""
+        blocks: dict[str, float] = {}
+        slots: dict[str, float] = {}
+        for s in running:
+            blocks[s.tenant] = blocks.get(s.tenant, 0) + len(s.block_table)
+            slots[s.tenant] = slots.get(s.tenant, 0) + 1
+        if extra is not None:
+            blocks[extra.tenant] = blocks.get(extra.tenant, 0) + extra_blocks
+            slots[extra.tenant] = slots.get(extra.tenant, 0) + 1
+        by_blocks = self.shares.usage(blocks, self.kv.num_blocks)
+        by_slots = self.shares.usage(slots, self.max_num_seqs)
+        return {t: max(by_blocks[t], by_slots[t]) for t in by_blocks}
+
+    def victim(self, running: list[Sequence], step: StepDraft) -> Sequence:
+        """The lowest-ranked running sequence, not planned in this step, of the tenant furthest over its share."""
+        candidates = [s for s in running if s not in step.scheduled]
+        tenant = most_over_share(self.usage(running), (s.tenant for s in candidates))
+        return next(s for s in reversed(candidates) if s.tenant == tenant)
+
+    def victim_for(self, head: Sequence, running: list[Sequence]) -> Sequence | None:
+        """The sequence to preempt so `head` may start: the lowest-ranked of another tenant furthest over its
+        share, or None when no other tenant is over."""
+        usage = self.usage(running)
+        over = {s.tenant for s in running if s.tenant != head.tenant and usage.get(s.tenant, 0.0) > 1.0}
+        tenant = most_over_share(usage, over)
+        return None if tenant is None else next(s for s in reversed(running) if s.tenant == tenant)
+
+
+def _tenant_of(seq: Sequence) -> str:
+    return seq.tenant
+
+
+def _known_tokens(seq: Sequence) -> int:
+    return seq.num_known_tokens
