@@ -35,6 +35,7 @@ import kernels
 import kernels.native
 from bench.bench_model import measure_bandwidth, measure_matmul
 from kernels import reference
+from kernels.dispatch.attention import ATTENTION_SOURCE, EXTEND_ATTENTION
 
 SHAPES = ((9, 3, 64, "SmolLM2-135M"), (8, 4, 64, "8/4"))
 CONTEXTS = (128, 512, 1024, 2048, 4096)
@@ -92,15 +93,16 @@ def cpu_timed(fn) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def prefill_attention(implementation: str):
-    """Within: CPU prefill chunks take the torch path ("torch") or the dispatch's own choice ("native")."""
-    chosen = kernels._native_extend
-    if implementation == "torch":
-        kernels._native_extend = lambda *shape: None
-    try:
+def prefill_attention(implementation: str, runner):
+    """Within: the CPU prefill chunks of `runner`'s (bf16) model take the torch path ("torch") or the
+    dispatch's own choice ("native")."""
+    if implementation != "torch":
         yield
-    finally:
-        kernels._native_extend = chosen
+        return
+    cfg = runner.model.cfg
+    with kernels.CHOICES.pinned(EXTEND_ATTENTION, (torch.bfloat16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                                None):
+        yield
 
 
 class AttentionClock:
@@ -128,7 +130,7 @@ class AttentionClock:
 
 def native_op(name: str, dtype: torch.dtype):
     """The loaded native ops serving `name` (decode_attention or extend_attention) for `dtype`."""
-    ops = kernels.native.load(kernels._ATTENTION_SOURCE[dtype][name])
+    ops = kernels.native.load(ATTENTION_SOURCE[dtype][name])
     if ops is None:
         raise SystemExit(f"the native {name} for {dtype} is not available here (see the log line above)")
     return ops
@@ -184,7 +186,7 @@ def prefill_steps(model: str, rounds: int) -> None:
                 step += 1
                 runner.seqs["p"].num_computed = prefix  # the same chunk again (its K/V rewritten alike)
                 plan = StepPlan(step, "bench", chunks=[ScheduledChunk("p", prefix, STEP_CHUNK, table)])
-                with prefill_attention(impl), AttentionClock() as clock:
+                with prefill_attention(impl, runner), AttentionClock() as clock:
                     cpu, wall = cpu_timed(lambda: runner.execute(plan))
                 if r and (impl not in best or cpu < best[impl][0]):
                     best[impl] = (cpu, wall, clock.seconds)
@@ -238,7 +240,7 @@ def mixed_steps(model: str, rounds: int) -> None:
             # the decodes step on (one token each round): their context grows by 2 over a round
             chunks = [ScheduledChunk(s, len(runner.seqs[s].token_ids) - 1, 1, tables[s]) for s in decoding]
             chunks += [ScheduledChunk(s, 0, MIXED_PROMPT_LEN, tables[s]) for s in prefilling]
-            with prefill_attention(impl), AttentionClock() as clock:
+            with prefill_attention(impl, runner), AttentionClock() as clock:
                 cpu, _ = cpu_timed(lambda: runner.execute(StepPlan(step, "bench", chunks=chunks)))
             for s in prefilling:  # drop the sampled token: the prompt stays 128 tokens
                 del runner.seqs[s].token_ids[MIXED_PROMPT_LEN:]

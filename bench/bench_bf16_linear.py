@@ -23,6 +23,7 @@ import torch
 
 import kernels
 from kernels import native
+from kernels.dispatch.linears import BF16_GEMM
 from workers.linear import Linear
 
 SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # qkv, o, gate_up, down
@@ -31,14 +32,8 @@ COPIES = 8
 
 def onednn_linear(w: torch.Tensor) -> Linear:
     """Linear as it is where the native GEMM does not run: oneDNN's packed weight."""
-    saved = dict(kernels._bf16_gemm_choice)
-    kernels._bf16_gemm_choice.clear()
-    kernels._bf16_gemm_choice[None] = None
-    try:
+    with kernels.CHOICES.pinned(BF16_GEMM, None, None):
         lin = Linear(w)
-    finally:
-        kernels._bf16_gemm_choice.clear()
-        kernels._bf16_gemm_choice.update(saved)
     assert lin.packed and lin.native is None
     return lin
 

@@ -23,6 +23,7 @@ import torch
 
 import kernels
 from bench.bench_model import CONTEXT, RunnerBench, best, measure_bandwidth, measure_matmul, weight_bytes
+from kernels.dispatch.layer_ops import LAYER_OPS
 from phaseserve.benchmark.models import resolve_model
 
 
@@ -31,11 +32,10 @@ DTYPE = torch.bfloat16  # the activations' dtype (--dtype)
 
 def use_native(on: bool) -> None:
     """Switch the layer ops of DTYPE (and nothing else) between native and torch."""
-    kernels._layer_ops_choice.pop(DTYPE, None)
-    ops = kernels._native_layer_ops(DTYPE)
+    ops = LAYER_OPS.resolve(DTYPE)  # afresh: an earlier call may have pinned torch
     if on and ops is None:
         raise SystemExit("the native layer ops are unavailable here (see the log line above)")
-    kernels._layer_ops_choice[DTYPE] = ops if on else None
+    kernels.CHOICES.pin(LAYER_OPS, DTYPE, ops if on else None)
 
 
 def _per_call(fn, calls: int) -> float:

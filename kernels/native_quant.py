@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.quant import BLOCK, QuantizedWeight
+from kernels.quant_packing import PackedWeight, bits_of, block_values, on_cpu, per_group
 
 GROUP = 16
 PAIRS = BLOCK // 2
@@ -33,37 +34,25 @@ _NIBBLE_LANE = torch.tensor(sorted(range(BLOCK), key=int4_element))
 
 
 @dataclass(frozen=True)
-class PackedQuantWeight:
-    bits: int  # 4 | 8
-    data: torch.Tensor  # uint8 [N/16, K/32, block bytes]: k-pairs, fp16 scales, (int4) fp16 offsets
-    shape: tuple[int, int]
-
-    def nbytes(self) -> int:
-        return self.data.nbytes
+class PackedQuantWeight(PackedWeight):
+    """data: uint8 [N/16, K/32, block bytes]: k-pairs, fp16 scales, (int4) fp16 offsets."""
 
 
 def can_pack(qw: QuantizedWeight) -> bool:
-    return qw.shape[0] % GROUP == 0 and qw.qdata.device.type == "cpu"
+    return qw.shape[0] % GROUP == 0 and on_cpu(qw)
 
 
 def pack(qw: QuantizedWeight) -> PackedQuantWeight:
     out_f, in_f = qw.shape
     groups, blocks = out_f // GROUP, in_f // BLOCK
-    if qw.kind == "int4":
-        nib = qw.qdata.view(out_f, blocks, BLOCK // 2)
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1)
-    else:
-        q = qw.qdata.view(out_f, blocks, BLOCK)
+    q = block_values(qw, out_f)
     # [group, block, pair, lane]: lane 2i + s holds output 16g + i at k = 32b + 2p + s
     lanes = q.view(groups, GROUP, blocks, PAIRS, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, PAIRS, BLOCK)
-
-    def per_group(t: torch.Tensor) -> torch.Tensor:  # fp16 [N, blocks] -> bytes [groups, blocks, 32]
-        return t.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
-
     if qw.kind == "int4":
         nibbles = lanes[..., _NIBBLE_LANE]
         pairs = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)
-        parts = [pairs.reshape(groups, blocks, -1), per_group(qw.scales), per_group(qw.mins)]
+        parts = [pairs.reshape(groups, blocks, -1), per_group(qw.scales, groups, GROUP),
+                 per_group(qw.mins, groups, GROUP)]
     else:
-        parts = [lanes.view(torch.uint8).reshape(groups, blocks, -1), per_group(qw.scales)]
-    return PackedQuantWeight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)
+        parts = [lanes.reshape(groups, blocks, -1), per_group(qw.scales, groups, GROUP)]
+    return PackedQuantWeight(bits_of(qw), torch.cat(parts, dim=-1).contiguous(), qw.shape)

@@ -18,45 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.quant import BLOCK, QuantizedWeight
+from kernels.quant_packing import PackedWeight, bits_of, block_values, on_cpu, padded_rows, per_group
 
 LANES = 8
 
 
 @dataclass(frozen=True)
-class PackedQuantF32Weight:
-    bits: int  # 4 | 8 | 16 (bf16 weights)
-    data: torch.Tensor  # uint8 [ceil(N/8), K/32, block bytes]: quantized values, fp16 scales, (int4) fp16 offsets
-    shape: tuple[int, int]
-
-    def nbytes(self) -> int:
-        return self.data.nbytes
+class PackedQuantF32Weight(PackedWeight):
+    """data: uint8 [ceil(N/8), K/32, block bytes]: quantized values, fp16 scales, (int4) fp16 offsets; bits 16:
+    a bf16 weight (pack_bf16)."""
 
 
-def can_pack(qw: QuantizedWeight) -> bool:
-    return qw.qdata.device.type == "cpu"
-
-
-def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t with zero rows appended up to `rows` (dim 0)."""
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0])) if rows > t.shape[0] else t
+can_pack = on_cpu
 
 
 def pack(qw: QuantizedWeight) -> PackedQuantF32Weight:
     out_f, in_f = qw.shape
     groups, blocks = -(-out_f // LANES), in_f // BLOCK
-    rows = groups * LANES
-
-    def per_group(t: torch.Tensor) -> torch.Tensor:  # fp16 [N, blocks] -> bytes [groups, blocks, 16]
-        return _padded(t, rows).view(groups, LANES, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
-
-    if qw.kind == "int4":
-        nib = _padded(qw.qdata, rows).view(rows, blocks, BLOCK // 2)
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1)  # [rows, blocks, 32]: element k of each block
-    else:
-        q = _padded(qw.qdata, rows).view(torch.uint8).view(rows, blocks, BLOCK)
+    q = block_values(qw, groups * LANES)
     # [group, block, k, lane]: lane i is output 8g + i
     lanes = q.view(groups, LANES, blocks, BLOCK).permute(0, 2, 3, 1)
     if qw.kind == "int4":
@@ -64,10 +45,10 @@ def pack(qw: QuantizedWeight) -> PackedQuantF32Weight:
         first = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)  # k, k + 1 of each lane
         second = quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)  # k + 2, k + 3
         values = torch.cat((first, second), dim=-1).reshape(groups, blocks, -1)
-        parts = [values, per_group(qw.scales), per_group(qw.mins)]
+        parts = [values, per_group(qw.scales, groups, LANES), per_group(qw.mins, groups, LANES)]
     else:
-        parts = [lanes.reshape(groups, blocks, -1), per_group(qw.scales)]
-    return PackedQuantF32Weight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)
+        parts = [lanes.reshape(groups, blocks, -1), per_group(qw.scales, groups, LANES)]
+    return PackedQuantF32Weight(bits_of(qw), torch.cat(parts, dim=-1).contiguous(), qw.shape)
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -86,6 +67,6 @@ def pack_bf16(weight: torch.Tensor) -> PackedQuantF32Weight:
     (512 bytes), no scales (bits 16). Half the bytes of float32."""
     out_f, in_f = weight.shape
     groups, blocks = -(-out_f // LANES), in_f // BLOCK
-    w = _padded(weight.bfloat16(), groups * LANES)
+    w = padded_rows(weight.bfloat16(), groups * LANES)
     lanes = w.view(groups, LANES, blocks, BLOCK).permute(0, 2, 3, 1).contiguous()  # [group, block, k, lane]
     return PackedQuantF32Weight(16, lanes.view(torch.uint8).reshape(groups, blocks, -1), (out_f, in_f))

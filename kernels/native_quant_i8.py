@@ -16,50 +16,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.quant import BLOCK, QuantizedWeight
+from kernels.quant_packing import PackedWeight, bits_of, block_values, on_cpu, per_group
 
 LANES = 8
 
 
 @dataclass(frozen=True)
-class PackedQuantI8Weight:
-    bits: int  # 4 | 8
-    data: torch.Tensor  # uint8 [ceil(N/8), K/32, block bytes]
-    shape: tuple[int, int]
-
-    def nbytes(self) -> int:
-        return self.data.nbytes
+class PackedQuantI8Weight(PackedWeight):
+    """data: uint8 [ceil(N/8), K/32, block bytes]."""
 
 
-def can_pack(qw: QuantizedWeight) -> bool:
-    return qw.qdata.device.type == "cpu"
+can_pack = on_cpu
 
 
 def pack(qw: QuantizedWeight) -> PackedQuantI8Weight:
     out_f, in_f = qw.shape
     groups, blocks = -(-out_f // LANES), in_f // BLOCK
-    rows = groups * LANES
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, rows - out_f)) if rows > out_f else t
-
-    def per_group(t: torch.Tensor) -> torch.Tensor:  # fp16 [N, blocks] -> bytes [groups, blocks, 16]
-        return padded(t).view(groups, LANES, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
-
-    if qw.kind == "int4":
-        nib = padded(qw.qdata).view(rows, blocks, BLOCK // 2)
-        values = torch.cat((nib & 0x0F, nib >> 4), dim=-1)  # [rows, blocks, 32]: element k of each block
-    else:
-        values = padded(qw.qdata.view(torch.uint8)).view(rows, blocks, BLOCK)
+    values = block_values(qw, groups * LANES)
     if qw.kind == "int4":
         # [group, block, p, output o, i, nibble]: output 8g + o at k = 8p + 4 nibble + i
         pairs = values.view(groups, LANES, blocks, BLOCK // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
         q = pairs[..., 0] | (pairs[..., 1] << 4)
     else:  # [group, block, quad j, output o, i]: output 8g + o at k = 4j + i
         q = values.view(groups, LANES, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
-    parts = [q.reshape(groups, blocks, -1), per_group(qw.scales)]
+    parts = [q.reshape(groups, blocks, -1), per_group(qw.scales, groups, LANES)]
     if qw.kind == "int4":
-        parts.append(per_group(qw.mins))
-    return PackedQuantI8Weight(4 if qw.kind == "int4" else 8, torch.cat(parts, dim=-1).contiguous(), qw.shape)
+        parts.append(per_group(qw.mins, groups, LANES))
+    return PackedQuantI8Weight(bits_of(qw), torch.cat(parts, dim=-1).contiguous(), qw.shape)

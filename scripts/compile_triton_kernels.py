@@ -1,4 +1,4 @@
-"""Compile every Triton kernel in kernels/triton_ops.py to a cubin for a given
+"""Compile every Triton kernel (kernels/triton_ops.py and the files it exports from) to a cubin for a given
 NVIDIA architecture, without a GPU or driver (ptxas ships with triton).
 
 The interpreter runs kernels as Python and accepts code a GPU compile rejects
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kernels import triton_ops  # noqa: E402
+from kernels import triton_attention, triton_ops, triton_sampling  # noqa: E402
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
         torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
@@ -42,10 +42,11 @@ class _Capture:
 
 def capture_launches() -> list:
     launches: list = []
-    originals = {n: k for n, k in vars(triton_ops).items() if isinstance(k, triton.runtime.jit.JITFunction)
+    originals = {(module, n): k for module in (triton_ops, triton_attention, triton_sampling)
+                 for n, k in vars(module).items() if isinstance(k, triton.runtime.jit.JITFunction)
                  and n.endswith("_kernel")}
-    for name, fn in originals.items():
-        setattr(triton_ops, name, _Capture(fn, launches))
+    for (module, name), fn in originals.items():
+        setattr(module, name, _Capture(fn, launches))
     try:
         for dt in (torch.float16, torch.bfloat16, torch.float32):
             x = torch.randn(5, 48, dtype=dt)
@@ -71,8 +72,8 @@ def capture_launches() -> list:
         triton_ops.sample(torch.randn(3, 5000), torch.ones(3), torch.zeros(3, dtype=torch.int32),
                           torch.ones(3), torch.zeros(3), torch.ones(3, 5000))
     finally:
-        for name, fn in originals.items():
-            setattr(triton_ops, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     return launches
 
 

@@ -62,10 +62,9 @@ def tokenizer(stack):
 def fresh_dispatch(monkeypatch):
     """The dispatch (kernels/__init__.py) decides every op family afresh, natively where it may: its choices
     are cached per process, and an earlier test may have left them (or its native switch) set otherwise."""
-    import kernels
-    from kernels import native
+    from kernels import CHOICES, native
 
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    for cache in ("_layer_ops_choice", "_attention_choice", "_quant_choice", "_bf16_gemm_choice",
-                  "_decode_layer_choice", "_lora_choice"):
-        monkeypatch.setattr(kernels, cache, {})
+    CHOICES.reset()
+    yield CHOICES
+    CHOICES.reset()  # what the test pinned or decided under its own switches goes with it

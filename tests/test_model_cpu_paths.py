@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_isa, native
+from kernels import cpu_isa, native, reference_sampling
 from kernels import reference as ref
+from kernels.dispatch.linears import BF16_GEMM
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
@@ -21,12 +21,10 @@ from workers.runner import ModelRunner
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 64, 33, 100])  # 33, 100: padded to a multiple of ROW_QUANTUM
-def test_packed_linear_matches_f_linear(monkeypatch, dtype, rows):
+def test_packed_linear_matches_f_linear(fresh_dispatch, dtype, rows):
     """oneDNN's packed weight: fp32, and bf16 where the native GEMM does not run (forced off here; the
     native one is tested in test_native_bf16_gemm.py)."""
-    import kernels
-
-    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
+    fresh_dispatch.pin(BF16_GEMM, None, None)
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     x = torch.randn(rows, 80, generator=g).to(dtype)
@@ -63,19 +61,20 @@ def _sample_args(B, V, seed, top_k, top_p, scale=3.0):
 @pytest.mark.parametrize("seed", range(4))
 def test_sample_prefix_filter_equals_full_sort(monkeypatch, seed):
     """A vocab wider than the prefix: rows with small top-k, no top-k with top-p, and unfiltered rows."""
-    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 64)
+    monkeypatch.setattr(reference_sampling, "_SAMPLE_PREFIX", 64)
     args = _sample_args(6, 500, seed, [0, 5, 40, 0, 64, 0], [1.0, 1.0, 0.9, 0.5, 0.7, 0.3], scale=6.0)
-    assert ref._top_k_top_p_prefix(args[0] / args[1].unsqueeze(1), torch.tensor([500, 5, 40, 500, 64, 500]),
-                                   args[3]) is not None  # the prefix path decides these rows
+    k = torch.tensor([500, 5, 40, 500, 64, 500])
+    prefix = reference_sampling._top_k_top_p_prefix(args[0] / args[1].unsqueeze(1), k, args[3])
+    assert prefix is not None  # the prefix path decides these rows
     expected = _sorted_sample(*args)
     assert torch.equal(ref.sample(*args), expected)
 
 
 def test_sample_falls_back_to_full_sort_when_prefix_is_short(monkeypatch):
-    monkeypatch.setattr(ref, "_SAMPLE_PREFIX", 8)
+    monkeypatch.setattr(reference_sampling, "_SAMPLE_PREFIX", 8)
     # flat logits: top-p 0.95 needs far more than 8 tokens; top-k 100 does not fit either
     args = _sample_args(2, 300, 0, [0, 100], [0.95, 1.0], scale=0.1)
-    assert ref._top_k_top_p_prefix(args[0], torch.tensor([300, 100]), args[3]) is None
+    assert reference_sampling._top_k_top_p_prefix(args[0], torch.tensor([300, 100]), args[3]) is None
     assert torch.equal(ref.sample(*args), _sorted_sample(*args))
 
 
@@ -83,7 +82,7 @@ def _sorted_sample(logits, temperature, top_k, top_p, min_p, noise):
     t = temperature.unsqueeze(1)
     V = logits.shape[1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V)).long()
-    x = ref._top_k_top_p_sorted(logits / t, k, top_p)
+    x = reference_sampling._top_k_top_p_sorted(logits / t, k, top_p)
     return (x.softmax(dim=1) / noise).argmax(dim=1)
 
 
@@ -242,7 +241,7 @@ def test_decode_buckets_split_only_where_padding_would_be_large():
 
 
 @pytest.mark.parametrize("decode_path", ["torch", "native"])
-def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypatch, decode_path):
+def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypatch, fresh_dispatch, decode_path):
     """A long sequence decoding beside short ones: every sequence's greedy tokens match a run of that
     sequence alone. The torch decode path (which pads each call to its longest context) attends the long one
     in its own bucket; the native one reads each sequence's own length and takes all in one call."""
@@ -250,7 +249,6 @@ def test_long_and_short_decodes_in_one_step_equal_each_alone(tmp_path, monkeypat
         monkeypatch.setenv(native.ENV_SWITCH, "0")
     elif not cpu_isa.supports(native.REQUIRES["attention_f32"]):
         pytest.skip(f"the fp32 native attention needs {native.REQUIRES['attention_f32']}")
-    monkeypatch.setattr(kernels, "_attention_choice", {})
     path = make_model(tmp_path, "llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (9, 300, 12, 5)]

@@ -17,6 +17,8 @@ import kernels
 import kernels.native as native
 from kernels import cpu_isa
 from kernels import reference as ref
+from kernels.dispatch.attention import native_decode
+from kernels.dispatch.choices import implementation
 from native_ops import load_or_skip, torch_threads
 
 # query heads, KV heads, head_dim (groups 3, 1, 4, 16, 2)
@@ -171,11 +173,11 @@ def test_float32_attention_dispatches_to_the_avx2_op(ops, fresh_dispatch, monkey
     out = kernels.paged_attention(q, k, v, tables, lens, _qsl([2, 4]), 0.125, 4)
     assert torch.equal(out, ops.extend_attention(q, k, v, tables, lens, _qsl([2, 4]), 0.125))
     assert kernels.decode_reads_own_lengths("cpu", torch.float32, 8, 4, 64)
-    assert kernels._implementation("attention_f32") == "native avx2"
+    assert implementation("attention_f32") == "native avx2"
 
 
 def test_below_avx2_float32_attention_takes_torch(fresh_dispatch, monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV_CAP, "baseline")
     monkeypatch.setattr(native, "_loaded", {})
-    assert kernels._native_decode(torch.float32, 8, 4, 64) is None
+    assert native_decode(torch.float32, 8, 4, 64) is None
     assert not kernels.decode_reads_own_lengths("cpu", torch.float32, 8, 4, 64)

@@ -180,9 +180,8 @@ def test_native_rejects_bad_input_with_clear_errors(ops):
             ops.bf16_linear(x, packed.data, None, 32, 1)
 
 
-def test_native_off_switch_keeps_onednn(monkeypatch):
+def test_native_off_switch_keeps_onednn(monkeypatch, fresh_dispatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {})
     x, w, b = _case(96, 80, rows=5)
     lin = Linear(w, b)
     # oneDNN's packed weight where it computes bf16 itself (its own check of the CPU), else the plain one

@@ -18,6 +18,7 @@ import torch
 import kernels
 import kernels.native as native
 from kernels import reference as ref
+from kernels.dispatch.attention import EXTEND_ATTENTION
 from native_ops import load_or_skip
 
 
@@ -203,7 +204,7 @@ def test_native_off_switch(monkeypatch):
     assert native.load("extend_attention") is None
 
 
-def test_runner_prefills_natively_and_chunking_does_not_change_greedy_tokens(tmp_path, ops, monkeypatch):
+def test_runner_prefills_natively_and_chunking_does_not_change_greedy_tokens(tmp_path, ops, fresh_dispatch):
     """bf16, head_dim 32: the runner's prefill chunks take the native op, and a prompt's greedy tokens and
     their logprobs are the same, bit for bit, prefilled in one chunk or in chunks of 48 over a growing
     cached prefix (beside another sequence): the op's rows do not depend on the chunking."""
@@ -214,12 +215,13 @@ def test_runner_prefills_natively_and_chunking_does_not_change_greedy_tokens(tmp
 
     calls = []
     extend = ops.extend_attention
-    monkeypatch.setattr(kernels, "_native_extend", lambda *shape: type("Ops", (), {
-        "extend_attention": staticmethod(lambda *a: calls.append(a[0].shape[0]) or extend(*a))}))
+    counted = type("Ops", (), {"extend_attention": staticmethod(lambda *a: calls.append(a[0].shape[0]) or extend(*a))})
     path = make_model(tmp_path, "llama_linear_head_dim", dtype="bfloat16")
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
     prompts = [list(range(3, 203)), list(range(7, 47))]
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=256)
+    cfg = runner.model.cfg  # the model's prefill attention: the native op, its calls counted
+    fresh_dispatch.pin(EXTEND_ATTENTION, (torch.bfloat16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), counted)
     outputs = {size: [(s.outputs, s.logprobs) for s in run(runner, prompts, greedy, chunk_size=size)]
                for size in (256, 48)}
     assert calls and max(calls) > 48

@@ -2,12 +2,11 @@
 silu_and_mul, rotary + KV-cache write, argmax of bf16 logits) against the torch reference, their batch and
 thread invariance, their errors, and the dispatch that chooses them.
 
-Tolerance: none. Every op is bit-identical to the reference: it rounds to bf16 exactly where torch does,
-keeps torch's separate fp32 products and sums, sums rms_norm's squares in the order of torch's vectorized
-CPU sum, and computes silu's exp as Sleef's expf (which torch's vectorized silu calls) - silu is checked
-on every one of the 65536 bf16 values. So a bf16 model gives the same logits with the native ops as with
-torch (asserted at the end).
-"""
+Tolerance: none. Every op is bit-identical to the reference: it rounds to bf16 exactly where torch does, keeps
+torch's separate fp32 products and sums, sums rms_norm's squares in the order of torch's vectorized CPU sum, and
+computes silu's exp as Sleef's expf (which torch's vectorized silu calls) - silu is checked on every one of the 65536
+bf16 values. So a bf16 model gives the same logits with the native ops as with torch (asserted at the end). The
+argument checks it shares with layer_ops_f32.cpp: test_native_layer_ops_twins.py."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import torch
 import kernels
 import kernels.native as native
 from kernels import reference as ref
+from kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
@@ -262,35 +262,6 @@ def test_argmax_strided_rows_alone_and_at_1_and_2torch_threads(ops):
     assert ops.argmax(logits[:0]).shape == (0,)
 
 
-# --------------------------------------------------------------------------- errors
-
-
-def test_bad_input_gets_clear_errors(ops):
-    g = torch.Generator().manual_seed(3)
-    x, residual, weight = _norm_case(g, 3, 64)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.rms_norm(x.float(), weight, 1e-5)
-    with pytest.raises(RuntimeError, match=r"weight must be \[64\]"):
-        ops.rms_norm(x, weight[:32], 1e-5)
-    with pytest.raises(RuntimeError, match="residual shape"):
-        ops.add_rms_norm(x, residual[:2], weight, 1e-5)
-    with pytest.raises(RuntimeError, match="even"):
-        ops.silu_and_mul(x[:, :63])
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.argmax(x.float())
-    with pytest.raises(RuntimeError, match="rows, vocab"):
-        ops.argmax(x[0])
-    _, q, k, v, positions, cos_sin, k_cache, v_cache, slots = _rotary_case(g, 4, 4, 2, 64)
-    with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
-        ops.rotary_and_write_kv(positions + 4096, q, k, v, cos_sin, k_cache, v_cache, slots)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots + 10 ** 6)
-    with pytest.raises(RuntimeError, match="disagree"):
-        ops.rotary_and_write_kv(positions, q, k[:2], v, cos_sin, k_cache, v_cache, slots)
-    with pytest.raises(RuntimeError, match="disagree"):
-        ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache[..., :32].contiguous(), v_cache, slots)
-
-
 def test_rotary_declines_what_it_does_not_take_and_touches_nothing(ops):
     """Other dtypes and layouts return False with every tensor as it was: the dispatch then runs torch."""
     g = torch.Generator().manual_seed(9)
@@ -347,7 +318,7 @@ def test_this_machine_never_falls_back_silently(monkeypatch, fresh_dispatch):
 
 def test_dispatch_off_switch_runs_torch(monkeypatch, fresh_dispatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert kernels._native_layer_ops(torch.bfloat16) is None
+    assert native_layer_ops(torch.bfloat16) is None
     g = torch.Generator().manual_seed(4)
     x, residual, weight = _norm_case(g, 3, 64)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5, residual)[0], ref.rms_norm(x, weight, 1e-5, residual)[0])
@@ -394,7 +365,7 @@ def test_bf16_model_logits_equal_with_native_and_torch_layer_ops(tmp_path, ops, 
     schedule = [[33, 1, 1, 1, 1, 1, 1, 1], [7, 7, 16]]  # prefill chunks, then decodes beside them
     got = {}
     for impl in ("native", "torch"):
-        kernels._layer_ops_choice[torch.bfloat16] = ops if impl == "native" else None
+        fresh_dispatch.pin(LAYER_OPS, torch.bfloat16, LayerOps(ops, torch.bfloat16) if impl == "native" else None)
         runner = ModelRunner(path, dtype="bfloat16", num_blocks=64)
         got[impl] = _logits(runner, seqs, schedule)
     assert got["native"].shape[0] == 40 + 30

@@ -2,12 +2,11 @@
 silu_and_mul, rotary + KV-cache write, argmax, for AVX2 + FMA) against the torch reference, their batch and
 thread invariance, their errors, and the dispatch that chooses them.
 
-Tolerance: none. Every op is bit-identical to the reference: the same separate fp32 operations, rms_norm's
-squares summed in the order of torch's vectorized CPU sum, silu's exp as torch's loop computes it (Sleef's
-expf in whole vector steps, the C library's past them). So an fp32 model gives the same logits with these
-ops as with torch (asserted at the end), and the fp32 tests that compare with the torch reference for
-equality hold with them.
-"""
+Tolerance: none. Every op is bit-identical to the reference: the same separate fp32 operations, rms_norm's squares
+summed in the order of torch's vectorized CPU sum, silu's exp as torch's loop computes it (Sleef's expf in whole
+vector steps, the C library's past them). So an fp32 model gives the same logits with these ops as with torch
+(asserted at the end), and the fp32 tests that compare with the torch reference for equality hold with them. The
+argument checks it shares with layer_ops.cpp: test_native_layer_ops_twins.py."""
 
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ import kernels
 import kernels.native as native
 from kernels import cpu_isa
 from kernels import reference as ref
+from kernels.dispatch.choices import implementation, torch_vector_floats
+from kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
@@ -33,7 +34,7 @@ def ops():
 
 
 def _silu(ops, x):
-    return ops.silu_and_mul(x, kernels._torch_vector_floats())
+    return ops.silu_and_mul(x, torch_vector_floats())
 
 
 def _norm_case(g, tokens, hidden, scale=3.0):
@@ -230,29 +231,6 @@ def test_a_row_alone_equals_the_row_in_a_batch_at_1_and_2torch_threads(ops):
         assert ops.argmax(logits[i:i + 1]).item() == top[i].item()
 
 
-# --------------------------------------------------------------------------- errors
-
-
-def test_bad_input_gets_clear_errors(ops):
-    g = torch.Generator().manual_seed(3)
-    x, residual, weight = _norm_case(g, 3, 64)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.rms_norm(x.bfloat16(), weight, 1e-5)
-    with pytest.raises(RuntimeError, match=r"weight must be \[64\]"):
-        ops.rms_norm(x, weight[:32], 1e-5)
-    with pytest.raises(RuntimeError, match="residual shape"):
-        ops.add_rms_norm(x, residual[:2], weight, 1e-5)
-    with pytest.raises(RuntimeError, match="even"):
-        ops.silu_and_mul(x[:, :63], 32)
-    with pytest.raises(RuntimeError, match="rows, vocab"):
-        ops.argmax(x[0])
-    _, q, k, v, positions, cos_sin, k_cache, v_cache, slots = _rotary_case(g, 4, 4, 2, 64)
-    with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
-        ops.rotary_and_write_kv(positions + 4096, q, k, v, cos_sin, k_cache, v_cache, slots)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots + 10 ** 6)
-
-
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -278,13 +256,13 @@ def test_float32_layer_ops_dispatch_natively_and_give_the_reference_bits(ops, mo
     assert qo is q and ko is k  # rotated in place
     assert torch.equal(qo, expected[3][0]) and torch.equal(ko, expected[3][1])
     assert torch.equal(k_cache, ekc) and torch.equal(v_cache, evc)
-    assert kernels._implementation("layer_ops_f32") == "native avx2"
+    assert implementation("layer_ops_f32") == "native avx2"
 
 
 def test_below_avx2_float32_layer_ops_take_torch(monkeypatch, fresh_dispatch):
     monkeypatch.setenv(cpu_isa.ENV_CAP, "baseline")
     monkeypatch.setattr(native, "_loaded", {})
-    assert kernels._native_layer_ops(torch.float32) is None
+    assert native_layer_ops(torch.float32) is None
     g = torch.Generator().manual_seed(4)
     x, residual, weight = _norm_case(g, 3, 64)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5, residual)[0], ref.rms_norm(x, weight, 1e-5, residual)[0])
@@ -316,7 +294,7 @@ def test_fp32_model_logits_equal_with_native_and_torch_layer_ops(tmp_path, ops, 
     schedule = [[33, 1, 1, 1, 1, 1, 1, 1], [7, 7, 16]]
     got = {}
     for impl in ("native", "torch"):
-        kernels._layer_ops_choice[torch.float32] = kernels._LayerOps(ops, torch.float32) if impl == "native" else None
+        fresh_dispatch.pin(LAYER_OPS, torch.float32, LayerOps(ops, torch.float32) if impl == "native" else None)
         got[impl] = _logits(ModelRunner(path, dtype="float32", num_blocks=64), seqs, schedule)
     assert got["native"].shape[0] == 40 + 30
     assert torch.equal(got["native"], got["torch"])

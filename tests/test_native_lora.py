@@ -17,6 +17,7 @@ import torch
 import kernels
 from kernels import cpu_isa
 from kernels import reference as ref
+from kernels.dispatch.linears import LORA
 from native_ops import load_or_skip, torch_threads
 
 # a fused q/k/v-like linear: three modules of different widths, an input not a multiple of the vectors
@@ -100,15 +101,14 @@ def test_the_op_declines_what_it_does_not_take_and_checks_shapes(op):
         op(y, x, torch.tensor([0]), [1], a[:1], b[:1], [0, 96, 136], False)
 
 
-def test_the_dispatch_runs_the_native_op(monkeypatch):
+def test_the_dispatch_runs_the_native_op(fresh_dispatch):
     load_or_skip("lora")
-    monkeypatch.setattr(kernels, "_lora_choice", {})
     x, y = _inputs(torch.bfloat16)
     a, b = _adapters(torch.bfloat16)
     rows, ends = torch.tensor([1, 2, 3]), [2, 3, 3]
     native_out = kernels.lora_add(y.clone(), x, rows, ends, a, b, COLS)
-    assert kernels._lora_choice[None] is not None
-    monkeypatch.setattr(kernels, "_lora_choice", {None: None})  # torch: the reference's tiles
+    assert fresh_dispatch.get(LORA) is not None
+    fresh_dispatch.pin(LORA, None, None)  # torch: the reference's tiles
     torch_out = kernels.lora_add(y.clone(), x, rows, ends, a, b, COLS)
     assert torch.equal(torch_out, ref.lora_add(y.clone(), x, rows, ends, a, b, COLS))
     assert not torch.equal(native_out, y)

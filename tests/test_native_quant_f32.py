@@ -1,7 +1,7 @@
-"""kernels/native/quant_gemm_f32.cpp: the quantized matmul for float32 activations on AVX2 + FMA, against the
-torch reference (kernels/reference.py: dequantize, then F.linear) and the exact product; each row's result
-bit-identical whatever the other rows of the call and the thread count; and the dispatch that sends a
-float32 model's quantized linears to it on an AVX2 process."""
+"""kernels/native/quant_gemm_f32.cpp: the quantized matmul for float32 activations on AVX2 + FMA, against the torch
+reference (kernels/reference.py: dequantize, then F.linear) and the exact product; each row's result bit-identical
+whatever the other rows of the call and the thread count; and the dispatch that sends a float32 model's quantized
+linears to it on an AVX2 process. What it shares with quant_gemm_i8.cpp is tested in test_native_quant_avx2_twins.py."""
 
 import json
 import os
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
 from kernels import native_quant_f32, reference
 from kernels.quant import QuantizedWeight, from_gguf, quantize
 from native_ops import load_or_skip
@@ -59,84 +58,11 @@ def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, qw: QuantizedW
     assert (got - reference.quant_linear(x, qw)).abs().max() <= 2 ** -18 * scale
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160), (200, 32)])
-@pytest.mark.parametrize("t", [1, 5, 33])
-def test_matches_reference(ops, ggml_type, shape, t):
-    """GGUF blocks as stored, odd output counts (not a multiple of the 8-output group or of a tile) and
-    input dims of 1 to 5 blocks."""
-    qw = gguf_weight(ggml_type, *shape, seed=t)
-    x = rows(t, shape[1])
-    assert_close_to_reference(native(ops, x, qw), x, qw)
-
-
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_at_load_matches_reference(ops, kind):
     qw = quantize(weight(96, 256), kind)
     x = rows(9, 256)
     assert_close_to_reference(native(ops, x, qw), x, qw)
-
-
-def test_reads_strided_rows(ops):
-    qw = quantize(weight(40, 64), "int4")
-    big = rows(7, 128)
-    x = big[:, 32:96]  # rows 128 apart, not contiguous
-    assert not x.is_contiguous()
-    got = ops.quant_linear(x, *(lambda p: (p.data, p.bits, p.shape[0]))(native_quant_f32.pack(qw)))
-    assert torch.equal(got, native(ops, x.contiguous(), qw))
-    assert_close_to_reference(got, x, qw)
-    packed = kernels.pack_quantized(qw, torch.float32)
-    assert torch.equal(kernels.quant_linear(x.t().contiguous().t(), packed), got)  # columns strided: copied
-
-
-def test_padded_group_writes_only_real_outputs(ops):
-    """13 outputs: the last 8-output group holds 5 real ones; the op's output has 13 columns and the
-    padding never shows (a row of zeros in x still gives exact zeros)."""
-    qw = quantize(weight(13, 64), "int4")
-    x = torch.cat([rows(3, 64), torch.zeros(1, 64)])
-    got = native(ops, x, qw)
-    assert got.shape == (4, 13) and torch.equal(got[3], torch.zeros(13))
-
-
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
-def test_rows_bit_identical_whatever_the_batch_and_threads(ops, ggml_type):
-    """Each row's result equals, bit for bit, the same row computed alone on one thread: for every row count
-    of the sweep (each regime and tile remainder) and on 1 or 2 threads."""
-    qw = gguf_weight(ggml_type, 200, 192)  # 25 groups: uneven per thread and per tile
-    x = rows(max(SWEEP), 192, seed=3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([native(ops, x[i:i + 1], qw) for i in range(x.shape[0])])
-        assert_close_to_reference(alone, x, qw)
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for t in SWEEP:
-                # a window that starts mid-way, so a row lands in a different tile position than alone
-                start = (7 * t) % (x.shape[0] - t + 1)
-                got = native(ops, x[start:start + t], qw)
-                assert torch.equal(got, alone[start:start + t]), f"{t} rows on {n_threads} threads"
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_rejects_bad_inputs(ops):
-    p = native_quant_f32.pack(quantize(weight(16, 64), "int8"))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.quant_linear(rows(2, 64).bfloat16(), p.data, p.bits, 16)
-    with pytest.raises(RuntimeError, match="features"):
-        ops.quant_linear(rows(2, 96), p.data, p.bits, 16)
-    with pytest.raises(RuntimeError, match="outputs"):
-        ops.quant_linear(rows(2, 64), p.data, p.bits, 24)
-    with pytest.raises(TypeError, match="float32 activations"):
-        kernels.quant_linear(rows(2, 64).bfloat16(), p)
-
-
-def test_packing_is_a_reshuffle():
-    """Same bytes per weight as the QuantizedWeight, except the zero-padded last group."""
-    for kind in ("int8", "int4"):
-        qw = quantize(weight(64, 128), kind)
-        assert native_quant_f32.pack(qw).nbytes() == qw.nbytes()
 
 
 # ---------------------------------------------------------------------- dispatch in a float32 model

@@ -1,7 +1,8 @@
-"""kernels/native/quant_gemm_i8.cpp: the quantized matmul that quantizes float32 activations to int8 per
-32-element block and multiplies in integers (AVX2 + FMA), against the torch reference (kernels/reference.py:
-the same activation bits, exact integer block products); each row's result bit-identical whatever the other
-rows of the call and the thread count; and --activation-quant choosing it in a float32 model."""
+"""kernels/native/quant_gemm_i8.cpp: the quantized matmul that quantizes float32 activations to int8 per 32-element
+block and multiplies in integers (AVX2 + FMA), against the torch reference (kernels/reference.py: the same activation
+bits, exact integer block products); each row's result bit-identical whatever the other rows of the call and the
+thread count; and --activation-quant choosing it in a float32 model. What it shares with quant_gemm_f32.cpp is tested
+in test_native_quant_avx2_twins.py."""
 
 import json
 import os
@@ -16,8 +17,8 @@ import kernels
 from kernels import cpu_isa, native_quant_i8, reference
 from kernels.native_quant_i8 import PackedQuantI8Weight
 from kernels.quant import QuantizedWeight, quantize
-from native_ops import load_or_skip, torch_threads
-from test_native_quant_f32 import gguf_weight, rows, weight
+from native_ops import load_or_skip
+from test_native_quant_f32 import rows, weight
 from workers.quantization import Quantization, resolve_activations
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,17 +58,6 @@ def test_activation_quantization_is_the_reference_bit_for_bit(ops):
     assert q.abs().max() == 127
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("shape", [(64, 128), (13, 96), (77, 160), (200, 32)])
-@pytest.mark.parametrize("t", [1, 2, 3, 5, 33])
-def test_matches_reference(ops, ggml_type, shape, t):
-    """GGUF blocks as stored, output counts not a multiple of the 8-output group, 1 to 5 blocks, every tile
-    shape."""
-    qw = gguf_weight(ggml_type, *shape, seed=t)
-    x = rows(t, shape[1])
-    assert_matches_reference(native(ops, x, qw), x, qw)
-
-
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_close_to_the_float_product(ops, kind):
     """Quantizing the activations moves the result by about what 8-bit rounding of x does: well under 2% of the
@@ -97,60 +87,6 @@ def test_extreme_values_do_not_saturate(ops, kind):
     x[1] = -1
     x[2, ::2] = -1
     assert_matches_reference(native(ops, x, qw), x, qw)
-
-
-def test_reads_strided_rows_and_dispatch(ops):
-    qw = quantize(weight(40, 64), "int4")
-    big = rows(7, 128)
-    x = big[:, 32:96]  # rows 128 apart, not contiguous
-    got = native(ops, x, qw)
-    assert torch.equal(got, native(ops, x.contiguous(), qw))
-    packed = kernels.pack_quantized(qw, torch.float32, "int8")
-    assert isinstance(packed, PackedQuantI8Weight)
-    assert torch.equal(kernels.quant_linear(x.t().contiguous().t(), packed), got)  # columns strided: copied
-
-
-def test_padded_group_writes_only_real_outputs(ops):
-    qw = quantize(weight(13, 64), "int4")
-    x = torch.cat([rows(3, 64), torch.zeros(1, 64)])
-    got = native(ops, x, qw)
-    assert got.shape == (4, 13) and torch.equal(got[3], torch.zeros(13))
-
-
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
-def test_rows_bit_identical_whatever_the_batch_and_threads(ops, ggml_type):
-    """Each row's result equals, bit for bit, the same row computed alone on one thread: at every row count of
-    the sweep (each tile shape and remainder), starting at a different row so a row lands in another tile
-    position, on 1 or 2 threads."""
-    qw = gguf_weight(ggml_type, 200, 192)  # 25 groups: uneven per thread and per chunk
-    x = rows(max(SWEEP), 192, seed=3)
-    with torch_threads(1):
-        alone = torch.cat([native(ops, x[i:i + 1], qw) for i in range(x.shape[0])])
-    assert_matches_reference(alone, x, qw)
-    for n_threads in (1, 2):
-        with torch_threads(n_threads):
-            for t in SWEEP:
-                start = (7 * t) % (x.shape[0] - t + 1)
-                got = native(ops, x[start:start + t], qw)
-                assert torch.equal(got, alone[start:start + t]), f"{t} rows on {n_threads} threads"
-
-
-def test_rejects_bad_inputs(ops):
-    p = native_quant_i8.pack(quantize(weight(16, 64), "int8"))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.quant_linear(rows(2, 64).bfloat16(), p.data, p.bits, 16)
-    with pytest.raises(RuntimeError, match="features"):
-        ops.quant_linear(rows(2, 96), p.data, p.bits, 16)
-    with pytest.raises(RuntimeError, match="outputs"):
-        ops.quant_linear(rows(2, 64), p.data, p.bits, 24)
-    with pytest.raises(TypeError, match="float32 activations"):
-        kernels.quant_linear(rows(2, 64).bfloat16(), p)
-
-
-def test_packing_is_a_reshuffle():
-    for kind in ("int8", "int4"):
-        qw = quantize(weight(64, 128), kind)
-        assert native_quant_i8.pack(qw).nbytes() == qw.nbytes()
 
 
 def test_pack_quantized_keeps_the_float32_op_unless_asked():

@@ -11,6 +11,7 @@ import torch
 
 import kernels
 from kernels import cpu_isa, native
+from kernels.dispatch.linears import BF16_GEMM
 from kernels.quant import quantize
 from native_ops import amx_or_skip, load_or_skip, torch_threads
 from workers.linear import Linear
@@ -138,7 +139,7 @@ def test_rotary_and_kv_write(dtype):
 def test_onednn_packed_linear(monkeypatch, dtype):
     """A dense linear where no native GEMM takes it (float32 weights; bf16 without the native op): oneDNN's
     packed matmul, whose one-row kernel (a matrix-vector product) sums in another order than its GEMM."""
-    monkeypatch.setattr(kernels, "_bf16_gemm_choice", {None: None})
+    kernels.CHOICES.pin(BF16_GEMM, None, None)
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(320, 128, generator=g) * 0.05).to(dtype)
     b = torch.randn(320, generator=g).to(dtype)

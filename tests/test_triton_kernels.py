@@ -26,13 +26,15 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
+from kernels import triton_attention, triton_common, triton_sampling  # noqa: E402
 from kernels import triton_ops as tk  # noqa: E402
 
 if not isinstance(tl.sum, InterpretedFunction):
     raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: set it in tests/conftest.py "
                        "before any import that loads torch._dynamo, transformers or triton")
-if not isinstance(tk._paged_attention_kernel, InterpretedFunction):  # imported compiled by someone: redo
-    tk = importlib.reload(tk)
+if not isinstance(triton_attention._paged_attention_kernel, InterpretedFunction):  # imported compiled: redo
+    for module in (triton_common, triton_attention, triton_sampling, tk):
+        importlib.reload(module)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -49,8 +51,8 @@ def assert_close(actual, expected, dtype=None, scale=1.0):
 
 
 def test_kernels_are_interpreted():
-    assert isinstance(tk._paged_attention_kernel, InterpretedFunction)
-    assert tk._INTERPRETED
+    assert isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
+    assert isinstance(tk._rms_norm_kernel, InterpretedFunction) and triton_common.INTERPRETED
 
 
 # --------------------------------------------------------------------------- rms_norm
@@ -234,8 +236,8 @@ def test_paged_attention_decode_only(group, head_dim, dtype):
 def test_paged_attention_small_tiles(monkeypatch):
     # small query/key tiles so one sequence spans several query tiles even
     # without GQA, and blocks of 5 (not a power of two) straddle key tiles
-    monkeypatch.setattr(tk, "_ATTN_BLOCK_M", 16)
-    monkeypatch.setattr(tk, "_ATTN_TILE_N", 16)
+    monkeypatch.setattr(triton_attention, "_ATTN_BLOCK_M", 16)
+    monkeypatch.setattr(triton_attention, "_ATTN_TILE_N", 16)
     args = _paged_case([(40, 35), (3, 1), (22, 17)], 1, 64, torch.float32, block_size=5, seed=7)
     assert_close(tk.paged_attention(*args), ref.paged_attention(*args))
 
@@ -315,7 +317,7 @@ def test_sample_matches_reference(seed):
 
 
 def test_sample_several_vocab_tiles(monkeypatch):
-    monkeypatch.setattr(tk, "_SAMPLE_BLOCK_V", 128)  # 300 = 2 full tiles + a ragged one
+    monkeypatch.setattr(triton_sampling, "_SAMPLE_BLOCK_V", 128)  # 300 = 2 full tiles + a ragged one
     args = _sample_rows(10, 300, 3)
     assert torch.equal(tk.sample(*args), ref.sample(*args))
 
@@ -420,5 +422,6 @@ def test_kernels_compile_for_sm80():
                            "--arch", "80"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     compiled = {line.split()[1] for line in proc.stdout.splitlines()}
-    kernel_names = {n for n, f in vars(tk).items() if isinstance(f, InterpretedFunction) and n.endswith("_kernel")}
+    kernel_names = {n for module in (tk, triton_attention, triton_sampling) for n, f in vars(module).items()
+                    if isinstance(f, InterpretedFunction) and n.endswith("_kernel")}
     assert compiled == kernel_names

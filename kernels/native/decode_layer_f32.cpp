@@ -32,6 +32,7 @@
 
 #include "attention_f32.h"
 #include "layer_ops_f32.h"
+#include "op_args.h"
 #include "quant_gemm_i8.h"
 #include "row_tensors.h"
 
@@ -87,16 +88,6 @@ void norm_rows(const float* x, int64_t xs, const float* r, int64_t rs, const flo
 void check_f32(const Tensor& t, const char* name) {
   STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Float, "decode_layer: ", name,
                   " must be a float32 CPU tensor");
-}
-
-template <typename Index>
-void check_indices(const Index* pos, const Index* slot, int64_t T, int64_t max_pos, int64_t num_slots) {
-  for (int64_t t = 0; t < T; t++) {  // checked before anything is written, as rotary_and_write_kv does
-    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "decode_layer: position ", pos[t],
-                    " is outside the cos/sin cache [0, ", max_pos, ")");
-    STD_TORCH_CHECK(slot[t] < num_slots, "decode_layer: slot ", slot[t], " is outside the cache (", num_slots,
-                    " slots)");
-  }
 }
 
 template <typename Index>
@@ -180,9 +171,11 @@ std::tuple<Tensor, Tensor> decode_layer(Tensor h, std::optional<Tensor> residual
   STD_TORCH_CHECK(torch_block >= 0 && torch_block % 8 == 0, "decode_layer: torch_block must be a multiple of 8");
   const int64_t max_pos = cos_sin.size(0), num_slots = nb * bs;
   if (index_type == ScalarType::Long)
-    check_indices(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), T, max_pos, num_slots);
+    op_args::check_rotary_indices(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), T, max_pos,
+                                  num_slots, "decode_layer");
   else
-    check_indices(positions.const_data_ptr<int32_t>(), slots.const_data_ptr<int32_t>(), T, max_pos, num_slots);
+    op_args::check_rotary_indices(positions.const_data_ptr<int32_t>(), slots.const_data_ptr<int32_t>(), T, max_pos,
+                                  num_slots, "decode_layer");
 
   Tensor out = empty({T, hidden}, aoti_torch_dtype_float32());
   Tensor r2 = empty({T, hidden}, aoti_torch_dtype_float32());
@@ -281,6 +274,4 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_decode_layer_f32, CPU, m) {
   m.impl("decode_layers", TORCH_BOX(&decode_layers));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(phaseserve_decode_layer_f32, CompositeExplicitAutograd, m) {
-  m.impl("supported", TORCH_BOX(&supported));
-}
+PHASESERVE_SUPPORTED_IMPL(phaseserve_decode_layer_f32)

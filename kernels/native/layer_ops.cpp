@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "op_args.h"
 #include "row_tensors.h"
 
 #include <algorithm>
@@ -44,6 +45,7 @@ using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
 constexpr int64_t ELEMS_PER_THREAD = 32768;  // below this much work a call stays on the calling thread
+constexpr const char* LEVEL = "AVX512-BF16";  // what the ops need, as their errors say it
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
@@ -126,29 +128,13 @@ AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* r, const uint16
   }
 }
 
-void check_rows(const Tensor& t, const char* name, const char* op) {
-  STD_TORCH_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() >= 1, op, ": ", name,
-                  " must be a bfloat16 CPU tensor");
-}
-
 std::tuple<Tensor, Tensor> add_rms_norm_impl(Tensor x, Tensor* residual, Tensor weight, double eps) {
-  STD_TORCH_CHECK(cpu_supported(), "add_rms_norm: this CPU lacks AVX512-BF16");
-  check_rows(x, "x", "add_rms_norm");
-  check_rows(weight, "weight", "add_rms_norm");
-  const int64_t n = x.size(x.dim() - 1);
-  STD_TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n, "]");
+  op_args::check_cpu(cpu_supported(), "add_rms_norm", LEVEL);
+  const int64_t n = op_args::check_norm_args(x, residual, weight, op_args::BF16);
   if (weight.stride(0) != 1) weight = torch::stable::contiguous(weight);
   const int64_t xs = as_rows(x);
-  int64_t rs = 0;
-  if (residual != nullptr) {
-    check_rows(*residual, "residual", "add_rms_norm");
-    STD_TORCH_CHECK(residual->dim() == x.dim(), "add_rms_norm: residual shape differs from x's");
-    for (int64_t i = 0; i < x.dim(); i++)
-      STD_TORCH_CHECK(residual->size(i) == x.size(i), "add_rms_norm: residual shape differs from x's");
-    rs = as_rows(*residual);
-  }
-  std::vector<int64_t> shape(x.dim());
-  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  const int64_t rs = residual != nullptr ? as_rows(*residual) : 0;
+  const std::vector<int64_t> shape = shape_of(x);
   Tensor out = empty(shape, aoti_torch_dtype_bfloat16());
   Tensor h = residual != nullptr ? empty(shape, aoti_torch_dtype_bfloat16()) : out;
   const int64_t rows = rows_of(x);
@@ -246,14 +232,11 @@ AVX512_BF16 void silu_and_mul_row(const uint16_t* table, const uint16_t* x, uint
 }
 
 Tensor silu_and_mul(Tensor x) {
-  STD_TORCH_CHECK(cpu_supported(), "silu_and_mul: this CPU lacks AVX512-BF16");
-  check_rows(x, "x", "silu_and_mul");
-  const int64_t width = x.size(x.dim() - 1);
-  STD_TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be even (gate | up), got ", width);
+  op_args::check_cpu(cpu_supported(), "silu_and_mul", LEVEL);
+  const int64_t width = op_args::check_silu_args(x, op_args::BF16);
   const int64_t xs = as_rows(x);
   const int64_t inter = width / 2, rows = rows_of(x);
-  std::vector<int64_t> shape(x.dim());
-  for (int64_t i = 0; i < x.dim(); i++) shape[i] = x.size(i);
+  std::vector<int64_t> shape = shape_of(x);
   shape.back() = inter;
   Tensor out = empty(shape, aoti_torch_dtype_bfloat16());
   if (rows == 0 || inter == 0) return out;
@@ -299,22 +282,13 @@ AVX512_BF16 inline void copy_heads(uint16_t* dst, const uint16_t* src, int64_t s
     }
 }
 
-bool is_bf16_heads(const Tensor& t) {
-  return t.is_cpu() && t.scalar_type() == ScalarType::BFloat16 && t.dim() == 3 && t.stride(2) == 1;
-}
-
 template <typename Index>
 void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, const Tensor& k, const Tensor& v,
                       const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   const int64_t half = cos_sin.size(1) / 2, max_pos = cos_sin.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < T; t++) {  // checked before anything is written
-    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_and_write_kv: position ", pos[t],
-                    " is outside the cos/sin cache [0, ", max_pos, ")");
-    STD_TORCH_CHECK(slot[t] < num_slots, "rotary_and_write_kv: slot ", slot[t], " is outside the cache (",
-                    num_slots, " slots)");
-  }
+  op_args::check_rotary_indices(pos, slot, T, max_pos, num_slots);
   auto* qp = static_cast<uint16_t*>(q.mutable_data_ptr());
   auto* kp = static_cast<uint16_t*>(k.mutable_data_ptr());
   const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
@@ -341,34 +315,15 @@ void rotate_and_write(const Index* pos, const Index* slot, const Tensor& q, cons
   });
 }
 
-// false (nothing done) for dtypes and layouts the op does not take: q, k, v, caches bf16 with a dense
-// head_dim, contiguous caches, an fp32 cos/sin cache, int64 or int32 positions and slots. The caller then
+// false (nothing done) for dtypes and layouts the op does not take (op_args::rotary_args_taken): the caller then
 // runs torch. Shapes that disagree or indices out of range are errors.
 bool rotary_and_write_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor k_cache,
                          Tensor v_cache, Tensor slots) {
-  STD_TORCH_CHECK(cpu_supported(), "rotary_and_write_kv: this CPU lacks AVX512-BF16");
-  const auto index_type = positions.scalar_type();
-  if (!is_bf16_heads(q) || !is_bf16_heads(k) || !is_bf16_heads(v) || k_cache.dim() != 4 || v_cache.dim() != 4 ||
-      k_cache.scalar_type() != ScalarType::BFloat16 || v_cache.scalar_type() != ScalarType::BFloat16 ||
-      !k_cache.is_cpu() || !v_cache.is_cpu() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
-      cos_sin.scalar_type() != ScalarType::Float || !cos_sin.is_cpu() || cos_sin.dim() != 2 ||
-      cos_sin.stride(1) != 1 || (index_type != ScalarType::Long && index_type != ScalarType::Int) ||
-      slots.scalar_type() != index_type || positions.dim() != 1 || slots.dim() != 1 || positions.stride(0) != 1 ||
-      slots.stride(0) != 1 || !positions.is_cpu() || !slots.is_cpu())
+  op_args::check_cpu(cpu_supported(), "rotary_and_write_kv", LEVEL);
+  if (!op_args::rotary_args_taken(positions, q, k, v, cos_sin, k_cache, v_cache, slots, op_args::BF16))
     return false;
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  (void)H;
-  STD_TORCH_CHECK(k.size(0) == T && k.size(2) == D && v.size(0) == T && v.size(1) == KVH && v.size(2) == D,
-                  "rotary_and_write_kv: q [T, H, D], k and v [T, KVH, D] disagree");
-  STD_TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D && v_cache.size(0) == k_cache.size(0) &&
-                      v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == KVH && v_cache.size(3) == D,
-                  "rotary_and_write_kv: cache shapes [blocks, block_size, KVH, D] disagree with k");
-  const int64_t rd = cos_sin.size(1);
-  STD_TORCH_CHECK(rd > 0 && rd % 2 == 0 && rd <= D, "rotary_and_write_kv: rotary_dim ", rd,
-                  " must be even, positive and <= head_dim ", D);
-  STD_TORCH_CHECK(positions.size(0) == T && slots.size(0) == T, "rotary_and_write_kv: positions and "
-                  "slot_mapping must be [", T, "]");
-  if (T == 0) return true;
+  if (q.size(0) == 0) return true;
+  const auto index_type = positions.scalar_type();
   if (index_type == ScalarType::Long)
     rotate_and_write(positions.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), q, k, v, cos_sin,
                      k_cache, v_cache);
@@ -432,11 +387,9 @@ AVX512_BF16 int64_t argmax_row(const uint16_t* x, int64_t n) {
 }
 
 Tensor argmax(Tensor logits) {
-  STD_TORCH_CHECK(cpu_supported(), "argmax: this CPU lacks AVX512-BF16");
-  check_rows(logits, "logits", "argmax");
-  STD_TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax: logits must be [rows, vocab > 0]");
+  op_args::check_cpu(cpu_supported(), "argmax", LEVEL);
+  op_args::check_argmax_args(logits, op_args::BF16);
   const int64_t rows = logits.size(0), n = logits.size(1);
-  STD_TORCH_CHECK(n <= (int64_t(1) << 30), "argmax: vocab of ", n, " is too large");  // int32 lane indices
   const int64_t stride = as_rows(logits);
   Tensor out = empty({rows}, aoti_torch_dtype_int64());
   if (rows == 0) return out;
@@ -452,24 +405,4 @@ bool supported() { return cpu_supported(); }
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY(phaseserve_layer_ops, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("rotary_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_sin, "
-        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> bool");
-  m.def("argmax(Tensor logits) -> Tensor");
-  m.def("supported() -> bool");
-}
-
-STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CPU, m) {
-  m.impl("rms_norm", TORCH_BOX(&rms_norm));
-  m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
-  m.impl("silu_and_mul", TORCH_BOX(&silu_and_mul));
-  m.impl("rotary_and_write_kv", TORCH_BOX(&rotary_and_write_kv));
-  m.impl("argmax", TORCH_BOX(&argmax));
-}
-
-STABLE_TORCH_LIBRARY_IMPL(phaseserve_layer_ops, CompositeExplicitAutograd, m) {
-  m.impl("supported", TORCH_BOX(&supported));
-}
+PHASESERVE_LAYER_OPS_LIBRARY(phaseserve_layer_ops, "silu_and_mul(Tensor x) -> Tensor")

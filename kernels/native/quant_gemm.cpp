@@ -44,6 +44,7 @@
 #include <immintrin.h>
 
 #include "cpu_features.h"
+#include "op_args.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -444,18 +445,14 @@ AVX512_BF16 bool fp32_dots_here() {
 // it; returns [T, N] bf16. dots: how the k-pair sums run: -1 as this CPU runs them best (what the dispatch
 // asks), 0 vdpbf16ps at every row count, 1 fp32 FMAs at every row count (the tests compare them).
 Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t dots) {
-  STD_TORCH_CHECK(cpu_supported(), "quant_linear: this CPU lacks AVX512-BF16");
-  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  op_args::check_cpu(cpu_supported(), "quant_linear", "AVX512-BF16");
+  op_args::check_bits(bits, "quant_linear");
   STD_TORCH_CHECK(dots >= -1 && dots <= 1, "quant_linear: dots must be -1 (this CPU's), 0 (bf16) or 1 (fp32)");
-  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::BFloat16 && x.stride(1) == 1,
-                  "quant_linear: x must be bfloat16 [T, K] with dense rows");
-  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), "quant_linear: CPU tensors only");
-  const int64_t bb = bits == 4 ? block_bytes<true>() : block_bytes<false>();
-  STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
-                      packed.size(2) == bb,
-                  "quant_linear: packed must be contiguous uint8 [N / 16, K / 32, ", bb, "]");
-  const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
-  STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
+  op_args::check_activations(x, op_args::BF16, "quant_linear");
+  const int64_t T = x.size(0), K = x.size(1);
+  op_args::check_packed(packed, bits == 4 ? block_bytes<true>() : block_bytes<false>(), "N / 16", K, BLOCK,
+                        "quant_linear");
+  const int64_t groups = packed.size(0), nblocks = packed.size(1);
   Tensor out = torch::stable::new_empty(x, {T, groups * GROUP});
   if (T == 0 || groups == 0) return out;
   Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups};
@@ -487,7 +484,8 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CPU, m) {
   m.impl("quant_linear", TORCH_BOX(&quant_linear));
 }
 
+PHASESERVE_SUPPORTED_IMPL(phaseserve_quant_gemm)
+
 STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm, CompositeExplicitAutograd, m) {
-  m.impl("supported", TORCH_BOX(&supported));
   m.impl("fp32_dots", TORCH_BOX(&fp32_dots));
 }

@@ -33,6 +33,7 @@
 #include <immintrin.h>
 
 #include "cpu_features.h"
+#include "op_args.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -333,18 +334,13 @@ AVX2_FMA void gemm(const Packed& W, const float* x, int64_t ldx, int64_t T, floa
 }
 
 Tensor run(const char* name, Tensor x, Tensor packed, int64_t bits, int64_t n) {
-  STD_TORCH_CHECK(cpu_supports_avx2_fma(), name, ": this CPU lacks AVX2 + FMA");
-  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.stride(1) == 1, name,
-                  ": x must be float32 [T, K] with dense rows");
-  STD_TORCH_CHECK(x.is_cpu() && packed.is_cpu(), name, ": CPU tensors only");
-  const int64_t bb = bits == 4 ? block_bytes<4>() : bits == 8 ? block_bytes<8>() : block_bytes<16>();
-  STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
-                      packed.size(2) == bb,
-                  name, ": packed must be contiguous uint8 [ceil(N / 8), K / 32, ", bb, "]");
-  const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
-  STD_TORCH_CHECK(K == nblocks * BLOCK, name, ": x has ", K, " features, the weight ", nblocks * BLOCK);
-  STD_TORCH_CHECK(n > (groups - 1) * LANES && n <= groups * LANES, name, ": ", n, " outputs do not fill ", groups,
-                  " groups of ", LANES);
+  op_args::check_cpu(cpu_supports_avx2_fma(), name, "AVX2 + FMA");
+  op_args::check_activations(x, op_args::F32, name);
+  const int64_t T = x.size(0), K = x.size(1);
+  op_args::check_packed(packed, bits == 4 ? block_bytes<4>() : bits == 8 ? block_bytes<8>() : block_bytes<16>(),
+                        "ceil(N / 8)", K, BLOCK, name);
+  const int64_t groups = packed.size(0), nblocks = packed.size(1);
+  op_args::check_outputs(n, groups, LANES, name);
   Tensor out = torch::stable::new_empty(x, {T, n});
   if (T == 0 || n == 0) return out;
   Packed W{static_cast<const uint8_t*>(packed.const_data_ptr()), nblocks, groups, n};
@@ -359,7 +355,7 @@ Tensor run(const char* name, Tensor x, Tensor packed, int64_t bits, int64_t n) {
 // x [T, K] float32 (dense rows); packed uint8 [ceil(N / 8), K / 32, block bytes] as
 // kernels/native_quant_f32.py packs it; returns [T, N] float32.
 Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t n) {
-  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  op_args::check_bits(bits, "quant_linear");
   return run("quant_linear", x, packed, bits, n);
 }
 
@@ -381,6 +377,4 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CPU, m) {
   m.impl("bf16_linear", TORCH_BOX(&bf16_linear));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_f32, CompositeExplicitAutograd, m) {
-  m.impl("supported", TORCH_BOX(&supported));
-}
+PHASESERVE_SUPPORTED_IMPL(phaseserve_quant_gemm_f32)

@@ -9,6 +9,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include "op_args.h"
 #include "quant_gemm_i8.h"
 
 #include <algorithm>
@@ -22,9 +23,8 @@ using torch::headeronly::ScalarType;
 using namespace i8;
 
 void check_x(const char* name, const Tensor& x) {
-  STD_TORCH_CHECK(cpu_supports_avx2_fma(), name, ": this CPU lacks AVX2 + FMA");
-  STD_TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.stride(1) == 1, name,
-                  ": x must be a float32 CPU tensor [T, K] with dense rows");
+  op_args::check_cpu(cpu_supports_avx2_fma(), name, "AVX2 + FMA");
+  op_args::check_activations(x, op_args::F32, name);
   STD_TORCH_CHECK(x.size(1) % BLOCK == 0, name, ": K = ", x.size(1), " is not a multiple of ", BLOCK);
 }
 
@@ -41,16 +41,12 @@ QuantRows quantized(const Tensor& x) {
 // packs it; returns [T, N] float32.
 Tensor quant_linear(Tensor x, Tensor packed, int64_t bits, int64_t n) {
   check_x("quant_linear", x);
-  STD_TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
-  STD_TORCH_CHECK(packed.is_cpu(), "quant_linear: CPU tensors only");
-  const int64_t bb = bits == 4 ? block_bytes<4>() : block_bytes<8>();
-  STD_TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Byte &&
-                      packed.size(2) == bb,
-                  "quant_linear: packed must be contiguous uint8 [ceil(N / 8), K / 32, ", bb, "]");
-  const int64_t T = x.size(0), K = x.size(1), groups = packed.size(0), nblocks = packed.size(1);
-  STD_TORCH_CHECK(K == nblocks * BLOCK, "quant_linear: x has ", K, " features, the weight ", nblocks * BLOCK);
-  STD_TORCH_CHECK(n > (groups - 1) * LANES && n <= groups * LANES, "quant_linear: ", n, " outputs do not fill ",
-                  groups, " groups of ", LANES);
+  op_args::check_bits(bits, "quant_linear");
+  const int64_t T = x.size(0), K = x.size(1);
+  op_args::check_packed(packed, bits == 4 ? block_bytes<4>() : block_bytes<8>(), "ceil(N / 8)", K, BLOCK,
+                        "quant_linear");
+  const int64_t groups = packed.size(0), nblocks = packed.size(1);
+  op_args::check_outputs(n, groups, LANES, "quant_linear");
   Tensor out = torch::stable::new_empty(x, {T, n});
   if (T == 0 || n == 0) return out;
   const QuantRows X = quantized(x);
@@ -97,6 +93,4 @@ STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_i8, CPU, m) {
   m.impl("quantize_activations", TORCH_BOX(&quantize_activations));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(phaseserve_quant_gemm_i8, CompositeExplicitAutograd, m) {
-  m.impl("supported", TORCH_BOX(&supported));
-}
+PHASESERVE_SUPPORTED_IMPL(phaseserve_quant_gemm_i8)
