@@ -54,7 +54,7 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `index` only (an embedding lookup of a quantized table). index_select, not
-        table[index]: 1.6 against 6.5 us for 16 rows, 7 against 63 us for 512 (same rows)."""
+        table[index]: the same rows, several times faster (bench/results, docs/model-runner.md)."""
         part = QuantizedWeight(self.kind, self.qdata.index_select(0, index), self.scales.index_select(0, index),
                                None if self.mins is None else self.mins.index_select(0, index))
         return part.dequantize(dtype)

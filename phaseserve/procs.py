@@ -70,8 +70,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
 def freeze_startup_heap() -> None:
     """Call once a service has started: every object alive now (modules, the model, the tokenizer, the
     app) lives as long as the process, yet each full collection of the garbage collector walks them all
-    again: 25-90 ms on this machine (worker: 90 ms, a stall of the model mid-run; gateway 25-50 ms on
-    its event loop). gc.freeze() moves them to a generation no collection visits; objects made later are
+    again (in a worker a stall of the model mid-run, in a gateway of its event loop). gc.freeze() moves them to a generation no collection visits; objects made later are
     collected as before."""
     gc.collect()
     gc.freeze()

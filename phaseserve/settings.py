@@ -10,92 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from phaseserve import redis_url
 from phaseserve.models import model_source
 from phaseserve.models.model_source import ResolvedModel, bundled_model_path  # noqa: F401 (re-exported)
-from phaseserve.itl_target import ItlTarget, parse_itl_target
-from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
-from phaseserve.lora import DEFAULT_MAX_LORA_RANK, parse_lora_module
-
-
-def parse_size(text: str | int) -> int:
-    """'2GiB', '512MiB', '1e9' or an int -> bytes."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip()
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    for unit, mult in units.items():
-        if s.lower().endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(float(s))
-
-
-def parse_bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    v = str(text).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
-def parse_itl_target_arg(text: str | ItlTarget) -> ItlTarget:
-    try:
-        return parse_itl_target(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def lora_module_arg(text: str) -> str:
-    """One --lora-modules value, checked (`name=path` or vLLM's JSON form) and kept as given."""
-    try:
-        parse_lora_module(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def parse_speculative_config_arg(text: str) -> SpeculativeConfig | None:
-    try:
-        return parse_speculative_config(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # attribute name; flag is --name-with-dashes
-    env: str
-    default: Any
-    type: Callable[[str], Any]
-    help: str
-    services: tuple[str, ...]  # which services read it: gateway, scheduler, worker, up, bench
-    choices: tuple | None = None
-    # `up` hands it to its children in their environment, not on their command lines (which every local
-    # user can read in /proc/<pid>/cmdline)
-    secret: bool = False
-    # takes several values (vLLM's `--lora-modules a=PATH b=PATH`, or the flag repeated; whitespace-separated
-    # in the environment variable): a list
-    repeatable: bool = False
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+from phaseserve.lora import DEFAULT_MAX_LORA_RANK
+from phaseserve.setting_types import (  # noqa: F401 (the parsers are re-exported: services read them here)
+    Setting, lora_module_arg, nonnegative_float, parse_bool, parse_itl_target_arg, parse_size,
+    parse_speculative_config_arg)
 
 
 ALL = ("gateway", "scheduler", "worker", "up")

@@ -19,7 +19,7 @@
 // up to 32 rows in four C tiles). Every tile prefetches its groups' streams ahead into L1; with several row
 // tiles, the tiles of a chunk also prefetch the *next* chunk into L2, spread evenly over them: DRAM keeps
 // streaming while the later row tiles run from cache (else memory and compute add up instead of
-// overlapping: 16 rows took ~1.4x as long without it).
+// overlapping).
 //
 // Every output sums its k-pairs in order 0, 1, ... in one fp32 accumulator (AMX: tdpbf16ps's own order
 // within a k-tile of 16 pairs, the k-tiles in order, the partial one last), then adds the bias and rounds
@@ -372,7 +372,7 @@ AMX_BF16 void amx_chunk(Tiles& tiles, const Packed& W, int64_t c0, int64_t c1, i
 AMX_BF16 void amx_gemm(const Packed& W, const Rows& R, int64_t T) {
   const int64_t group_bytes = W.kpairs * LINE;
   // whole pairs of groups per chunk, ~CHUNK_BYTES of weights; where the activations outgrow L2 beside
-  // them, each chunk reads them all again from L3, so larger chunks (4x) read them fewer times
+  // them, each chunk reads them all again from L3, so larger chunks read them fewer times
   const int64_t chunk_bytes = T * R.K * 2 > AMX_BIG_ROWS_BYTES ? 4 * CHUNK_BYTES : CHUNK_BYTES;
   const int64_t chunk = 2 * std::max<int64_t>(1, chunk_bytes / (2 * group_bytes));
   const int64_t chunks = (W.groups + chunk - 1) / chunk;

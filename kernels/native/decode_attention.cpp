@@ -45,8 +45,8 @@ using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;
-// software prefetch distance (measured on one thread: 1 is 10% slower; 4 and 8, hints T1, T2 and NTA, or
-// prefetching only each block's first lines for the hardware prefetcher to follow: no better)
+// software prefetch distance (measured: 1 is slower; 4 and 8, hints T1, T2 and NTA, or prefetching only
+// each block's first lines for the hardware prefetcher to follow: no better)
 constexpr int PREFETCH_TILES = 2;
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 // fewer (sequence, partition) items than this per thread: one KV head an item
@@ -171,7 +171,7 @@ constexpr int PV_HEADS = 256 / D;
 // acc[i] (fp32 [D] each, i < NB: consecutive query heads of one KV head) += the sum over the tile's token
 // pairs t of (p_2t, p_2t+1) . (V_2t, V_2t+1): p as bf16 pairs (row stride PARTITION_TOKENS / 2), V from
 // vpairs. The heads share each V load and keep NB x D/16 independent vdpbf16ps chains in flight (one head
-// at a time: 1-6% slower, K/V in cache).
+// at a time measured slower, K/V in cache).
 template <int D, int NB, int PAIRS>
 AVX512_BF16 inline void pv_block(const uint16_t* vpairs, const uint32_t* p, float* acc, int pairs) {
   __m512 o[NB][D / 16];

@@ -192,8 +192,8 @@ AVX512_BF16 inline __m512 silu_bf16(__m512 g) {
 }
 
 // silu_bf16 of every bf16 value, by its bits: silu(gate) rounded to bf16 depends on the gate's 16 bits
-// alone, so one gather of 16 entries replaces ~25 vector ops and a divide per 16 gates (2x the op's speed;
-// the table is 128 KiB, the entries real activations use a few KiB). Same values by construction. One
+// alone, so one gather of 16 entries replaces some 25 vector ops and a divide per 16 gates (the
+// table is 128 KiB, the entries real activations use a few KiB). Same values by construction. One
 // padding entry: the gather reads 4 bytes at entry i.
 AVX512_BF16 std::vector<uint16_t> build_silu_table() {
   std::vector<uint16_t> table(65536 + 2, 0);

@@ -9,8 +9,8 @@
 #include <vector>
 
 // A new dense CPU tensor of `dtype` (aoti_torch_dtype_*). aoti_torch_empty_strided calls at::empty_strided
-// directly; the stable new_empty goes through the boxed dispatcher by op name, ~1 us a call (a third of a
-// small op's cost).
+// directly; the stable new_empty goes through the boxed dispatcher by op name, a cost a small op
+// notices.
 inline torch::stable::Tensor empty(const std::vector<int64_t>& shape, int32_t dtype) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
