@@ -31,11 +31,12 @@ import time
 
 import torch
 
-import kernels
-import kernels.native
+from phaseserve import kernels
+import phaseserve.kernels.native
+from phaseserve import kernels
 from bench.bench_model import measure_bandwidth, measure_matmul
-from kernels import reference
-from kernels.dispatch.attention import ATTENTION_SOURCE, EXTEND_ATTENTION
+from phaseserve.kernels import reference
+from phaseserve.kernels.dispatch.attention import ATTENTION_SOURCE, EXTEND_ATTENTION
 
 SHAPES = ((9, 3, 64, "SmolLM2-135M"), (8, 4, 64, "8/4"))
 CONTEXTS = (128, 512, 1024, 2048, 4096)
@@ -159,10 +160,10 @@ def prefill_calls(rounds: int, dtype=torch.bfloat16) -> None:
 
 
 def prefill_steps(model: str, rounds: int) -> None:
-    from phaseserve.benchmark.models import resolve_model
+    from phaseserve.stack.benchmark.models import resolve_model
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     runner = ModelRunner(resolve_model(model), dtype="bfloat16", kv_cache_memory_bytes=1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -204,10 +205,10 @@ MIXED_PROMPTS, MIXED_PROMPT_LEN, MIXED_DECODES = 4, 128, 16
 def mixed_steps(model: str, rounds: int) -> None:
     """Workload A's heaviest step: MIXED_PROMPTS new 128-token prompts (no cached prefix) beside
     MIXED_DECODES running sequences' decodes (context ~MIXED_PROMPT_LEN + 32)."""
-    from phaseserve.benchmark.models import resolve_model
+    from phaseserve.stack.benchmark.models import resolve_model
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     runner = ModelRunner(resolve_model(model), dtype="bfloat16", kv_cache_memory_bytes=1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)

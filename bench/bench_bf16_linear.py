@@ -21,10 +21,10 @@ import time
 
 import torch
 
-import kernels
-from kernels import native
-from kernels.dispatch.linears import BF16_GEMM
-from workers.linear import Linear
+from phaseserve import kernels
+from phaseserve.kernels import native
+from phaseserve.kernels.dispatch.linears import BF16_GEMM
+from phaseserve.workers.linear import Linear
 
 SHAPES = [(2048, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # qkv, o, gate_up, down
 COPIES = 8

@@ -110,7 +110,7 @@ def step_cost(model: str, rounds: int, batch: int = 16, steps: int = 25) -> None
     from phaseserve import grammar
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     path = str(model_source.resolve_model(model).path)
     tok = Tokenizer(path)

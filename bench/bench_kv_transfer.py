@@ -31,10 +31,10 @@ from bench.bench_model import build_random_model, measure_bandwidth
 from phaseserve.params import SamplingParams
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.cpu_memory import keep_heap_memory
-from workers.kv_cache import KVCache, bytes_per_block
-from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
-from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender
+from phaseserve.workers.cpu_memory import keep_heap_memory
+from phaseserve.workers.kv_cache import KVCache, bytes_per_block
+from phaseserve.workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
+from phaseserve.workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender
 
 BUNDLED = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
 BLOCK_SIZE = 16
@@ -121,7 +121,7 @@ def bench_shape(shape: KVShape, tokens: int, rounds: int, client: redis.Redis, s
 
 def prefill_us_per_token(path: Path, chunk: int = 512, repeats: int = 3) -> float:
     """Best time of one `chunk`-token prefill step from position 0, per token."""
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=chunk // BLOCK_SIZE + 1)
     table = list(range(chunk // BLOCK_SIZE))

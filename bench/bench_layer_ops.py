@@ -21,10 +21,10 @@ import time
 
 import torch
 
-import kernels
+from phaseserve import kernels
 from bench.bench_model import CONTEXT, RunnerBench, best, measure_bandwidth, measure_matmul, weight_bytes
-from kernels.dispatch.layer_ops import LAYER_OPS
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.kernels.dispatch.layer_ops import LAYER_OPS
+from phaseserve.stack.benchmark.models import resolve_model
 
 
 DTYPE = torch.bfloat16  # the activations' dtype (--dtype)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def engine_ab(name: str, threads: int, rounds: int, dtype: str = "auto") -> dict[str, tuple[float, float]]:
-    from phaseserve.benchmark.workloads import Vocab, random_workload
+    from phaseserve.stack.benchmark.workloads import Vocab, random_workload
     from phaseserve.stack.engine import Engine
     from phaseserve.params import SamplingParams
 

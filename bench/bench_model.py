@@ -22,7 +22,7 @@ import torch
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 CONTEXT = 128
 DECODE_BATCHES = (1, 8, 16, 32)
@@ -77,7 +77,7 @@ def build_random_model(root: Path) -> Path:
 def machine_line() -> str:
     """The CPU this process computes on: its level (kernels/cpu_isa.py, with any cap) and the vector flags
     that decide it."""
-    from kernels import cpu_isa
+    from phaseserve.kernels import cpu_isa
 
     try:
         flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())

@@ -106,7 +106,7 @@ def split_mode(mode: str) -> tuple[str, str]:
 
 class QuantBench(RunnerBench):
     def __init__(self, path: Path, mode: str, threads: int, dtype: str = "bfloat16"):
-        from workers.runner import ModelRunner
+        from phaseserve.workers.runner import ModelRunner
 
         quantization, activations = split_mode(mode)
         self.runner = ModelRunner(path, dtype=dtype, kv_cache_memory_bytes=160 << 20,

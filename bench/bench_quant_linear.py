@@ -27,9 +27,9 @@ import time
 import torch
 
 from bench.bench_model import measure_bandwidth, measure_matmul
-from kernels import reference
-from kernels.quant import quantize
-from workers.linear import Linear, QuantizedLinear
+from phaseserve.kernels import reference
+from phaseserve.kernels.quant import quantize
+from phaseserve.workers.linear import Linear, QuantizedLinear
 
 SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576)]  # o, qkv, gate_up, down, lm_head
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.servers import ServerProcess
-from phaseserve.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.sse import sse_messages
 from phaseserve.redis_server import free_port
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_model import measure_matmul
-from workers.loader import ModelConfig, read_config
+from phaseserve.workers.loader import ModelConfig, read_config
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> float:
@@ -70,7 +70,7 @@ class Ceiling:
 
 def serving_dtype() -> torch.dtype:
     """What dtype `auto` serves on this CPU (workers/loader.py): bf16 where it computes bf16 natively."""
-    from kernels import cpu_isa
+    from phaseserve.kernels import cpu_isa
 
     return torch.bfloat16 if cpu_isa.supports("avx512-bf16") else torch.float32
 
@@ -95,7 +95,7 @@ def ceiling(model_dir: str | Path, prompts: int, input_len: float, output_len: f
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phaseserve.benchmark.models import resolve_model
+    from phaseserve.stack.benchmark.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small-200m")

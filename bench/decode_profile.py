@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import kernels
+from phaseserve import kernels
 from bench.bench_model import measure_bandwidth, weight_bytes
 from bench.bench_quant import QuantBench, model_folder
 from phaseserve.wire import ScheduledChunk, SeqStart

@@ -78,12 +78,12 @@ class Stack:
                                  "--appendfsync", "always", "--protected-mode", "no"], self.log_dir)
 
     def scheduler(self, name: str) -> Service:
-        return Service(name, [sys.executable, "-m", "scheduler", "--redis-url", self.redis_url,
+        return Service(name, [sys.executable, "-m", "phaseserve.scheduler", "--redis-url", self.redis_url,
                               "--heartbeat-interval", "0.2", "--scheduler-lease-ttl", str(LEASE_TTL_S)],
                        self.log_dir)
 
     def worker(self, name: str) -> Service:
-        return Service(name, [sys.executable, "-m", "workers", "--model", self.model, "--redis-url", self.redis_url,
+        return Service(name, [sys.executable, "-m", "phaseserve.workers", "--model", self.model, "--redis-url", self.redis_url,
                               "--worker-id", name, "--dtype", self.dtype, "--num-threads", "1",
                               "--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.0",
                               "--kv-cache-memory", "128MiB"], self.log_dir)
@@ -103,7 +103,7 @@ class Stack:
         for name, port in (("gw", self.port), ("gw2", self.second_port)):
             if port is not None:
                 # a short client lease: a resume after a gateway's kill -9 waits for its leases to lapse
-                self.services[name] = Service(name, [sys.executable, "-m", "gateway", "--model", self.model,
+                self.services[name] = Service(name, [sys.executable, "-m", "phaseserve.gateway", "--model", self.model,
                                                      "--redis-url", self.redis_url, "--port", str(port),
                                                      "--client-lease-ttl", str(CLIENT_LEASE_TTL_S)],
                                               self.log_dir).start()

@@ -40,7 +40,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.fault_stack import Stack
-from phaseserve.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.sse import sse_messages
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.settings import SETTINGS
 

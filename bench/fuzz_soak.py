@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.servers import phaseserve_server
-from phaseserve.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.sse import sse_messages
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.redis_server import free_port
 

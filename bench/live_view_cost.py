@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench.servers import phaseserve_server
 from bench.side_by_side import bench_args
-from phaseserve.benchmark import cli as bench_cli
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.stack.benchmark import cli as bench_cli
+from phaseserve.stack.benchmark.models import resolve_model
 from phaseserve.redis_server import free_port
 
 CHROMIUM = "/usr/bin/chromium"

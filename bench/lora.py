@@ -27,10 +27,10 @@ import aiohttp
 import numpy as np
 
 from bench.servers import phaseserve_server
-from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient, run_load
-from phaseserve.benchmark.metrics import RequestResult, calculate_metrics
-from phaseserve.benchmark.models import resolve_model
-from phaseserve.benchmark.workloads import RequestSpec
+from phaseserve.stack.benchmark.loadgen import ClientConfig, OpenAIStreamClient, run_load
+from phaseserve.stack.benchmark.metrics import RequestResult, calculate_metrics
+from phaseserve.stack.benchmark.models import resolve_model
+from phaseserve.stack.benchmark.workloads import RequestSpec
 from phaseserve.redis_server import free_port
 
 TABLE = (("output tok/s", "output_throughput", "{:.1f}"), ("TTFT p50 ms", "median_ttft_ms", "{:.1f}"),

@@ -31,9 +31,9 @@ import numpy as np
 
 from bench.safetensors_folder import safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
-from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient
-from phaseserve.benchmark.models import resolve_model
-from phaseserve.benchmark.workloads import RequestSpec
+from phaseserve.stack.benchmark.loadgen import ClientConfig, OpenAIStreamClient
+from phaseserve.stack.benchmark.models import resolve_model
+from phaseserve.stack.benchmark.workloads import RequestSpec
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.redis_server import free_port
 

@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 
-from gateway.backend import Backend
+from phaseserve.gateway.backend import Backend
 from phaseserve.params import SamplingParams
 from phaseserve.redis_topologies import SentinelSet
 from phaseserve.wire import Keys, SubmitRequest

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from phaseserve.benchmark.models import default_cache_dir
+from phaseserve.stack.benchmark.models import default_cache_dir
 
 log = structlog.get_logger("bench.safetensors_folder")
 
@@ -25,7 +25,7 @@ def safetensors_folder(model_dir: Path, cache_dir: str | Path | None = None) -> 
     import torch
     from safetensors.torch import save_file
 
-    from workers.gguf_weights import load_gguf_weights
+    from phaseserve.workers.gguf_weights import load_gguf_weights
 
     log.info("dequantizing the GGUF into a safetensors folder for vLLM", gguf=str(gguf), path=str(path))
     tmp = path.with_name(path.name + ".partial")

@@ -39,8 +39,8 @@ from bench.safetensors_folder import safetensors_folder
 from bench.scaling_report import best_vllm, format_tables, growths, kv_bytes_per_token, plot_scaling, rounded
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, max_model_len, phaseserve_server, vllm_server
 from bench.side_by_side import bench_args
-from phaseserve.benchmark import cli as bench_cli
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.stack.benchmark import cli as bench_cli
+from phaseserve.stack.benchmark.models import resolve_model
 from phaseserve.redis_server import free_port
 
 log = structlog.get_logger("bench.scaling")

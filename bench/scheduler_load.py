@@ -2,7 +2,7 @@
 
 `python -m bench.scheduler_load --workers 1,8,64 [--seconds 10] [--seqs-per-worker 16]`
 
-For each worker count, a fresh stack: an embedded Redis, a real scheduler process (`python -m scheduler`,
+For each worker count, a fresh stack: an embedded Redis, a real scheduler process (`python -m phaseserve.scheduler`,
 what `phaseserve scheduler` runs) and fake workers that cost nothing to run a step. The fake workers join
 as real ones do (workers/relay.py: consumer group on `steps:<id>` first, then the `workers` set and a
 WorkerInfo heartbeat key) and answer every plan at once with a StepResult: one token (a fixed id) per
@@ -83,7 +83,7 @@ async def run_load(cfg: LoadConfig, redis_proc: psutil.Process, seconds: float, 
     log_path = log_dir / f"scheduler-{cfg.num_workers}.log"
     with open(log_path, "wb") as log_file:
         sched = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "--redis-url", cfg.redis_url, "--key-prefix", cfg.prefix,
+            [sys.executable, "-m", "phaseserve.scheduler", "--redis-url", cfg.redis_url, "--key-prefix", cfg.prefix,
              "--heartbeat-interval", str(cfg.heartbeat_interval), "--log-level", "warning"],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log_file, stderr=subprocess.STDOUT)
     if pin:

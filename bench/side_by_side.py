@@ -8,7 +8,7 @@ ignore_eos. Any `phaseserve bench` workload flag can be added (--workload, --num
 Each server is started, benchmarked and stopped before the next starts, so they never share the CPU.
 Prints a table, the ratios phaseserve/vLLM and, for the random workload, its compute ceiling (bench/ceiling.py:
 the output tok/s no server can pass here) with each server's share of it; for each served stack, its CPU
-seconds per 1k output tokens by process (phaseserve/benchmark/proc_cpu.py: /proc CPU time of its process tree over the
+seconds per 1k output tokens by process (stack/benchmark/proc_cpu.py: /proc CPU time of its process tree over the
 measured run, the client's too). Writes JSON and PNG into --out-dir.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 from bench.ceiling import Ceiling, ceiling, measure_gemm_rate
 from bench.safetensors_folder import safetensors_folder
 from bench.servers import DEFAULT_VLLM, VLLM_THREAD_MODES, phaseserve_server, vllm_server
-from phaseserve.benchmark import cli as bench_cli
-from phaseserve.benchmark.models import resolve_model
-from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
+from phaseserve.stack.benchmark import cli as bench_cli
+from phaseserve.stack.benchmark.models import resolve_model
+from phaseserve.stack.benchmark.proc_cpu import ProcessTreeCPU
 from phaseserve.redis_server import free_port
 
 SERVERS = ("vllm", "phaseserve", "engine")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                               "gemm_gflop_s": roof.gemm_rate / 1e9, "threads": roof.threads}
     json_path = out / f"side-by-side-{tag}.json"
     json_path.write_text(json.dumps(payload, indent=1))
-    from phaseserve.benchmark.plot import plot_results
+    from phaseserve.stack.benchmark.plot import plot_results
 
     png = plot_results(runs, out / f"side-by-side-{tag}.png", title=f"{Path(args.model).name}: "
                        f"{runs[0]['workload']['workload']} workload")

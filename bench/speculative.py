@@ -29,8 +29,8 @@ from bench import spec_timeline
 from bench.safetensors_folder import safetensors_folder
 from bench.servers import DEFAULT_VLLM, phaseserve_server, vllm_server
 from bench.side_by_side import bench_args
-from phaseserve.benchmark import cli as bench_cli
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.stack.benchmark import cli as bench_cli
+from phaseserve.stack.benchmark.models import resolve_model
 from phaseserve.redis_server import free_port
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}

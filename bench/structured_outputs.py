@@ -8,7 +8,7 @@ Reports TPOT p50 of each kind and their ratio, the schema compile time (p50, max
 real schemas with the code the gateway runs (phaseserve.grammar.check on the served model's tokenizer),
 and the mask time per token (p50, p99) from the stack's /metrics histogram. Every constrained output is
 checked against the schema (jsonschema). With a stack of its own, also the worker's CPU a model step for
-each kind (phaseserve.benchmark.proc_cpu: CPU time, which other load on a shared machine does not change).
+each kind (phaseserve.stack.benchmark.proc_cpu: CPU time, which other load on a shared machine does not change).
 
     python -m bench.structured_outputs [--model smollm2] [--streams 16] [--rounds 3] [--url URL]
 """
@@ -31,8 +31,8 @@ import jsonschema
 from bench.grammar_schemas import NESTED, SCHEMAS
 from bench.servers import phaseserve_server
 from phaseserve import grammar
-from phaseserve.benchmark.proc_cpu import ProcessTreeCPU
-from phaseserve.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.proc_cpu import ProcessTreeCPU
+from phaseserve.stack.benchmark.sse import sse_messages
 from phaseserve.models import model_source
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.redis_server import free_port
@@ -76,7 +76,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, seed: i
 
 
 class _WorkerCPU:
-    """Worker CPU seconds and model steps over runs of one kind (phaseserve.benchmark.proc_cpu; none without a server pid)."""
+    """Worker CPU seconds and model steps over runs of one kind (phaseserve.stack.benchmark.proc_cpu; none without a server pid)."""
 
     def __init__(self, server_pid: int | None):
         self.server_pid, self.seconds, self.steps = server_pid, 0.0, 0

@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from bench.servers import ServerProcess
-from phaseserve.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.sse import sse_messages
 from phaseserve.redis_server import free_port
 
 KEY_A, KEY_B = "sk-bench-tenant-a", "sk-bench-tenant-b"

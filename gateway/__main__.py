@@ -1,4 +1,4 @@
-"""`python -m gateway [flags]` (also `phaseserve gateway`): serve the OpenAI API."""
+"""`python -m phaseserve.gateway [flags]` (also `phaseserve gateway`): serve the OpenAI API."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from aiohttp import web
 
-from gateway.app import create_app
+from phaseserve.gateway.app import create_app
 from phaseserve import logs, settings
 from phaseserve.event_loop import new_event_loop
 from phaseserve.procs import freeze_startup_heap

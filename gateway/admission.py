@@ -8,10 +8,10 @@ in flight, prompt tokens queued, the key's quota), a 400 or a 429 with Retry-Aft
 
 from __future__ import annotations
 
-from gateway.endpoints import Endpoint
-from gateway.errors import APIError, bad_request, context_length_exceeded, too_many_requests
-from gateway.state import Gateway
-from gateway.tenants import ApiKey
+from phaseserve.gateway.endpoints import Endpoint
+from phaseserve.gateway.errors import APIError, bad_request, context_length_exceeded, too_many_requests
+from phaseserve.gateway.state import Gateway
+from phaseserve.gateway.tenants import ApiKey
 from phaseserve.kv_admission import KVCapacity
 
 

@@ -10,21 +10,21 @@ from dataclasses import fields
 import structlog
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.auth import auth_middleware, caller, load_api_keys
-from gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
-from gateway.generate import create_chat_completion, create_completion
-from gateway.health import UNAVAILABLE, Health, assess
-from gateway.key_usage import RequestUsage
-from gateway.live_view import LIVE_VIEW, LiveView, stack_events
-from gateway.lora_routes import add_routes as add_lora_routes
-from gateway.metrics import CONTENT_TYPE
-from gateway.openapi import openapi_document
-from gateway.responses import cancel_response, create_response, delete_response, retrieve_response
-from gateway.state import GATEWAY, Gateway
-from gateway.tenants import KeyDirectory
-from gateway.tokenize_routes import detokenize, tokenize
-from gateway.ui import add_ui_routes
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.auth import auth_middleware, caller, load_api_keys
+from phaseserve.gateway.errors import BODY_TIMEOUT, MAX_BODY_BYTES, error_middleware
+from phaseserve.gateway.generate import create_chat_completion, create_completion
+from phaseserve.gateway.health import UNAVAILABLE, Health, assess
+from phaseserve.gateway.key_usage import RequestUsage
+from phaseserve.gateway.live_view import LIVE_VIEW, LiveView, stack_events
+from phaseserve.gateway.lora_routes import add_routes as add_lora_routes
+from phaseserve.gateway.metrics import CONTENT_TYPE
+from phaseserve.gateway.openapi import openapi_document
+from phaseserve.gateway.responses import cancel_response, create_response, delete_response, retrieve_response
+from phaseserve.gateway.state import GATEWAY, Gateway
+from phaseserve.gateway.tenants import KeyDirectory
+from phaseserve.gateway.tokenize_routes import detokenize, tokenize
+from phaseserve.gateway.ui import add_ui_routes
 from phaseserve import __version__
 
 log = structlog.get_logger("gateway")

@@ -13,8 +13,8 @@ import argparse
 
 from aiohttp import web
 
-from gateway.errors import invalid_api_key
-from gateway.tenants import ANONYMOUS, ApiKey, KeyDirectory, digest
+from phaseserve.gateway.errors import invalid_api_key
+from phaseserve.gateway.tenants import ANONYMOUS, ApiKey, KeyDirectory, digest
 
 PROTECTED_PREFIX = "/v1"
 PROTECTED_PATHS = ("/tokenize", "/detokenize")  # outside /v1 (vLLM's paths), but they run the model's tokenizer

@@ -20,15 +20,15 @@ import time
 
 import structlog
 
-from gateway.client_leases import ClientLeases
-from gateway.key_usage import KeyUsage
-from gateway.redis_connections import REDIS_ERRORS, BackgroundTasks, RedisConnections
-from gateway.resumes import Resumes
-from gateway.scheduler_state import SchedulerState
-from gateway.submissions import Submissions
-from gateway.token_channel import TokenChannel
-from gateway.token_delivery import ERROR_SHUTDOWN, DeliveryConfig, TokenRoutes
-from gateway.token_log_reads import TokenLogReads
+from phaseserve.gateway.client_leases import ClientLeases
+from phaseserve.gateway.key_usage import KeyUsage
+from phaseserve.gateway.redis_connections import REDIS_ERRORS, BackgroundTasks, RedisConnections
+from phaseserve.gateway.resumes import Resumes
+from phaseserve.gateway.scheduler_state import SchedulerState
+from phaseserve.gateway.submissions import Submissions
+from phaseserve.gateway.token_channel import TokenChannel
+from phaseserve.gateway.token_delivery import ERROR_SHUTDOWN, DeliveryConfig, TokenRoutes
+from phaseserve.gateway.token_log_reads import TokenLogReads
 from phaseserve.live_workers import LiveWorkers
 from phaseserve.redis_client import redacted
 from phaseserve.wire import GatewayInfo, Keys

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from gateway.output import SequenceOutput
+from phaseserve.gateway.output import SequenceOutput
 
 
 def check_request(n: int, best_of: int | None, stream: bool) -> None:

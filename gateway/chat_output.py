@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.reasoning import ReasoningFormat
-from gateway.tools import HermesParser
+from phaseserve.gateway.reasoning import ReasoningFormat
+from phaseserve.gateway.tools import HermesParser
 
 
 @dataclass

@@ -16,8 +16,8 @@ from typing import Awaitable, Callable
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
-from gateway.token_delivery import DeliveryConfig
+from phaseserve.gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
+from phaseserve.gateway.token_delivery import DeliveryConfig
 from phaseserve.wire import GatewayInfo, Keys
 
 log = structlog.get_logger("gateway.leases")

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
-from gateway.limits import MAX_CHOICES, MAX_PROMPTS
+from phaseserve.gateway.limits import MAX_CHOICES, MAX_PROMPTS
 
 INT64_MAX = (1 << 63) - 1
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway import protocol as P
-from gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
-from gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
-from gateway.reasoning import ReasoningFormat
-from gateway.tools import HermesParser
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.chat_output import ChatOutputReader, WholeOutput, read_whole
+from phaseserve.gateway.output import Delta, SequenceOutput, chat_logprobs, completion_logprobs
+from phaseserve.gateway.reasoning import ReasoningFormat
+from phaseserve.gateway.tools import HermesParser
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import GrammarSpec
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.auth import CLIENT_KEY
-from gateway.endpoints import ChatEndpoint, ChatPlan, CompletionEndpoint
-from gateway.errors import bad_request, read_body
-from gateway.generation import Generation, Prompt
-from gateway.state import GATEWAY, Gateway
-from gateway.structured import requested_grammar
-from gateway.tools import plan_tools
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.auth import CLIENT_KEY
+from phaseserve.gateway.endpoints import ChatEndpoint, ChatPlan, CompletionEndpoint
+from phaseserve.gateway.errors import bad_request, read_body
+from phaseserve.gateway.generation import Generation, Prompt
+from phaseserve.gateway.state import GATEWAY, Gateway
+from phaseserve.gateway.structured import requested_grammar
+from phaseserve.gateway.tools import plan_tools
 from phaseserve import grammar
 from phaseserve.models.tokenizer import ChatTemplateError
 from phaseserve.wire import LoraRef

@@ -20,19 +20,19 @@ from typing import AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.admission import admit, output_bound
-from gateway.auth import CLIENT_KEY, caller
-from gateway.endpoints import Endpoint
-from gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.admission import admit, output_bound
+from phaseserve.gateway.auth import CLIENT_KEY, caller
+from phaseserve.gateway.endpoints import Endpoint
+from phaseserve.gateway.errors import (REQUEST_ID, APIError, bad_request, context_length_exceeded, gateway_timeout,
                             internal_error, quarantined, resume_not_found, stream_in_use, unavailable)
-from gateway.key_usage import RequestUsage
-from gateway.output import Delta, SequenceOutput
-from gateway.sse_ids import RESUME_HEADER, event_id, parse_last_event_id, resume_token, token_matches, wants_resume
-from gateway.state import Gateway
-from gateway.stream_response import respond_stream
-from gateway.token_delivery import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
-from gateway.whole_response import respond_whole
+from phaseserve.gateway.key_usage import RequestUsage
+from phaseserve.gateway.output import Delta, SequenceOutput
+from phaseserve.gateway.sse_ids import RESUME_HEADER, event_id, parse_last_event_id, resume_token, token_matches, wants_resume
+from phaseserve.gateway.state import Gateway
+from phaseserve.gateway.stream_response import respond_stream
+from phaseserve.gateway.token_delivery import ERROR_SHUTDOWN, ERROR_TIMEOUT, RequestStream
+from phaseserve.gateway.whole_response import respond_whole
 from phaseserve.wire import (ERROR_GRAMMAR, ERROR_QUARANTINED, ERROR_REJECTED, LoraRef, SubmitRequest,
                              TokenEvent)
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
+from phaseserve.gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
 from phaseserve.wire import Keys
 
 log = structlog.get_logger("gateway.usage")

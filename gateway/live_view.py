@@ -17,11 +17,11 @@ import time
 import structlog
 from aiohttp import web
 
-from gateway.auth import caller
-from gateway.backend import Backend
-from gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, counter_value
-from gateway.metrics import GatewayMetrics
-from gateway.slow_client import SlowClient, write_within
+from phaseserve.gateway.auth import caller
+from phaseserve.gateway.backend import Backend
+from phaseserve.gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, counter_value
+from phaseserve.gateway.metrics import GatewayMetrics
+from phaseserve.gateway.slow_client import SlowClient, write_within
 from phaseserve.stack_view import StackView
 from phaseserve.wire import Keys, WireError, WorkerInfo
 

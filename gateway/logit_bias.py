@@ -10,8 +10,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from gateway.errors import bad_request
-from gateway.limits import MAX_LOGIT_BIAS
+from phaseserve.gateway.errors import bad_request
+from phaseserve.gateway.limits import MAX_LOGIT_BIAS
 from phaseserve.params import LOGIT_BIAS_LIMIT
 
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]],

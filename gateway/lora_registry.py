@@ -8,7 +8,7 @@ import asyncio
 import msgpack
 import structlog
 
-from gateway.errors import APIError, bad_request, model_not_found
+from phaseserve.gateway.errors import APIError, bad_request, model_not_found
 from phaseserve.lora import LoraError, parse_lora_module, read_adapter_config
 from phaseserve.wire import LoraRef
 

@@ -15,9 +15,9 @@ import structlog
 from aiohttp import web
 from pydantic import Field
 
-from gateway.errors import APIError, bad_request
-from gateway.protocol import StrictModel, parse_body
-from gateway.state import GATEWAY
+from phaseserve.gateway.errors import APIError, bad_request
+from phaseserve.gateway.protocol import StrictModel, parse_body
+from phaseserve.gateway.state import GATEWAY
 
 log = structlog.get_logger("gateway.lora")
 

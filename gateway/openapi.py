@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from gateway.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses_protocol import ResponsesRequest
-from gateway.structured import GrammarBudgets
-from gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
+from phaseserve.gateway.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from phaseserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from phaseserve.gateway.responses_protocol import ResponsesRequest
+from phaseserve.gateway.structured import GrammarBudgets
+from phaseserve.gateway.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from phaseserve import __version__
 
 _REF = "#/components/schemas/{model}"

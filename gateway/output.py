@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.stop_strings import StopStringMatcher
+from phaseserve.gateway.stop_strings import StopStringMatcher
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import TokenEvent
 

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from gateway.errors import context_length_exceeded
+from phaseserve.gateway.errors import context_length_exceeded
 from phaseserve.models.tokenizer import Tokenizer, message_text
 
 # A normalizer may merge characters (NFKC composes a Hangul syllable from 3 jamo), so a token may then stand

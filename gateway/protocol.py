@@ -12,12 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.best_of import check_request as check_best_of
-from gateway.completion_prompts import CompletionPrompt, check_choice_count, check_shape, prompt_list
-from gateway.errors import APIError, bad_request
-from gateway.limits import (MAX_CONTENT_PARTS, MAX_LOGPROBS, MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS,
+from phaseserve.gateway.best_of import check_request as check_best_of
+from phaseserve.gateway.completion_prompts import CompletionPrompt, check_choice_count, check_shape, prompt_list
+from phaseserve.gateway.errors import APIError, bad_request
+from phaseserve.gateway.limits import (MAX_CONTENT_PARTS, MAX_LOGPROBS, MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS,
                             MAX_STOP_TOKEN_IDS, MAX_TOOL_CALLS, MAX_TOOLS)
-from gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
+from phaseserve.gateway.logit_bias import LogitBias, by_token_id, check_keys, check_vocabulary
 from phaseserve.params import InvalidParams, SamplingParams
 
 # Integers travel as msgpack and torch int64: a wider one is a 400 naming the field, not a failure later.

@@ -17,7 +17,7 @@ from limits import RateLimitItemPerMinute
 from limits.storage import MemoryStorage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
-from gateway.tenants import ApiKey, Limits
+from phaseserve.gateway.tenants import ApiKey, Limits
 
 
 @dataclass(frozen=True)

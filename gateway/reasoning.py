@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tools import partial_suffix
+from phaseserve.gateway.tools import partial_suffix
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,18 @@ import json
 import structlog
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.auth import CLIENT_KEY
-from gateway.errors import APIError, bad_request, read_body
-from gateway.endpoints import ChatEndpoint
-from gateway.generate import check_request, client_of, plan_chat
-from gateway.generation import Generation, Prompt
-from gateway.sse_writer import SSE_JSON
-from gateway.output import Delta
-from gateway.responses_events import ResponseBuilder, usage
-from gateway.responses_protocol import ResponsesRequest, chat_messages, chat_request, responses_error
-from gateway.slow_client import SlowClient, drop, write_within
-from gateway.state import GATEWAY, Gateway
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.auth import CLIENT_KEY
+from phaseserve.gateway.errors import APIError, bad_request, read_body
+from phaseserve.gateway.endpoints import ChatEndpoint
+from phaseserve.gateway.generate import check_request, client_of, plan_chat
+from phaseserve.gateway.generation import Generation, Prompt
+from phaseserve.gateway.sse_writer import SSE_JSON
+from phaseserve.gateway.output import Delta
+from phaseserve.gateway.responses_events import ResponseBuilder, usage
+from phaseserve.gateway.responses_protocol import ResponsesRequest, chat_messages, chat_request, responses_error
+from phaseserve.gateway.slow_client import SlowClient, drop, write_within
+from phaseserve.gateway.state import GATEWAY, Gateway
 
 log = structlog.get_logger("gateway.responses")
 

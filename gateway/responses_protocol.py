@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from gateway import protocol as P
-from gateway.errors import APIError, bad_request
-from gateway.protocol import StrictModel
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.errors import APIError, bad_request
+from phaseserve.gateway.protocol import StrictModel
 
 
 class ContentPart(StrictModel):

@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import re
 
-from gateway.errors import bad_request
+from phaseserve.gateway.errors import bad_request
 
 RESUME_HEADER = "X-Resume"  # request: "1" to get event ids (and the token); "0" or absent: OpenAI's stream
 RESUME_TOKEN_HEADER = "X-Resume-Token"  # response: the token, for a resume before the first event

@@ -8,9 +8,9 @@ from typing import Callable
 
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.errors import APIError
-from gateway.slow_client import SlowClient, write_within
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.errors import APIError
+from phaseserve.gateway.slow_client import SlowClient, write_within
 
 # SSE data lines: compact, UTF-8 as is; one encoder for every event (json.dumps with options builds one a call)
 SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))

@@ -9,16 +9,16 @@ import uuid
 
 from aiohttp import web
 
-from gateway.backend import Backend
-from gateway.token_delivery import DeliveryConfig
-from gateway.metrics import GatewayMetrics
-from gateway.lora_registry import LoraRegistry
-from gateway.prompt_encoder import PromptEncoder
-from gateway.quotas import Quotas
-from gateway.structured import GrammarBudgets, GrammarChecker
-from gateway.reasoning import reasoning_format
-from gateway.responses_store import ResponseStore
-from gateway.tools import PARSERS
+from phaseserve.gateway.backend import Backend
+from phaseserve.gateway.token_delivery import DeliveryConfig
+from phaseserve.gateway.metrics import GatewayMetrics
+from phaseserve.gateway.lora_registry import LoraRegistry
+from phaseserve.gateway.prompt_encoder import PromptEncoder
+from phaseserve.gateway.quotas import Quotas
+from phaseserve.gateway.structured import GrammarBudgets, GrammarChecker
+from phaseserve.gateway.reasoning import reasoning_format
+from phaseserve.gateway.responses_store import ResponseStore
+from phaseserve.gateway.tools import PARSERS
 from phaseserve import redis_url
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.model_files import read_json

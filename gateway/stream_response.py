@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from gateway import protocol as P
-from gateway.errors import APIError, internal_error
-from gateway.output import SequenceOutput
-from gateway.slow_client import SlowClient, drop
-from gateway.sse_ids import RESUME_TOKEN_HEADER
-from gateway.sse_writer import DONE, SSEWriter
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.errors import APIError, internal_error
+from phaseserve.gateway.output import SequenceOutput
+from phaseserve.gateway.slow_client import SlowClient, drop
+from phaseserve.gateway.sse_ids import RESUME_TOKEN_HEADER
+from phaseserve.gateway.sse_writer import DONE, SSEWriter
 
 if TYPE_CHECKING:
-    from gateway.generation import Generation
+    from phaseserve.gateway.generation import Generation
 
 log = structlog.get_logger("gateway")
 

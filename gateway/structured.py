@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import bad_request, too_many_requests, unavailable
+from phaseserve.gateway.errors import bad_request, too_many_requests, unavailable
 from phaseserve import grammar
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.settings import BY_NAME

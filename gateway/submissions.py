@@ -11,8 +11,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.client_leases import ClientLeases
-from gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
+from phaseserve.gateway.client_leases import ClientLeases
+from phaseserve.gateway.redis_connections import REDIS_ERRORS, BackgroundTasks
 from phaseserve import token_log
 from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest
 

@@ -12,8 +12,8 @@ import asyncio
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.redis_connections import REDIS_ERRORS
-from gateway.token_delivery import TokenRoutes
+from phaseserve.gateway.redis_connections import REDIS_ERRORS
+from phaseserve.gateway.token_delivery import TokenRoutes
 from phaseserve.wire import SequenceProgress, WireError, channel_message
 
 log = structlog.get_logger("gateway.channel")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from gateway.slow_client import SlowClient
+from phaseserve.gateway.slow_client import SlowClient
 from phaseserve.wire import TokenEvent
 
 log = structlog.get_logger("gateway.delivery")

@@ -14,8 +14,8 @@ import time
 import redis.asyncio as aioredis
 import structlog
 
-from gateway.redis_connections import REDIS_ERRORS
-from gateway.token_delivery import DeliveryConfig, RequestStream, TokenRoutes
+from phaseserve.gateway.redis_connections import REDIS_ERRORS
+from phaseserve.gateway.token_delivery import DeliveryConfig, RequestStream, TokenRoutes
 from phaseserve import token_log
 from phaseserve.wire import Keys, WireError
 

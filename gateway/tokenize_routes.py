@@ -14,10 +14,10 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Field, model_validator
 
-from gateway.errors import bad_request, read_body
-from gateway.limits import MAX_DETOKENIZE_TOKENS
-from gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
-from gateway.state import GATEWAY, Gateway
+from phaseserve.gateway.errors import bad_request, read_body
+from phaseserve.gateway.limits import MAX_DETOKENIZE_TOKENS
+from phaseserve.gateway.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, TokenId, StrictModel, parse_body
+from phaseserve.gateway.state import GATEWAY, Gateway
 from phaseserve.models.tokenizer import ChatTemplateError
 
 

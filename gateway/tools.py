@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import bad_request
+from phaseserve.gateway.errors import bad_request
 from phaseserve import grammar
 from phaseserve.wire import GrammarSpec
 

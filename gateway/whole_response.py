@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gateway.best_of import best_of
+from phaseserve.gateway.best_of import best_of
 from phaseserve.wire import ERROR_GRAMMAR, ERROR_REJECTED
 
 if TYPE_CHECKING:
-    from gateway.generation import Generation
+    from phaseserve.gateway.generation import Generation
 
 
 async def respond_whole(gen: Generation) -> web.Response:

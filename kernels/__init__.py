@@ -17,12 +17,12 @@ kernels.dispatch.choices.CHOICES (resolved once per process and key; `CHOICES.re
 
 from __future__ import annotations
 
-from kernels.dispatch.attention import decode_reads_own_lengths, paged_attention
-from kernels.dispatch.choices import CHOICES
-from kernels.dispatch.decode_layer import DecodeLayers, decode_layer, decode_layer_available
-from kernels.dispatch.layer_ops import (argmax, rms_norm, rotary_and_write_kv, rotary_embedding, sample,
+from phaseserve.kernels.dispatch.attention import decode_reads_own_lengths, paged_attention
+from phaseserve.kernels.dispatch.choices import CHOICES
+from phaseserve.kernels.dispatch.decode_layer import DecodeLayers, decode_layer, decode_layer_available
+from phaseserve.kernels.dispatch.layer_ops import (argmax, rms_norm, rotary_and_write_kv, rotary_embedding, sample,
                                         silu_and_mul, write_kv_cache)
-from kernels.dispatch.linears import (LORA_TILE_ROWS, bf16_linear, bf16_weight_linear_f32,
+from phaseserve.kernels.dispatch.linears import (LORA_TILE_ROWS, bf16_linear, bf16_weight_linear_f32,
                                       int8_activations_available, lora_add, native_quant_available,
                                       native_quant_kernel, pack_bf16_linear, pack_bf16_weight_f32, pack_quantized,
                                       quant_linear)

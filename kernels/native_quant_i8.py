@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import BLOCK, QuantizedWeight
-from kernels.quant_packing import PackedWeight, bits_of, block_values, on_cpu, per_group
+from phaseserve.kernels.quant import BLOCK, QuantizedWeight
+from phaseserve.kernels.quant_packing import PackedWeight, bits_of, block_values, on_cpu, per_group
 
 LANES = 8
 

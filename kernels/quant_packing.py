@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import BLOCK, QuantizedWeight
+from phaseserve.kernels.quant import BLOCK, QuantizedWeight
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import QuantizedWeight
-from kernels.reference_sampling import sample  # noqa: F401  (re-exported: every kernel's reference is here)
+from phaseserve.kernels.quant import QuantizedWeight
+from phaseserve.kernels.reference_sampling import sample  # noqa: F401  (re-exported: every kernel's reference is here)
 
 
 def rms_norm(

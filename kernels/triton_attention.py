@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import INTERPRETED, as_heads, pow2
+from phaseserve.kernels.triton_common import INTERPRETED, as_heads, pow2
 
 # Attention tiles: rows of a query tile (query tokens x heads of one GQA group)
 # and keys per inner-loop step. tl.dot needs every dimension >= 16.

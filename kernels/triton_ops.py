@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import paged_attention  # noqa: F401  (exported: see above)
-from kernels.triton_common import INTERPRETED, as_heads, as_rows, pow2, warps
-from kernels.triton_sampling import sample  # noqa: F401  (exported: see above)
+from phaseserve.kernels.triton_attention import paged_attention  # noqa: F401  (exported: see above)
+from phaseserve.kernels.triton_common import INTERPRETED, as_heads, as_rows, pow2, warps
+from phaseserve.kernels.triton_sampling import sample  # noqa: F401  (exported: see above)
 
 _ELEMWISE_BLOCK = 1024
 _MAX_FUSED_ROW = 65536

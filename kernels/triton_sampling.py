@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import pow2, warps
+from phaseserve.kernels.triton_common import pow2, warps
 
 _SAMPLE_BLOCK_V = 1024
 

@@ -1,7 +1,7 @@
 """How many CPUs a worker's model gets: the thread-count rule shared by the worker (workers/service.py) and
-the launcher that splits the cores between services (phaseserve/stack/launcher.py).
+the launcher that splits the cores between services (stack/launcher.py).
 
-The choice is measured, once per model and machine: a child process (`python -m workers.thread_probe MODEL`)
+The choice is measured, once per model and machine: a child process (`python -m phaseserve.workers.thread_probe MODEL`)
 loads the model and times a small fixed decode step (a representative batch) with every usable core and
 with one core fewer, alternating, for a bounded time (PROBE_BUDGET_S of timing: a start stays in seconds).
 A step on every core also pays for the rest of the service (gateway, scheduler, relay, Redis: their CPU
@@ -151,7 +151,7 @@ def probe(model_dir: str, counts: list[int]) -> tuple[dict[int, float], float]:
     busy0, wall0 = machine_busy_s(), time.monotonic()
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "workers.thread_probe", model_dir, out.name,
+        proc = subprocess.run([sys.executable, "-m", "phaseserve.workers.thread_probe", model_dir, out.name,
                                ",".join(map(str, counts)), str(PROBE_BUDGET_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT_S, text=True)
         if proc.returncode != 0:

@@ -1,8 +1,8 @@
-"""`python -m scheduler`: run the scheduler service (see scheduler/service.py)."""
+"""`python -m phaseserve.scheduler`: run the scheduler service (see scheduler/service.py)."""
 
 import sys
 
-from scheduler.service import main
+from phaseserve.scheduler.service import main
 
 if __name__ == "__main__":
     sys.exit(main())

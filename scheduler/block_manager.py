@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from phaseserve.kv_admission import cdiv, watermark_blocks
-from scheduler.prefix_index import BlockHash, PrefixIndex
+from phaseserve.scheduler.prefix_index import BlockHash, PrefixIndex
 
 
 class BlockManager:

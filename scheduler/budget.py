@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, ScheduledChunk, SeqStart
-from scheduler.config import SchedulerConfig
-from scheduler.sequence import Sequence
-from scheduler.step_cost import StepCosts
+from phaseserve.scheduler.config import SchedulerConfig
+from phaseserve.scheduler.sequence import Sequence
+from phaseserve.scheduler.step_cost import StepCosts
 
 
 def chunk_cost(start: int, n: int, horizon: int) -> float:

@@ -20,18 +20,18 @@ from collections.abc import Callable
 
 from phaseserve.stack_view import StackView
 from phaseserve.wire import Keys, StepPlan, StepResult, SubmitRequest, WorkerInfo
-from scheduler.cluster_stats import ClusterCounters, cluster_stats
-from scheduler.cluster_view import cluster_view
-from scheduler.drains import Drains
-from scheduler.handoff_routing import HandoffRouter
-from scheduler.lost_workers import LostWorkers
-from scheduler.membership import Membership, PolicyLimits
-from scheduler.quarantine import Quarantine
-from scheduler.request_book import RequestBook
-from scheduler.routing import RequestRouter
-from scheduler.step_deadlines import give_up_overdue_steps, void_unsent_plans
-from scheduler.worker_slot import WorkerSlot
-from scheduler.worker_steps import WorkerSteps
+from phaseserve.scheduler.cluster_stats import ClusterCounters, cluster_stats
+from phaseserve.scheduler.cluster_view import cluster_view
+from phaseserve.scheduler.drains import Drains
+from phaseserve.scheduler.handoff_routing import HandoffRouter
+from phaseserve.scheduler.lost_workers import LostWorkers
+from phaseserve.scheduler.membership import Membership, PolicyLimits
+from phaseserve.scheduler.quarantine import Quarantine
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.routing import RequestRouter
+from phaseserve.scheduler.step_deadlines import give_up_overdue_steps, void_unsent_plans
+from phaseserve.scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.worker_steps import WorkerSteps
 
 
 class Cluster:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phaseserve.scheduler_stats import PrefixCacheStats, SchedulerStats, SpecDecodingStats
-from scheduler.handoff_counters import HandoffCounters
-from scheduler.policy import WorkerPolicy
-from scheduler.policy_stats import PolicyCounters
-from scheduler.quarantine import Quarantine
+from phaseserve.scheduler.handoff_counters import HandoffCounters
+from phaseserve.scheduler.policy import WorkerPolicy
+from phaseserve.scheduler.policy_stats import PolicyCounters
+from phaseserve.scheduler.quarantine import Quarantine
 
 
 @dataclass

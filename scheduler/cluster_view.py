@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from phaseserve.stack_view import WAITING_SHOWN, StackView, TenantShare, WaitingSequence, WorkerView
 from phaseserve.wire import SubmitRequest
-from scheduler.membership import PolicyLimits
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.membership import PolicyLimits
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
 
 def share_of(shares: dict[str, TenantShare], req: SubmitRequest) -> TenantShare:

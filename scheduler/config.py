@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phaseserve.kv_admission import DEFAULT_WATERMARK
-from scheduler.step_cost import ItlTarget
+from phaseserve.scheduler.step_cost import ItlTarget
 
 
 class AdmissionError(ValueError):

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 
 from phaseserve.scheduler_stats import SpecDecodingStats
 from phaseserve.wire import ScheduledChunk, StepResult, TokenEvent
-from scheduler.budget import StepBudget, StepDraft, chunk_cost
-from scheduler.config import SchedulerConfig
-from scheduler.draft_rule import DraftCandidate, VerifyCost, choose_drafts, fixed_drafts
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.step_cost import DEFAULT_PRIOR, StepCosts
+from phaseserve.scheduler.budget import StepBudget, StepDraft, chunk_cost
+from phaseserve.scheduler.config import SchedulerConfig
+from phaseserve.scheduler.draft_rule import DraftCandidate, VerifyCost, choose_drafts, fixed_drafts
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus
+from phaseserve.scheduler.step_cost import DEFAULT_PRIOR, StepCosts
 
 
 class DraftPlanner:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import structlog
 
 from phaseserve.wire import StepPlan, WorkerInfo
-from scheduler.cluster_stats import ClusterCounters
-from scheduler.membership import Membership
-from scheduler.redis_writes import SendPlan
-from scheduler.request_book import RequestBook
-from scheduler.routing import RequestRouter
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.cluster_stats import ClusterCounters
+from phaseserve.scheduler.membership import Membership
+from phaseserve.scheduler.redis_writes import SendPlan
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.routing import RequestRouter
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 
 @dataclass

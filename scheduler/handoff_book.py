@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from phaseserve.wire import KVReceive, KVSend, SubmitRequest
-from scheduler.sequence import Sequence
+from phaseserve.scheduler.sequence import Sequence
 
 
 @dataclass

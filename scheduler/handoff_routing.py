@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import StepResult
-from scheduler.handoff_counters import HandoffCounters
-from scheduler.membership import Membership
-from scheduler.request_book import RequestBook
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.handoff_counters import HandoffCounters
+from phaseserve.scheduler.membership import Membership
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 
 @dataclass

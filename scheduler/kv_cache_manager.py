@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from phaseserve.scheduler_stats import PrefixCacheStats
-from scheduler.block_manager import BlockManager
-from scheduler.prefix_index import block_hashes
-from scheduler.sequence import Sequence, SequenceStatus
+from phaseserve.scheduler.block_manager import BlockManager
+from phaseserve.scheduler.prefix_index import block_hashes
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus
 
 
 class KVCacheManager:

@@ -22,9 +22,9 @@ from redis.exceptions import ResponseError
 
 from phaseserve import token_log
 from phaseserve.wire import OUTPUT_FIELD_PREFIX, Keys, SubmitRequest, WireError
-from scheduler.cluster import Cluster
-from scheduler.quarantine import STRIKES_FIELD
-from scheduler.redis_writes import DeadLetter
+from phaseserve.scheduler.cluster import Cluster
+from phaseserve.scheduler.quarantine import STRIKES_FIELD
+from phaseserve.scheduler.redis_writes import DeadLetter
 
 log = structlog.get_logger("scheduler.leadership")
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import structlog
 
 from phaseserve.wire import ERROR_QUARANTINED, WorkerInfo
-from scheduler.cluster_stats import ClusterCounters
-from scheduler.membership import Membership
-from scheduler.request_book import RequestBook
-from scheduler.routing import RequestRouter
+from phaseserve.scheduler.cluster_stats import ClusterCounters
+from phaseserve.scheduler.membership import Membership
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.routing import RequestRouter
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 
 @dataclass

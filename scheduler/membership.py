@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import WorkerInfo
-from scheduler.lora_routing import AdapterRecency
-from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.step_cost import ItlTarget
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.lora_routing import AdapterRecency
+from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.scheduler.step_cost import ItlTarget
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 # step ids of one adoption of a worker start at (adoption number) * this: a late result of an earlier
 # adoption (or of a scheduler before us, whose epoch differs anyway) matches no open step

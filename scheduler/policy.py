@@ -25,20 +25,20 @@ import structlog
 
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.wire import StepPlan, StepResult, SubmitRequest
-from scheduler.budget import StepBudget, StepDraft
-from scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
-from scheduler.draft_planner import DraftPlanner
-from scheduler.fair_share import TenantShares
-from scheduler.handoff_book import Handoff, HandoffBook
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.policy_stats import PolicyCounters, PolicyStats
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.sequence_queues import SequenceQueues
-from scheduler.step_cost import StepCosts
-from scheduler.step_planner import StepPlanner
-from scheduler.tenant_planner import TenantPlanner
+from phaseserve.scheduler.budget import StepBudget, StepDraft
+from phaseserve.scheduler.config import AdmissionError, SchedulerConfig, out_of_vocab
+from phaseserve.scheduler.draft_planner import DraftPlanner
+from phaseserve.scheduler.fair_share import TenantShares
+from phaseserve.scheduler.handoff_book import Handoff, HandoffBook
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.policy_stats import PolicyCounters, PolicyStats
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus
+from phaseserve.scheduler.sequence_queues import SequenceQueues
+from phaseserve.scheduler.step_cost import StepCosts
+from phaseserve.scheduler.step_planner import StepPlanner
+from phaseserve.scheduler.tenant_planner import TenantPlanner
 
-log = structlog.get_logger("scheduler.policy")
+log = structlog.get_logger("phaseserve.scheduler.policy")
 
 RUNNING = SequenceStatus.RUNNING
 

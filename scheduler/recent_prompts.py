@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from scheduler.prefix_index import BlockHash
+from phaseserve.scheduler.prefix_index import BlockHash
 
 
 class RecentPrompts:

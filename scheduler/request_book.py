@@ -7,11 +7,11 @@ from __future__ import annotations
 import structlog
 
 from phaseserve.wire import Keys, SequenceProgress, SubmitRequest, TokenBatch, TokenEvent
-from scheduler.membership import Membership
-from scheduler.quarantine import STRIKES_FIELD, Quarantine
-from scheduler.redis_writes import DeleteRecord, Publish, RedisWrite, SaveOutputs, SetRecordField, TellError
+from phaseserve.scheduler.membership import Membership
+from phaseserve.scheduler.quarantine import STRIKES_FIELD, Quarantine
+from phaseserve.scheduler.redis_writes import DeleteRecord, Publish, RedisWrite, SaveOutputs, SetRecordField, TellError
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 # confirmed tokens go into a request's record in runs of this many: one Redis command per run, not per token
 # (a command per token was most of the scheduler's CPU). A takeover resumes from the record, up to this far

@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 import structlog
 
 from phaseserve.wire import ERROR_REJECTED, SubmitRequest
-from scheduler.cluster_stats import ClusterCounters
-from scheduler.membership import Membership, PolicyLimits
-from scheduler.policy import AdmissionError
-from scheduler.prefix_index import request_seed
-from scheduler.recent_prompts import RecentPrompts
-from scheduler.request_book import RequestBook
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.cluster_stats import ClusterCounters
+from phaseserve.scheduler.membership import Membership, PolicyLimits
+from phaseserve.scheduler.policy import AdmissionError
+from phaseserve.scheduler.prefix_index import request_seed
+from phaseserve.scheduler.recent_prompts import RecentPrompts
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 # Cache-aware routing: a request goes to the worker holding the longest cached prefix of it among the workers
 # whose load (unfinished sequences) is within this slack of the least loaded one's: max(PREFIX_SLACK_SEQS,

@@ -12,8 +12,8 @@ import enum
 from dataclasses import dataclass, field
 
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
-from scheduler.prefix_index import request_seed
-from scheduler.draft_rule import Acceptance
+from phaseserve.scheduler.prefix_index import request_seed
+from phaseserve.scheduler.draft_rule import Acceptance
 
 
 class SequenceStatus(enum.Enum):

@@ -11,9 +11,9 @@ import bisect
 import itertools
 
 from phaseserve.wire import SubmitRequest
-from scheduler.fair_share import TenantShares
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.sequence import Sequence, SequenceStatus, by_rank
+from phaseserve.scheduler.fair_share import TenantShares
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus, by_rank
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING

@@ -33,16 +33,16 @@ from phaseserve import event_loop
 from phaseserve.procs import freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect_async
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, SubmitRequest
-from scheduler.client_lease import OrphanTracker
-from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.leadership import READ_COUNT, Leadership, LeaseLost, claim_pending, create_groups, recover_records
-from scheduler.redis_writes import queue_writes
-from scheduler.stats_publishing import StatsWriter, ViewWriter
-from scheduler.step_deadlines import StepTimeouts
-from scheduler.stream_intake import StreamIntake
-from scheduler.worker_refresh import WorkerRefresh
+from phaseserve.scheduler.client_lease import OrphanTracker
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.leadership import READ_COUNT, Leadership, LeaseLost, claim_pending, create_groups, recover_records
+from phaseserve.scheduler.redis_writes import queue_writes
+from phaseserve.scheduler.stats_publishing import StatsWriter, ViewWriter
+from phaseserve.scheduler.step_deadlines import StepTimeouts
+from phaseserve.scheduler.stream_intake import StreamIntake
+from phaseserve.scheduler.worker_refresh import WorkerRefresh
 
-log = structlog.get_logger("scheduler.service")
+log = structlog.get_logger("phaseserve.scheduler.service")
 
 
 class SchedulerService:

@@ -12,7 +12,7 @@ import msgpack
 from phaseserve.scheduler_stats import SchedulerStats
 from phaseserve.stack_view import STACK_VIEW_IDLE_INTERVAL_S, STACK_VIEW_INTERVAL_S, STACK_VIEW_TTL_S
 from phaseserve.wire import Keys
-from scheduler.cluster import Cluster
+from phaseserve.scheduler.cluster import Cluster
 
 STATS_INTERVAL_S = 0.1  # the stats key is written at most ~10 times a second
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import structlog
 
 from phaseserve.wire import StepPlan
-from scheduler.cluster_stats import ClusterCounters
-from scheduler.step_cost import step_deadline
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.cluster_stats import ClusterCounters
+from phaseserve.scheduler.step_cost import step_deadline
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,19 @@ import structlog
 
 from phaseserve.kv_admission import KVCapacity, promised_len
 from phaseserve.wire import ScheduledChunk
-from scheduler.budget import StepBudget, StepDraft, chunk_cost
-from scheduler.config import SchedulerConfig
-from scheduler.draft_planner import DraftPlanner
-from scheduler.fair_share import TenantShares
-from scheduler.handoff_book import HandoffBook
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.policy_stats import PolicyCounters
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.sequence_queues import SequenceQueues
-from scheduler.step_cost import StepCosts
-from scheduler.tenant_planner import TenantPlanner
+from phaseserve.scheduler.budget import StepBudget, StepDraft, chunk_cost
+from phaseserve.scheduler.config import SchedulerConfig
+from phaseserve.scheduler.draft_planner import DraftPlanner
+from phaseserve.scheduler.fair_share import TenantShares
+from phaseserve.scheduler.handoff_book import HandoffBook
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.policy_stats import PolicyCounters
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus
+from phaseserve.scheduler.sequence_queues import SequenceQueues
+from phaseserve.scheduler.step_cost import StepCosts
+from phaseserve.scheduler.tenant_planner import TenantPlanner
 
-log = structlog.get_logger("scheduler.policy")
+log = structlog.get_logger("phaseserve.scheduler.policy")
 
 RUNNING = SequenceStatus.RUNNING
 

@@ -16,10 +16,10 @@ import structlog
 from phaseserve.wire import (
     FIELD, FIELD_BYTES, CancelRequest, Keys, StepResult, SubmitRequest, WireError, peek_kind,
 )
-from scheduler.cluster import Cluster
-from scheduler.redis_writes import DeadLetter, SaveSubmit
+from phaseserve.scheduler.cluster import Cluster
+from phaseserve.scheduler.redis_writes import DeadLetter, SaveSubmit
 
-log = structlog.get_logger("scheduler.service")
+log = structlog.get_logger("phaseserve.scheduler.service")
 
 
 class StreamIntake:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.budget import StepBudget, StepDraft, chunk_cost
-from scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.sequence import Sequence
+from phaseserve.scheduler.budget import StepBudget, StepDraft, chunk_cost
+from phaseserve.scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.sequence import Sequence
 
 
 class TenantPlanner:

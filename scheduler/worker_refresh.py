@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 
 from phaseserve.live_workers import read_live_workers
 from phaseserve.wire import FIELD, STREAM_MAXLEN, Keys, StepPlan, WorkerInfo
-from scheduler.client_lease import OrphanTracker
-from scheduler.cluster import Cluster
-from scheduler.redis_writes import LogAbort
+from phaseserve.scheduler.client_lease import OrphanTracker
+from phaseserve.scheduler.cluster import Cluster
+from phaseserve.scheduler.redis_writes import LogAbort
 
 
 @dataclass

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from phaseserve.stack_view import STEPS_SHOWN, StepSample
 from phaseserve.wire import WorkerInfo
-from scheduler.lora_routing import AdapterRecency
-from scheduler.policy import WorkerPolicy
-from scheduler.step_cost import StepCostModel
+from phaseserve.scheduler.lora_routing import AdapterRecency
+from phaseserve.scheduler.policy import WorkerPolicy
+from phaseserve.scheduler.step_cost import StepCostModel
 
 
 @dataclass

@@ -13,14 +13,14 @@ import structlog
 from phaseserve.stack_view import StepSample
 from phaseserve.step_shape import step_shape
 from phaseserve.wire import StepPlan, StepResult
-from scheduler.cluster_stats import ClusterCounters
-from scheduler.handoff_routing import HandoffRouter
-from scheduler.membership import Membership
-from scheduler.request_book import RequestBook
-from scheduler.step_cost import ItlTarget
-from scheduler.worker_slot import WorkerSlot
+from phaseserve.scheduler.cluster_stats import ClusterCounters
+from phaseserve.scheduler.handoff_routing import HandoffRouter
+from phaseserve.scheduler.membership import Membership
+from phaseserve.scheduler.request_book import RequestBook
+from phaseserve.scheduler.step_cost import ItlTarget
+from phaseserve.scheduler.worker_slot import WorkerSlot
 
-log = structlog.get_logger("scheduler.cluster")
+log = structlog.get_logger("phaseserve.scheduler.cluster")
 
 STEP_COST_LOG_EVERY = 512  # steps between log lines of a worker's learned step costs
 

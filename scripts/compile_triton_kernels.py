@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kernels import triton_attention, triton_ops, triton_sampling  # noqa: E402
+from phaseserve.kernels import triton_attention, triton_ops, triton_sampling  # noqa: E402
 
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
         torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
@@ -64,7 +64,7 @@ def capture_launches() -> list:
             triton_ops.paged_attention(q, cache, cache, bt, seq_lens, qsl, 0.1, 4)  # mixed
             triton_ops.paged_attention(q[:3], cache, cache, bt, seq_lens,
                                        torch.tensor([0, 1, 2, 3], dtype=torch.int32), 0.1, 1)  # decode
-        from kernels.quant import quantize
+        from phaseserve.kernels.quant import quantize
         for kind in ("int8", "int4"):
             qw = quantize(torch.randn(80, 64), kind)
             for dt in (torch.float16, torch.bfloat16, torch.float32):

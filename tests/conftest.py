@@ -62,7 +62,7 @@ def tokenizer(stack):
 def fresh_dispatch(monkeypatch):
     """The dispatch (kernels/__init__.py) decides every op family afresh, natively where it may: its choices
     are cached per process, and an earlier test may have left them (or its native switch) set otherwise."""
-    from kernels import CHOICES, native
+    from phaseserve.kernels import CHOICES, native
 
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     CHOICES.reset()

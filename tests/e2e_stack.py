@@ -1,5 +1,5 @@
 """A whole phaseserve stack for end-to-end tests: embedded Redis + scheduler + worker + gateway
-as real subprocesses on free ports, started with the launcher's own code (phaseserve/stack/launcher.py).
+as real subprocesses on free ports, started with the launcher's own code (stack/launcher.py).
 
 `running_stack(model_dir, log_dir, **settings)` is a context manager yielding a `RunningStack`
 (base_url, model name, redis url). Children's logs go to a file whose tail is shown when a

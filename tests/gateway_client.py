@@ -8,7 +8,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from gateway.app import create_app
+from phaseserve.gateway.app import create_app
 from phaseserve import settings
 from phaseserve.redis_server import free_port
 

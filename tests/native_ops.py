@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from kernels import cpu_isa, native
+from phaseserve.kernels import cpu_isa, native
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 
 @dataclass

@@ -20,10 +20,10 @@ from phaseserve.params import SamplingParams
 from phaseserve.procs import stop_process
 from phaseserve.redis_client import connect_async
 from phaseserve.wire import FIELD, CancelRequest, Keys, SubmitRequest, TokenBatch, channel_message
-from scheduler.service import PolicyLimits, SchedulerService
-from workers.runner import ModelRunner
-from workers.relay_link import RelayError
-from workers.service import WorkerService
+from phaseserve.scheduler.service import PolicyLimits, SchedulerService
+from phaseserve.workers.runner import ModelRunner
+from phaseserve.workers.relay_link import RelayError
+from phaseserve.workers.service import WorkerService
 
 MAX_TOKENS = 12
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,13 +51,13 @@ class WorkerThread:
 
 
 class WorkerProcess:
-    """`python -m workers` as a child process (what SIGSTOP and kill -9 need)."""
+    """`python -m phaseserve.workers` as a child process (what SIGSTOP and kill -9 need)."""
 
     def __init__(self, model_dir, url: str, keys: Keys, worker_id: str, log_path: Path, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--model", str(model_dir), "--redis-url", url,
+            [sys.executable, "-m", "phaseserve.workers", "--model", str(model_dir), "--redis-url", url,
              "--key-prefix", keys.prefix, "--worker-id", worker_id, "--heartbeat-interval", "0.1",
              "--heartbeat-ttl", "0.6", "--kv-cache-memory", "4MiB", "--num-threads", "1", *args],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -73,14 +73,14 @@ class WorkerProcess:
 
 
 class SchedulerProcess:
-    """`python -m scheduler` as a child process (what kill -9 needs)."""
+    """`python -m phaseserve.scheduler` as a child process (what kill -9 needs)."""
 
     def __init__(self, url: str, keys: Keys, log_path: Path, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.log_path = log_path
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "--redis-url", url, "--key-prefix", keys.prefix,
+            [sys.executable, "-m", "phaseserve.scheduler", "--redis-url", url, "--key-prefix", keys.prefix,
              "--heartbeat-interval", "0.1", "--max-num-batched-tokens", "64", *args],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 

@@ -118,8 +118,8 @@ def test_a_model_that_cannot_be_timed_in_time_is_chosen_by_size_once(tmp_path, m
 
 def test_the_timing_stops_at_its_budget(tmp_path, monkeypatch):
     """At least one round of every thread count, and no further round once the budget is spent."""
-    from workers import runner as runner_module
-    from workers.thread_probe import measure_step_times
+    from phaseserve.workers import runner as runner_module
+    from phaseserve.workers.thread_probe import measure_step_times
 
     model = make_model(tmp_path, "llama", "bfloat16")
     steps = []
@@ -137,7 +137,7 @@ def test_the_timing_stops_at_its_budget(tmp_path, monkeypatch):
 
 
 def test_the_worker_sets_and_logs_the_choice(tmp_path, monkeypatch):
-    from workers.service import set_threads
+    from phaseserve.workers.service import set_threads
 
     monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_model(tmp_path, "llama", "bfloat16")

@@ -13,7 +13,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from phaseserve.benchmark.cli import main as bench_main
+from phaseserve.stack.benchmark.cli import main as bench_main
 from model_factory import write_tokenizer
 
 FIRST_S = 0.06

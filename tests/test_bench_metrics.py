@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from phaseserve.benchmark.loadgen import arrival_delays
-from phaseserve.benchmark.metrics import RequestResult, calculate_metrics, parse_goodput
+from phaseserve.stack.benchmark.loadgen import arrival_delays
+from phaseserve.stack.benchmark.metrics import RequestResult, calculate_metrics, parse_goodput
 
 
 def req(ttft, latency, n_out, itl, prompt_len=10, success=True):

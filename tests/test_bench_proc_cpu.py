@@ -1,10 +1,10 @@
-"""phaseserve/benchmark/proc_cpu.py: CPU seconds of a process tree over a measured run, by role, per token and per step."""
+"""stack/benchmark/proc_cpu.py: CPU seconds of a process tree over a measured run, by role, per token and per step."""
 
 import subprocess
 import sys
 import time
 
-from phaseserve.benchmark.proc_cpu import CLIENT, ProcessTreeCPU, cpu_seconds, format_cpu, process_tree, role_of, steps_taken
+from phaseserve.stack.benchmark.proc_cpu import CLIENT, ProcessTreeCPU, cpu_seconds, format_cpu, process_tree, role_of, steps_taken
 from phaseserve.redis_server import EmbeddedRedis
 from phaseserve.wire import FIELD, Keys
 

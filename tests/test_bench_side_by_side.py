@@ -6,7 +6,7 @@ import pytest
 
 from bench.servers import vllm_thread_env
 from bench.side_by_side import bench_args, format_table, ratios
-from phaseserve.benchmark.cli import main as bench_main
+from phaseserve.stack.benchmark.cli import main as bench_main
 
 
 def run(label, tput, ttft99, tpot99, latency=True):
@@ -63,7 +63,7 @@ def test_client_cpus_pin_only_the_run_and_parse_strictly():
 
     import pytest
 
-    from phaseserve.benchmark import cli
+    from phaseserve.stack.benchmark import cli
 
     assert cli._cpu_list("1") == [1] and cli._cpu_list("3, 2,3") == [2, 3]
     for bad in ("", "a", "1;2", "3-1", "-1", ","):
@@ -86,7 +86,7 @@ def test_compute_ceiling_counts_the_models_matmuls(tmp_path):
     from bench.bench_model import RunnerBench, decode_flops, prefill_flops
     from bench.ceiling import ceiling, workload_flops
     from bench.side_by_side import workload_ceiling
-    from workers.loader import read_config
+    from phaseserve.workers.loader import read_config
 
     bundled = Path(__file__).resolve().parent.parent / "phaseserve" / "bundled_model"
     cfg = read_config(bundled)

@@ -5,7 +5,7 @@ import json
 
 from bench import spec_timeline
 from bench.speculative import add_ratios, build_parser, cell_args
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.stack.benchmark.models import resolve_model
 
 
 def test_each_cell_gets_its_own_prompts_so_no_cell_runs_on_anothers_prefix_cache():
@@ -14,7 +14,7 @@ def test_each_cell_gets_its_own_prompts_so_no_cell_runs_on_anothers_prefix_cache
     a = cell_args("copy", 1, args, model, "off", "http://x", args.seed + 0)
     b = cell_args("copy", 16, args, model, "off", "http://x", args.seed + 1)
     assert a.seed != b.seed
-    from phaseserve.benchmark.cli import build_specs, _vocab
+    from phaseserve.stack.benchmark.cli import build_specs, _vocab
     pa, _ = build_specs(a, _vocab(a, model))
     pb, _ = build_specs(b, _vocab(b, model))
     assert [s.prompt for s in pa] != [s.prompt for s in pb[:len(pa)]]
@@ -63,7 +63,7 @@ def test_the_timeline_sums_each_requests_drafts_and_cuts_phases_at_the_last_firs
 
 def test_the_workers_step_line_says_each_sequences_drafts_verified_and_kept():
     from phaseserve.wire import ScheduledChunk, StepPlan, StepResult, TokenEvent
-    from workers.service import draft_fields
+    from phaseserve.workers.service import draft_fields
 
     plan = StepPlan(7, "w", [], [ScheduledChunk("a", 10, 1, [0], num_draft=4), ScheduledChunk("b", 20, 1, [1],
                                                                                             num_draft=2),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from phaseserve.benchmark.cli import main as bench_main
+from phaseserve.stack.benchmark.cli import main as bench_main
 from e2e_stack import running_stack
 from model_factory import make_model
 

@@ -232,7 +232,7 @@ def test_disaggregated_profile_runs_prefill_and_decode_workers(compose):
 def test_workers_have_time_to_drain_before_docker_kills_them(compose, service):
     """Docker sends SIGTERM, then SIGKILL after stop_grace_period (10 s by default): a draining worker needs
     its drain timeout and the margin it waits beyond it."""
-    from workers.service import DRAIN_MARGIN_S
+    from phaseserve.workers.service import DRAIN_MARGIN_S
 
     svc = compose["services"][service]
     env = service_env(svc)
@@ -281,7 +281,7 @@ def test_dockerfile_copies_every_package():
     assert "torch==2.13.0" in dockerfile
 
 
-BUILD_OPS = "RUN cd / && python -m kernels.native"
+BUILD_OPS = "RUN cd / && python -m phaseserve.kernels.native"
 
 
 def test_the_image_builds_on_any_cpu_compiling_only_the_ops_its_cpu_runs():
@@ -292,7 +292,7 @@ def test_the_image_builds_on_any_cpu_compiling_only_the_ops_its_cpu_runs():
     run_lines = [line for line in dockerfile.splitlines() if line.startswith("RUN")]
     assert BUILD_OPS in run_lines
     assert not any("assert" in line or "names()" in line for line in run_lines), run_lines
-    from kernels import cpu_isa, native
+    from phaseserve.kernels import cpu_isa, native
 
     for cap in ("baseline", "avx2"):  # what such a build host runs: the build succeeds, whatever it can build
         level = min(cap, cpu_isa.detected(), key=cpu_isa.LEVELS.index)
@@ -300,14 +300,14 @@ def test_the_image_builds_on_any_cpu_compiling_only_the_ops_its_cpu_runs():
                     if cpu_isa.LEVELS.index(native.REQUIRES[op]) <= cpu_isa.LEVELS.index(level)]
         if native._unsupported_platform() is not None:
             expected = []
-        out = subprocess.run([sys.executable, "-m", "kernels.native"], capture_output=True, text=True, timeout=900,
+        out = subprocess.run([sys.executable, "-m", "phaseserve.kernels.native"], capture_output=True, text=True, timeout=900,
                              env=dict(os.environ, PHASESERVE_CPU_ISA=cap, PYTHONPATH=ROOT), cwd="/")
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"CPU level {level}; built {', '.join(expected) or 'none'} of" in out.stdout, out.stdout
 
 
 def test_native_names_are_the_op_sources():
-    import kernels.native as native
+    import phaseserve.kernels.native as native
 
     assert {"decode_attention", "extend_attention", "quant_gemm", "bf16_gemm", "layer_ops"} <= set(native.names())
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 
 
 def test_levels_from_cpuinfo_flags():
@@ -28,7 +28,7 @@ def test_cap_lowers_the_level_and_never_raises_it(monkeypatch):
 
 
 def test_a_capped_process_does_not_even_compile_the_ops_above_its_level(monkeypatch):
-    from kernels import native
+    from phaseserve.kernels import native
 
     monkeypatch.setenv(cpu_isa.ENV_CAP, "baseline")
     monkeypatch.setattr(native, "_loaded", {})

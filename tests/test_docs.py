@@ -15,9 +15,9 @@ def test_the_settings_page_is_the_settings_table():
 def test_the_request_limits_are_one_table_in_the_docs_and_the_openapi_document():
     from dataclasses import replace
 
-    from gateway import limits
-    from gateway.openapi import openapi_document
-    from gateway.structured import GrammarBudgets
+    from phaseserve.gateway import limits
+    from phaseserve.gateway.openapi import openapi_document
+    from phaseserve.gateway.structured import GrammarBudgets
 
     page = (ROOT / "docs" / "settings.md").read_text()
     assert limits.markdown_table() in page, "docs/settings.md's Request limits are stale: paste limits.markdown_table()"

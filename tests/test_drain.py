@@ -15,10 +15,10 @@ import pytest
 import runner_driver
 from phaseserve.params import SamplingParams
 from phaseserve.wire import Keys, WorkerInfo
-from scheduler.service import PolicyLimits
+from phaseserve.scheduler.service import PolicyLimits
 from service_harness import Gateway, WorkerProcess, start, stop
 from service_harness import stats as stats_of
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21], [30, 31, 32, 33, 34], [40, 41],
            [50, 51, 52], [60, 61, 62, 63]]
@@ -233,7 +233,7 @@ async def test_a_draining_worker_nobody_answers_leaves_on_its_own(e2e_model, red
     heartbeat says it drains meanwhile); a second SIGTERM stops one at once."""
     import redis.asyncio as aioredis
 
-    from workers.service import DRAIN_MARGIN_S
+    from phaseserve.workers.service import DRAIN_MARGIN_S
 
     held, unheld = Keys("held"), Keys("unheld")
     client = aioredis.Redis.from_url(redis_server)
@@ -310,8 +310,8 @@ async def test_a_worker_already_draining_when_adopted_gets_nothing_and_is_let_go
 
 def test_a_negative_drain_timeout_is_refused_in_one_line(monkeypatch):
     from phaseserve import logs
-    from scheduler.service import main as scheduler_main
-    from workers.service import main as worker_main
+    from phaseserve.scheduler.service import main as scheduler_main
+    from phaseserve.workers.service import main as worker_main
 
     monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
     for main in (scheduler_main, worker_main):

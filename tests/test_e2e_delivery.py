@@ -13,7 +13,7 @@ import asyncio
 
 import aiohttp
 
-from gateway.state import GATEWAY
+from phaseserve.gateway.state import GATEWAY
 from gateway_client import RESUME, post_resume, read_sse, serve_gateway
 
 MAX_TOKENS = 24

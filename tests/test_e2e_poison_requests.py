@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from e2e_stack import running_stack
-from gateway.limits import MAX_TOOLS
+from phaseserve.gateway.limits import MAX_TOOLS
 from phaseserve import settings
 from phaseserve.models.tokenizer import Tokenizer
 

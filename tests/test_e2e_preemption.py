@@ -13,8 +13,8 @@ from e2e_reference import engine_texts, metric, prompts
 from e2e_stack import running_stack, wait_for
 from phaseserve.kv_admission import KVCapacity
 from phaseserve.models.tokenizer import Tokenizer
-from workers.kv_cache import bytes_per_block
-from workers.loader import read_config, resolve_dtype
+from phaseserve.workers.kv_cache import bytes_per_block
+from phaseserve.workers.loader import read_config, resolve_dtype
 
 NUM_BLOCKS = 16
 BLOCK_SIZE = 16

@@ -59,7 +59,7 @@ class SecondGateway:
         port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--redis-url", self.stack.redis_url, "--model",
+            [sys.executable, "-m", "phaseserve.gateway", "--redis-url", self.stack.redis_url, "--model",
              str(self.stack.model_dir), "--key-prefix", self.stack.key_prefix, "--port", str(port),
              "--api-key", f"{KEY_A},{KEY_B}", "--served-model-name", self.stack.model],
             env=env, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)

@@ -71,13 +71,13 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
 
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for part in ("redis-server", "-m scheduler", "-m workers", "-m workers.relay", "-m gateway"):
+        for part in ("redis-server", "-m phaseserve.scheduler", "-m phaseserve.workers", "-m phaseserve.workers.relay", "-m phaseserve.gateway"):
             assert part in names, f"{part} not running under up: {names}"
         placement = core_placement({"bind_cores": True, "num_threads": 0, "model": str(e2e_model)})
         if placement:  # a small model on a machine of 2+ cores: the worker has its cores, the rest the others
             for c in children:
                 cmd = " ".join(c.cmdline())
-                service = "relay" if "-m workers.relay" in cmd else next(
+                service = "relay" if "-m phaseserve.workers.relay" in cmd else next(
                     (s for s in ("worker", "gateway", "scheduler") if f"-m {s}" in cmd),
                     "redis" if "redis-server" in cmd else None)
                 if service:
@@ -98,7 +98,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(e2e_model, tmp_path):
         redis_port = next(c.laddr.port for c in server.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=redis_port, retry=Retry(NoBackoff(), 0)).ping()
-        gateway = next(c for c in children if "-m gateway" in " ".join(c.cmdline()))
+        gateway = next(c for c in children if "-m phaseserve.gateway" in " ".join(c.cmdline()))
         password = unquote(urlsplit(gateway.environ()["REDIS_URL"]).password or "")
         assert len(password) >= 32
         assert all(password not in " ".join(c.cmdline()) for c in children) and password not in "".join(lines)
@@ -306,7 +306,7 @@ def test_up_restarts_a_killed_worker_and_ctrl_c_stops_it_quietly(e2e_model, tmp_
             found = []
             for c in psutil.Process(proc.pid).children():
                 try:  # the killed one is a zombie until up reaps it
-                    if "-m workers" in " ".join(c.cmdline()):
+                    if "-m phaseserve.workers" in " ".join(c.cmdline()):
                         found.append(c)
                 except psutil.Error:
                     pass
@@ -348,7 +348,7 @@ def test_children_of_a_killed_up_stop_at_once(e2e_model, tmp_path):
     try:
         assert ready.wait(180), "phaseserve up did not report it is serving:\n" + "".join(lines[-50:])
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("-m workers.relay" in " ".join(c.cmdline()) for c in children)
+        assert any("-m phaseserve.workers.relay" in " ".join(c.cmdline()) for c in children)
         proc.kill()
         proc.wait()
         _gone, alive = psutil.wait_procs(children, timeout=8)

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.fair_share import TenantShares, fair_order, most_over_share, usage_over_share, weighted_split
-from scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.scheduler.fair_share import TenantShares, fair_order, most_over_share, usage_over_share, weighted_split
+from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
 from tests.test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 
 
@@ -211,7 +211,7 @@ def test_prefix_blocks_are_shared_within_a_cache_scope_only():
     assert cached == {"a1": 0, "a2": 192, "b1": 0, "a3": 0, "c1": 192}
     # and routing sees the same: a's prompt is cached for a's scope only
     prompt = make_req("p", 200).prompt_ids
-    from scheduler.prefix_index import scope_seed
+    from phaseserve.scheduler.prefix_index import scope_seed
     assert sched.num_cached_tokens(prompt, scope_seed("a", "")) == 192
     assert sched.num_cached_tokens(prompt, scope_seed("b", "")) == 192  # b1 ran: b's own copy now
     assert sched.num_cached_tokens(prompt, scope_seed("d", "")) == 0

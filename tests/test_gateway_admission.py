@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import protocol as P
-from gateway.admission import output_bound
-from gateway.endpoints import DEFAULT_COMPLETION_MAX_TOKENS, ChatEndpoint, ChatPlan, CompletionEndpoint
-from gateway.errors import APIError
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.admission import output_bound
+from phaseserve.gateway.endpoints import DEFAULT_COMPLETION_MAX_TOKENS, ChatEndpoint, ChatPlan, CompletionEndpoint
+from phaseserve.gateway.errors import APIError
 from phaseserve.kv_admission import KVCapacity
 
 SMALL_CACHE = [KVCapacity(num_blocks=8, block_size=16, max_model_len=1024)]

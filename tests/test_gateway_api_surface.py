@@ -143,8 +143,8 @@ async def test_models_by_id_tokenize_detokenize_and_version(gw):
 def test_best_of_ranks_within_each_prompt_and_indexes_choices_prompt_times_n():
     from types import SimpleNamespace
 
-    from gateway.best_of import best_of
-    from gateway.output import TokenLogprob
+    from phaseserve.gateway.best_of import best_of
+    from phaseserve.gateway.output import TokenLogprob
 
     def out(name, *lps):
         return SimpleNamespace(name=name, index=-1, logprobs=[TokenLogprob(0, lp, [], 0) for lp in lps])

@@ -241,7 +241,7 @@ async def test_a_client_that_does_not_come_back_is_cancelled_after_the_grace(mak
 
 
 def test_orphan_tracker_cancels_what_has_had_no_lease_for_the_grace():
-    from scheduler.client_lease import OrphanTracker
+    from phaseserve.scheduler.client_lease import OrphanTracker
 
     t = OrphanTracker(grace_s=10)
     assert t.update(["a", "b"], [False, True], now=100) == []

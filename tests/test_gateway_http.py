@@ -27,7 +27,7 @@ from phaseserve.kv_admission import KVCapacity
 from gateway_client import read_sse, serve_gateway
 from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, FIELD, CancelRequest, Keys,
                              SubmitRequest, TokenBatch, TokenEvent, WorkerInfo, peek_kind)
-from gateway import protocol as P
+from phaseserve.gateway import protocol as P
 from text_model_factory import make_text_model
 
 MODEL = "tiny-text"
@@ -458,7 +458,7 @@ async def test_disconnect_cancels_and_in_flight_limit_is_429(gw):
 
 async def test_main_serves_and_stops_on_sigterm(redis_server, text_model):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--redis-url", redis_server, "--model", str(text_model),
+    proc = subprocess.Popen([sys.executable, "-m", "phaseserve.gateway", "--redis-url", redis_server, "--model", str(text_model),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

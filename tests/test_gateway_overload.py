@@ -176,7 +176,7 @@ async def test_a_password_protected_redis_is_used_through_the_url(make_gw):
 
 
 def test_rediss_urls_give_tls_connections():
-    from gateway.backend import Backend
+    from phaseserve.gateway.backend import Backend
 
     b = Backend("rediss://:secret@redis.example:6380/2", Keys("t"), GATEWAY_ID, max_connections=3)
     pool = b.redis.connection_pool

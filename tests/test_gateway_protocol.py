@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from gateway import protocol as P
-from gateway.token_delivery import TokenRoutes
-from gateway.errors import APIError
-from gateway.output import SequenceOutput, chat_logprobs, completion_logprobs
-from gateway.stop_strings import StopStringMatcher
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.token_delivery import TokenRoutes
+from phaseserve.gateway.errors import APIError
+from phaseserve.gateway.output import SequenceOutput, chat_logprobs, completion_logprobs
+from phaseserve.gateway.stop_strings import StopStringMatcher
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.wire import TokenEvent
 from text_model_factory import make_text_model

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from gateway.quotas import Quotas
-from gateway.tenants import DEFAULT, KeyDirectory, KeysFileError, parse_keys_file
+from phaseserve.gateway.quotas import Quotas
+from phaseserve.gateway.tenants import DEFAULT, KeyDirectory, KeysFileError, parse_keys_file
 
 EXAMPLE = """
 tenants:

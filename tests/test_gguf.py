@@ -20,16 +20,16 @@ from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gguf_factory import gguf_name, llama3_rope_factors, write_gguf
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 from model_factory import make_model
 from phaseserve.stack.engine import Engine
 from phaseserve.models.gguf_files import GGUFError, llama3_rope_from_factors, write_model_folder
 from phaseserve.params import SamplingParams
 from phaseserve.models.tokenizer import Tokenizer
-from workers.gguf_weights import QuantizedTensor, unpermute_rows, load_gguf_weights
-from workers.loader import ModelLoadError, load_checkpoint, read_config
-from workers.model import rotary_inv_freq
-from workers.runner import ModelRunner
+from phaseserve.workers.gguf_weights import QuantizedTensor, unpermute_rows, load_gguf_weights
+from phaseserve.workers.loader import ModelLoadError, load_checkpoint, read_config
+from phaseserve.workers.model import rotary_inv_freq
+from phaseserve.workers.runner import ModelRunner
 
 # types gguf-py can quantize, cycled over the 2-D weights (Q/K projections get several of them)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")

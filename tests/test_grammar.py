@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from bench.grammar_schemas import NESTED
-from gateway import protocol as P
-from gateway.errors import APIError
-from gateway.structured import GrammarBudgets, GrammarChecker, requested_grammar
-from gateway.tools import HermesParser, plan_tools
+from phaseserve.gateway import protocol as P
+from phaseserve.gateway.errors import APIError
+from phaseserve.gateway.structured import GrammarBudgets, GrammarChecker, requested_grammar
+from phaseserve.gateway.tools import HermesParser, plan_tools
 from phaseserve import grammar, settings
 from phaseserve.models.tokenizer import Tokenizer
 from phaseserve.params import SamplingParams
 from phaseserve.wire import GrammarSpec, SeqStart, SubmitRequest
 from runner_driver import run
-from workers.runner import ModelRunner
-from workers.sampler import SampleRow, Sampler
+from phaseserve.workers.runner import ModelRunner
+from phaseserve.workers.sampler import SampleRow, Sampler
 
 BUNDLED = settings.bundled_model_path()
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.budget import StepBudget, chunk_cost, max_chunk_tokens
-from scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.scheduler.budget import StepBudget, chunk_cost, max_chunk_tokens
+from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
 from phaseserve.step_shape import step_shape
-from scheduler.step_cost import ItlTarget, StepCosts
+from phaseserve.scheduler.step_cost import ItlTarget, StepCosts
 from test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 
 # a 200M-like worker: a decode step of 16 costs ~33 ms, a 256-token chunk ~8 decode steps' worth

@@ -4,9 +4,9 @@ choice; and the dispatch's own choices live there (CHOICES.reset makes an op fam
 
 import torch
 
-import kernels
-from kernels.dispatch.choices import CHOICES, Choice, DispatchChoices
-from kernels.dispatch.layer_ops import LAYER_OPS
+from phaseserve import kernels
+from phaseserve.kernels.dispatch.choices import CHOICES, Choice, DispatchChoices
+from phaseserve.kernels.dispatch.layer_ops import LAYER_OPS
 
 
 def counting_choice(calls: list) -> Choice:

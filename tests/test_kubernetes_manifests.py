@@ -59,7 +59,7 @@ def containers(workload: dict) -> list[dict]:
 
 
 def gateway_metric_names() -> set[str]:
-    from gateway.metrics import GatewayMetrics
+    from phaseserve.gateway.metrics import GatewayMetrics
 
     return {m.name for m in GatewayMetrics("m").registry.collect()}
 
@@ -95,7 +95,7 @@ def test_probes_ask_each_service_itself(objects):
 
 
 def test_workers_drain_within_their_grace_period_and_load_the_model_from_a_volume(objects):
-    from workers.service import DRAIN_MARGIN_S
+    from phaseserve.workers.service import DRAIN_MARGIN_S
 
     config = by_kind(objects, "ConfigMap")["phaseserve-config"]["data"]
     drain = float(config["PHASESERVE_DRAIN_TIMEOUT"])

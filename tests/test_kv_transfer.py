@@ -18,13 +18,13 @@ import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.kv_cache import KVCache
-from workers.kv_transfer import (
+from phaseserve.workers.kv_cache import KVCache
+from phaseserve.workers.kv_transfer import (
     KVLayoutMismatch, KVTransferCorrupt, KVTransferError, KVTransferOutOfOrder, KVTransferTimeout,
 )
-from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender, transfer_key
-from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, transfer_path
-from workers.runner import ModelRunner
+from phaseserve.workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender, transfer_key
+from phaseserve.workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, transfer_path
+from phaseserve.workers.runner import ModelRunner
 
 BUNDLED = Path(__file__).resolve().parents[1] / "phaseserve" / "bundled_model"
 TRANSPORTS = ["redis", "shm"]
@@ -291,7 +291,7 @@ def test_stale_shared_memory_transfers_are_removed(tmp_path):
     import os
     import time
 
-    from workers.kv_transfer.shm_transport import remove_stale_transfers
+    from phaseserve.workers.kv_transfer.shm_transport import remove_stale_transfers
 
     cache = random_cache(torch.bfloat16)
     ShmKVSender("t-old", cache, [1], directory=tmp_path).abort()  # abort unlinks what it created
@@ -325,8 +325,8 @@ def test_a_transfer_file_planted_by_another_user_is_refused_and_nothing_applied(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
 def test_the_transfer_directory_is_the_stacks_own_and_ids_are_unguessable(tmp_path):
-    from scheduler.policy import SchedulerConfig, WorkerPolicy
-    from workers.kv_transfer.shm_transport import private_dir
+    from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
+    from phaseserve.workers.kv_transfer.shm_transport import private_dir
 
     d = private_dir("ps", base=tmp_path)
     assert d.name == f"phaseserve-kv-{os.geteuid()}-ps" and (d.stat().st_mode & 0o777) == 0o700
@@ -355,9 +355,9 @@ def test_the_transfer_directory_is_the_stacks_own_and_ids_are_unguessable(tmp_pa
 KILLED_SENDER = """
 import sys, time, redis, torch
 from pathlib import Path
-from workers.kv_cache import KVCache
-from workers.kv_transfer.redis_transport import RedisKVSender
-from workers.kv_transfer.shm_transport import ShmKVSender
+from phaseserve.workers.kv_cache import KVCache
+from phaseserve.workers.kv_transfer.redis_transport import RedisKVSender
+from phaseserve.workers.kv_transfer.shm_transport import ShmKVSender
 transport, url, directory, tid = sys.argv[1:5]
 cache = KVCache(3, 2, 16, num_blocks=40, dtype=torch.bfloat16)
 if transport == "redis":

@@ -79,7 +79,7 @@ def test_a_rows_logits_are_the_same_bits_however_its_step_is_batched(model, adap
     """One numerics: a LoRA sequence's prefill row has the same logits bits alone and in steps with other
     adapters' and the base model's rows in any number (1 to 40 more rows of its own adapter, so its tiles are
     shared in other ways). Decodes, chunkings and recomputes: tests/test_one_numerics.py."""
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     runner = ModelRunner(model, dtype=dtype, num_blocks=256, block_size=16)
     ref_all, ref_attn = LoraRef("all", str(adapters["all"])), LoraRef("attn", str(adapters["attn"]))
@@ -115,7 +115,7 @@ def _base_prefill(runner, tokens, params):
 
 
 def test_base_rows_keep_their_bits_beside_adapters(model, adapters):
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tokens = [9, 10, 11, 12, 13, 14, 15]
@@ -192,8 +192,8 @@ def test_adapter_config_checks(adapters, tmp_path):
 
 
 def test_an_adapter_of_another_base_model_is_refused(adapters, tmp_path):
-    from workers.lora import load_adapter
-    from workers.loader import read_config
+    from phaseserve.workers.lora import load_adapter
+    from phaseserve.workers.loader import read_config
 
     other = make_model(tmp_path, "llama", hidden_size=96)
     with pytest.raises(LoraError, match="another base model"):

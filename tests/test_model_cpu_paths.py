@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_isa, native, reference_sampling
-from kernels import reference as ref
-from kernels.dispatch.linears import BF16_GEMM
+from phaseserve.kernels import cpu_isa, native, reference_sampling
+from phaseserve.kernels import reference as ref
+from phaseserve.kernels.dispatch.linears import BF16_GEMM
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.linear import Linear
+from phaseserve.workers.linear import Linear
 from runner_driver import run
-from workers.input_packer import MIN_BUCKET_BLOCKS, decode_buckets
-from workers.runner import ModelRunner
+from phaseserve.workers.input_packer import MIN_BUCKET_BLOCKS, decode_buckets
+from phaseserve.workers.runner import ModelRunner
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -41,7 +41,7 @@ def test_packed_linear_matches_f_linear(fresh_dispatch, dtype, rows):
 
 def test_linear_row_counts_fall_into_few_shapes():
     # oneDNN compiles a primitive per row count: a step of any size up to 512 rows must reuse a few
-    from workers.linear import ROW_QUANTUM, padded_rows
+    from phaseserve.workers.linear import ROW_QUANTUM, padded_rows
 
     shapes = {padded_rows(r) for r in range(1, 513)}
     assert len(shapes) <= ROW_QUANTUM + 512 // ROW_QUANTUM

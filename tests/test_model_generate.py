@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

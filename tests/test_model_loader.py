@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 from model_factory import make_model
-from workers.loader import ModelLoadError, load_checkpoint, read_config, resolve_dtype
-from workers.runner import ModelRunner
+from phaseserve.workers.loader import ModelLoadError, load_checkpoint, read_config, resolve_dtype
+from phaseserve.workers.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from model_factory import ALL_KINDS, make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 # per sequence, the chunk sizes of successive steps (1 = a decode-shaped step)
 SCHEDULES = {

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
-from workers.runner import ModelRunner
-from workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
+from phaseserve.workers.runner import ModelRunner
+from phaseserve.workers.sampler import SampleRow, Sampler, logit_bias_tensors, stop_id_tensor
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(10, 50)), [300, 4]]
 

@@ -44,7 +44,7 @@ class Cluster:
 
     def start_worker(self, host: int, role: str) -> str:
         worker_id = f"host{host}-{role}"
-        self.hosts.run(host, [sys.executable, "-m", "workers", "--model", str(self.model_dir), "--redis-url",
+        self.hosts.run(host, [sys.executable, "-m", "phaseserve.workers", "--model", str(self.model_dir), "--redis-url",
                               self.redis_url, "--role", role, "--worker-id", worker_id, *WORKER_ARGS],
                        f"worker-{host}.log")
         return worker_id
@@ -82,9 +82,9 @@ def cluster(e2e_model, tmp_path_factory):
         a1 = hosts.address(1)
         hosts.run(1, [find_redis_server(), "--bind", a1, "--port", "6379", "--save", "", "--appendonly", "no",
                       "--protected-mode", "no"], "redis.log")
-        hosts.run(1, [sys.executable, "-m", "scheduler", "--redis-url", c.redis_url, "--key-prefix", PREFIX,
+        hosts.run(1, [sys.executable, "-m", "phaseserve.scheduler", "--redis-url", c.redis_url, "--key-prefix", PREFIX,
                       "--heartbeat-interval", "0.3"], "scheduler.log")
-        hosts.run(1, [sys.executable, "-m", "gateway", "--model", str(e2e_model), "--redis-url", c.redis_url,
+        hosts.run(1, [sys.executable, "-m", "phaseserve.gateway", "--model", str(e2e_model), "--redis-url", c.redis_url,
                       "--key-prefix", PREFIX, "--host", a1, "--port", str(PORT)], "gateway.log")
         c.start_worker(2, "prefill")
         c.start_worker(3, "decode")

@@ -14,15 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.native as native
-from kernels import reference as ref
+from phaseserve import kernels
+import phaseserve.kernels.native as native
+from phaseserve.kernels import reference as ref
 from model_factory import make_model
 from native_ops import load_or_skip
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
 from runner_driver import run
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 
 

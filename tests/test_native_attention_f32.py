@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.native as native
-from kernels import cpu_isa
-from kernels import reference as ref
-from kernels.dispatch.attention import native_decode
-from kernels.dispatch.choices import implementation
+from phaseserve import kernels
+import phaseserve.kernels.native as native
+from phaseserve.kernels import cpu_isa
+from phaseserve.kernels import reference as ref
+from phaseserve.kernels.dispatch.attention import native_decode
+from phaseserve.kernels.dispatch.choices import implementation
 from native_ops import load_or_skip, torch_threads
 
 # query heads, KV heads, head_dim (groups 3, 1, 4, 16, 2)

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-import kernels.native as native
-from kernels.native_bf16 import PackedBf16Weight, pack
+from phaseserve import kernels
+import phaseserve.kernels.native as native
+from phaseserve.kernels.native_bf16 import PackedBf16Weight, pack
 from native_ops import amx_or_skip, cpu_has_amx_bf16, load_or_skip
-from workers.linear import Linear
+from phaseserve.workers.linear import Linear
 
 # the 200M llama's four linears (qkv, o, gate_up, down), SmolLM2-like widths, and odd ones: N not a multiple
 # of 16 or 64, K odd, N under one group

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import native
+from phaseserve.kernels import native
 
 pytestmark = pytest.mark.skipif(native._unsupported_platform() is not None,
                                 reason=f"no native build here: {native._unsupported_platform()}")
@@ -30,7 +30,7 @@ SOURCE = textwrap.dedent("""
 LOAD = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from kernels import native
+    from phaseserve.kernels import native
     library, compiled = native.build("phaseserve_build_probe", Path(sys.argv[1]), root=Path(sys.argv[2]))
     torch.ops.load_library(str(library))
     print(torch.ops.phaseserve_build_probe.answer(), compiled, library)
@@ -110,7 +110,7 @@ def test_concurrent_builders_each_load_and_one_build_is_kept(probe):
 PREBUILD = textwrap.dedent("""
     import sys, threading
     from pathlib import Path
-    from kernels import native
+    from phaseserve.kernels import native
     native.SOURCE_DIR, native.SHARED_HEADERS = Path(sys.argv[1]).parent, []
     native.REQUIRES["build_probe"] = "baseline"
     calls, build = [], native.build

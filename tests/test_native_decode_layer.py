@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_isa, reference
+from phaseserve import kernels
+from phaseserve.kernels import cpu_isa, reference
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.model import AttentionGroup, StepInputs
-from workers.runner import ModelRunner
+from phaseserve.workers.model import AttentionGroup, StepInputs
+from phaseserve.workers.runner import ModelRunner
 
 # head_dim 32, 2 query heads per KV head; intermediate 160: five 32-wide blocks into the down projection
 MODEL = dict(hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,

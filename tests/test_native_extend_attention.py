@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.native as native
-from kernels import reference as ref
-from kernels.dispatch.attention import EXTEND_ATTENTION
+from phaseserve import kernels
+import phaseserve.kernels.native as native
+from phaseserve.kernels import reference as ref
+from phaseserve.kernels.dispatch.attention import EXTEND_ATTENTION
 from native_ops import load_or_skip
 
 
@@ -211,7 +211,7 @@ def test_runner_prefills_natively_and_chunking_does_not_change_greedy_tokens(tmp
     from model_factory import make_model
     from phaseserve.params import SamplingParams
     from runner_driver import run
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     calls = []
     extend = ops.extend_attention

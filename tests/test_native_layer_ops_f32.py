@@ -13,17 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.native as native
-from kernels import cpu_isa
-from kernels import reference as ref
-from kernels.dispatch.choices import implementation, torch_vector_floats
-from kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
+from phaseserve import kernels
+import phaseserve.kernels.native as native
+from phaseserve.kernels import cpu_isa
+from phaseserve.kernels import reference as ref
+from phaseserve.kernels.dispatch.choices import implementation, torch_vector_floats
+from phaseserve.kernels.dispatch.layer_ops import LAYER_OPS, LayerOps, native_layer_ops
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 TOKENS = [1, 3, 16, 130]
 

@@ -7,7 +7,7 @@ import torch
 
 import test_native_layer_ops as bf16
 import test_native_layer_ops_f32 as f32
-from kernels.dispatch.layer_ops import LayerOps
+from phaseserve.kernels.dispatch.layer_ops import LayerOps
 from native_ops import load_or_skip
 
 # per twin: its op file, its dtype, and its test file's case builders (inputs in that dtype)

@@ -14,10 +14,10 @@ import itertools
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_isa
-from kernels import reference as ref
-from kernels.dispatch.linears import LORA
+from phaseserve import kernels
+from phaseserve.kernels import cpu_isa
+from phaseserve.kernels import reference as ref
+from phaseserve.kernels.dispatch.linears import LORA
 from native_ops import load_or_skip, torch_threads
 
 # a fused q/k/v-like linear: three modules of different widths, an input not a multiple of the vectors

@@ -11,9 +11,9 @@ from typing import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import native_quant_f32, native_quant_i8
-from kernels.quant import QuantizedWeight, quantize
+from phaseserve import kernels
+from phaseserve.kernels import native_quant_f32, native_quant_i8
+from phaseserve.kernels.quant import QuantizedWeight, quantize
 from native_ops import load_or_skip, torch_threads
 import test_native_quant_f32 as f32
 import test_native_quant_i8 as i8

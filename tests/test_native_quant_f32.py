@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native_quant_f32, reference
-from kernels.quant import QuantizedWeight, from_gguf, quantize
+from phaseserve.kernels import native_quant_f32, reference
+from phaseserve.kernels.quant import QuantizedWeight, from_gguf, quantize
 from native_ops import load_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,10 +70,10 @@ def test_quantized_at_load_matches_reference(ops, kind):
 DISPATCH = """
 import json, sys
 import torch
-import kernels
-from kernels import native
-from kernels.native_quant_f32 import PackedQuantF32Weight
-from workers.runner import ModelRunner
+from phaseserve import kernels
+from phaseserve.kernels import native
+from phaseserve.kernels.native_quant_f32 import PackedQuantF32Weight
+from phaseserve.workers.runner import ModelRunner
 sys.path.insert(0, "tests")
 from test_model_logits import run_schedule
 
@@ -156,7 +156,7 @@ def test_bf16_weight_rows_bit_identical_whatever_the_batch_and_threads(ops):
 BF16_CHECKPOINT = """
 import json, os, sys
 import torch
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 sys.path.insert(0, "tests")
 from test_model_logits import run_schedule
 

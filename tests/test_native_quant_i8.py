@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_isa, native_quant_i8, reference
-from kernels.native_quant_i8 import PackedQuantI8Weight
-from kernels.quant import QuantizedWeight, quantize
+from phaseserve import kernels
+from phaseserve.kernels import cpu_isa, native_quant_i8, reference
+from phaseserve.kernels.native_quant_i8 import PackedQuantI8Weight
+from phaseserve.kernels.quant import QuantizedWeight, quantize
 from native_ops import load_or_skip
 from test_native_quant_f32 import rows, weight
-from workers.quantization import Quantization, resolve_activations
+from phaseserve.workers.quantization import Quantization, resolve_activations
 
 ROOT = Path(__file__).resolve().parent.parent
 # row counts: each tile shape (4-row tiles, and 1, 2 or 3 rows left over) at small and large counts
@@ -120,9 +120,9 @@ def test_auto_is_int8_at_the_avx2_level_only(monkeypatch, level):
 DISPATCH = """
 import json, sys
 import torch
-from kernels.native_quant_f32 import PackedQuantF32Weight
-from kernels.native_quant_i8 import PackedQuantI8Weight
-from workers.runner import ModelRunner
+from phaseserve.kernels.native_quant_f32 import PackedQuantF32Weight
+from phaseserve.kernels.native_quant_i8 import PackedQuantI8Weight
+from phaseserve.workers.runner import ModelRunner
 sys.path.insert(0, "tests")
 from test_model_logits import run_schedule
 

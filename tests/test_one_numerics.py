@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_isa, native
+from phaseserve import kernels
+from phaseserve.kernels import cpu_isa, native
 from model_factory import make_model
 from native_ops import load_or_skip, torch_threads
 from phaseserve.params import SamplingParams
 from phaseserve.wire import LoraRef, ScheduledChunk, SeqStart, StepPlan
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 LENGTH = 700  # two attention partitions (512 keys each)
 PREFIX = 256  # positions of the sequence a second one reuses (whole blocks)

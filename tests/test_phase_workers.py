@@ -18,9 +18,9 @@ from model_factory import make_model
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.params import SamplingParams
 from phaseserve.wire import Keys
-from scheduler.service import PolicyLimits
+from phaseserve.scheduler.service import PolicyLimits
 from service_harness import WorkerThread, start, stats, stop
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 # lengths around block edges (16) and past the chunk budget (64 tokens, long cap 40): a handoff's
 # transfer then spans several chunks, many blocks, and a partial last block
@@ -141,7 +141,7 @@ async def test_a_failed_transfer_is_recomputed_not_half_applied(model, redis_ser
                 before = [kv.k[0][b].clone() for b in r.block_ids]
                 # the transfer's bytes are corrupted in flight: the checksum must refuse them
                 if r.transport == "shm":
-                    from workers.kv_transfer.shm_transport import transfer_path
+                    from phaseserve.workers.kv_transfer.shm_transport import transfer_path
                     with open(transfer_path(r.transfer_id, handoffs.shm_dir()), "r+b") as f:
                         f.seek(-1, 2)
                         last = f.read(1)
@@ -199,7 +199,7 @@ def test_the_policy_hands_off_after_the_first_token_and_recomputes_a_failed_rece
     with its blocks once its first token is confirmed; the decode worker starts it with its receive and
     first decode in one plan, and recomputes it if that plan samples nothing."""
     from phaseserve.wire import StepResult, SubmitRequest, TokenEvent
-    from scheduler.policy import SchedulerConfig, WorkerPolicy
+    from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
 
     cfg = SchedulerConfig(num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4, long_prefill_threshold=0)
     src, dst = WorkerPolicy(cfg, "p", transfer_prefix="e1-1"), WorkerPolicy(cfg, "d", first_step_id=100)
@@ -245,8 +245,8 @@ def test_a_prefill_worker_drops_only_the_transfers_nobody_will_take(tmp_path):
     take at its release; a kept sequence's is removed at its first decode here, and so is that of a sequence
     whose first token was its last."""
     from phaseserve.wire import KVSend, ScheduledChunk, SeqStart, StepPlan
-    from workers.kv_handoff import KVHandoffs
-    from workers.kv_transfer.shm_transport import transfer_path
+    from phaseserve.workers.kv_handoff import KVHandoffs
+    from phaseserve.workers.kv_transfer.shm_transport import transfer_path
 
     runner = ModelRunner(bundled_model_path(), num_blocks=16)
     handoffs = KVHandoffs(runner)

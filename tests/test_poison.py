@@ -16,7 +16,7 @@ from phaseserve.params import SamplingParams
 from phaseserve.wire import ERROR_GRAMMAR, FIELD, GrammarSpec, Keys, SubmitRequest
 from runner_driver import run
 from service_harness import WorkerProcess, start, stop
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 BUNDLED = settings.bundled_model_path()
 # the poison: 60,000 alternatives as one grammar rule, which the engine takes seconds to build (the

@@ -9,16 +9,16 @@ import pytest
 from phaseserve.params import SamplingParams
 from phaseserve.scheduler_stats import PrefixCacheStats, SpecDecodingStats
 from phaseserve.wire import ScheduledChunk, StepResult, SubmitRequest, TokenEvent
-from scheduler.budget import StepBudget, StepDraft
-from scheduler.config import SchedulerConfig
-from scheduler.draft_planner import DraftPlanner
-from scheduler.fair_share import TenantShares
-from scheduler.handoff_book import Handoff, HandoffBook
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.sequence_queues import SequenceQueues
-from scheduler.step_cost import StepCosts
-from scheduler.tenant_planner import TenantPlanner
+from phaseserve.scheduler.budget import StepBudget, StepDraft
+from phaseserve.scheduler.config import SchedulerConfig
+from phaseserve.scheduler.draft_planner import DraftPlanner
+from phaseserve.scheduler.fair_share import TenantShares
+from phaseserve.scheduler.handoff_book import Handoff, HandoffBook
+from phaseserve.scheduler.kv_cache_manager import KVCacheManager
+from phaseserve.scheduler.sequence import Sequence, SequenceStatus
+from phaseserve.scheduler.sequence_queues import SequenceQueues
+from phaseserve.scheduler.step_cost import StepCosts
+from phaseserve.scheduler.tenant_planner import TenantPlanner
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 8, tenant: str = "", priority: int = 0) -> SubmitRequest:

@@ -15,10 +15,10 @@ from test_scheduler_policy import (
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import SubmitRequest
-from scheduler.block_manager import BlockManager
-from scheduler.policy import SchedulerConfig, WorkerPolicy
-from scheduler.prefix_index import block_hashes
-from scheduler.recent_prompts import RecentPrompts
+from phaseserve.scheduler.block_manager import BlockManager
+from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.scheduler.prefix_index import block_hashes
+from phaseserve.scheduler.recent_prompts import RecentPrompts
 
 
 def shared_req(rid: str, prefix: list[int], tail_len: int, max_tokens: int = 8, n_tail_seed: str | None = None):

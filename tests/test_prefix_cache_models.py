@@ -61,7 +61,7 @@ def test_a_worker_reads_a_cached_prefix_only_from_blocks_it_wrote_itself():
     runner computes nothing over blocks this process never wrote (no token: the scheduler recomputes), and
     shares blocks it did write, with the same token as computing them."""
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     runner = ModelRunner(bundled_model_path(), num_blocks=16, dtype="float32")
     runner.warm_up()  # writes scratch KV into the first blocks: that is no one's prefix either

@@ -13,10 +13,10 @@ from model_factory import make_model
 from phaseserve.models.model_source import bundled_model_path
 from phaseserve.params import SamplingParams
 from phaseserve.wire import Keys
-from scheduler.service import PolicyLimits
+from phaseserve.scheduler.service import PolicyLimits
 from service_harness import WorkerThread, start, stop
 from test_phase_workers import TOPOLOGIES
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 MAX_TOKENS = 6
 

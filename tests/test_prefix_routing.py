@@ -11,9 +11,9 @@ from test_scheduler_policy import VOCAB, FakeWorker
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import LoraRef, SubmitRequest, WorkerInfo
-from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.lora_routing import DEFAULT_MAX_LORAS, AdapterRecency
-from scheduler.prefix_index import request_seed, scope_seed
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.lora_routing import DEFAULT_MAX_LORAS, AdapterRecency
+from phaseserve.scheduler.prefix_index import request_seed, scope_seed
 
 
 def info(wid: str, num_blocks: int = 256, started_at: float = 1.0) -> WorkerInfo:

@@ -20,7 +20,7 @@ import openai
 
 from e2e_reference import metric
 from e2e_stack import ROOT, running_stack, wait_for
-from gateway.health import DEGRADED, OK, UNAVAILABLE, assess
+from phaseserve.gateway.health import DEGRADED, OK, UNAVAILABLE, assess
 
 
 def test_assess_says_why_a_gateway_is_degraded_or_not_ready():

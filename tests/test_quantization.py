@@ -17,18 +17,18 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import cpu_isa, reference  # noqa: E402
-from kernels.native_quant import PackedQuantWeight  # noqa: E402
-from kernels.native_quant_f32 import PackedQuantF32Weight  # noqa: E402
-from kernels.quant import BLOCK, QuantizationError, QuantizedWeight, from_gguf, quantize  # noqa: E402
+from phaseserve import kernels  # noqa: E402
+from phaseserve.kernels import cpu_isa, reference  # noqa: E402
+from phaseserve.kernels.native_quant import PackedQuantWeight  # noqa: E402
+from phaseserve.kernels.native_quant_f32 import PackedQuantF32Weight  # noqa: E402
+from phaseserve.kernels.quant import BLOCK, QuantizationError, QuantizedWeight, from_gguf, quantize  # noqa: E402
 from model_factory import make_model  # noqa: E402
 from native_ops import cpu_has_avx512_bf16, load_or_skip  # noqa: E402
 from test_model_logits import run_schedule  # noqa: E402
-from workers.linear import Linear, QuantizedLinear  # noqa: E402
-from workers.loader import load_checkpoint  # noqa: E402
-from workers.quantization import Quantization  # noqa: E402
-from workers.runner import ModelRunner  # noqa: E402
+from phaseserve.workers.linear import Linear, QuantizedLinear  # noqa: E402
+from phaseserve.workers.loader import load_checkpoint  # noqa: E402
+from phaseserve.workers.quantization import Quantization  # noqa: E402
+from phaseserve.workers.runner import ModelRunner  # noqa: E402
 
 ROWS = (1, 5, 16, 33, 100)
 GGUF_KINDS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
@@ -164,7 +164,7 @@ def test_fp32_activations_take_the_avx2_op_where_it_runs():
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_triton_quant_linear_interpreted(kind):
-    from kernels import triton_ops
+    from phaseserve.kernels import triton_ops
 
     qw = quantize(weight(80, 64), kind)  # 80 outputs: a masked second column tile of 64
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))  # fp32: exact in the interpreter

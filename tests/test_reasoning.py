@@ -6,9 +6,9 @@ from __future__ import annotations
 import llguidance
 import pytest
 
-from gateway.chat_output import ChatOutputReader, read_whole
-from gateway.reasoning import FORMATS, reasoning_format
-from gateway.tools import HermesParser
+from phaseserve.gateway.chat_output import ChatOutputReader, read_whole
+from phaseserve.gateway.reasoning import FORMATS, reasoning_format
+from phaseserve.gateway.tools import HermesParser
 from phaseserve import grammar, settings
 from phaseserve.models.tokenizer import Tokenizer
 

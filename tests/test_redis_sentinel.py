@@ -12,8 +12,8 @@ import time
 import pytest
 import redis
 
-from gateway.backend import Backend
-from gateway.token_delivery import DeliveryConfig
+from phaseserve.gateway.backend import Backend
+from phaseserve.gateway.token_delivery import DeliveryConfig
 from phaseserve.params import SamplingParams
 from phaseserve.redis_client import connect, connect_async
 from phaseserve.redis_topologies import SERVICE, SentinelSet

@@ -9,11 +9,11 @@ import redis.asyncio as aioredis
 from phaseserve import token_log
 from phaseserve.params import SamplingParams
 from phaseserve.wire import FIELD_BYTES, ERROR_QUARANTINED, Keys, StepPlan, SubmitRequest, TokenBatch, WorkerInfo
-from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.leadership import confirmed_outputs
-from scheduler.quarantine import STRIKES_FIELD
-from scheduler.redis_writes import DeadLetter, LogAbort, SaveSubmit, SendPlan, queue_writes
-from scheduler.request_book import OUTPUTS_PER_WRITE
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.leadership import confirmed_outputs
+from phaseserve.scheduler.quarantine import STRIKES_FIELD
+from phaseserve.scheduler.redis_writes import DeadLetter, LogAbort, SaveSubmit, SendPlan, queue_writes
+from phaseserve.scheduler.request_book import OUTPUTS_PER_WRITE
 
 KEYS = Keys("writes")
 

@@ -25,10 +25,10 @@ from phaseserve.wire import (
     FIELD, CancelRequest, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, SubmitRequest, TokenBatch,
     TokenEvent, WorkerInfo,
 )
-from scheduler.request_book import OUTPUTS_PER_WRITE
-from scheduler.service import PolicyLimits, SchedulerService
+from phaseserve.scheduler.request_book import OUTPUTS_PER_WRITE
+from phaseserve.scheduler.service import PolicyLimits, SchedulerService
 from service_harness import Gateway, SchedulerProcess, WorkerProcess, WorkerThread, start, stop
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]
 MAX_TOKENS = 16
@@ -366,7 +366,7 @@ async def test_a_frozen_worker_is_found_from_its_learned_step_costs_not_the_step
 
 
 def test_a_step_deadline_follows_the_learned_cost_between_a_floor_and_the_step_timeout():
-    from scheduler.step_cost import StepCostModel, step_deadline
+    from phaseserve.scheduler.step_cost import StepCostModel, step_deadline
 
     kw = dict(floor_s=3.0, factor=10.0, fallback_s=30.0)
     assert step_deadline(None, **kw) == 30.0  # not learned yet (a worker warming up)
@@ -591,8 +591,8 @@ async def test_entries_another_consumer_read_and_left_are_claimed(model_dir, ref
 
 def test_timeouts_that_make_no_sense_are_refused_in_one_line(monkeypatch):
     from phaseserve import logs
-    from scheduler.service import main as scheduler_main
-    from workers.service import main as worker_main
+    from phaseserve.scheduler.service import main as scheduler_main
+    from phaseserve.workers.service import main as worker_main
 
     monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # leave the tests' logging as it is
 

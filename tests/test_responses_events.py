@@ -7,8 +7,8 @@ from __future__ import annotations
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.responses_events import ResponseBuilder, usage
-from gateway.responses_protocol import chat_messages
+from phaseserve.gateway.responses_events import ResponseBuilder, usage
+from phaseserve.gateway.responses_protocol import chat_messages
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_isa, native
-from kernels.dispatch.linears import BF16_GEMM
-from kernels.quant import quantize
+from phaseserve import kernels
+from phaseserve.kernels import cpu_isa, native
+from phaseserve.kernels.dispatch.linears import BF16_GEMM
+from phaseserve.kernels.quant import quantize
 from native_ops import amx_or_skip, load_or_skip, torch_threads
-from workers.linear import Linear
+from phaseserve.workers.linear import Linear
 
 MAX_ROWS = 300
 # the ops a worker would choose, not what an earlier test in the process left chosen

@@ -6,9 +6,9 @@ from __future__ import annotations
 from phaseserve.params import SamplingParams
 from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch,
                              TokenEvent, WorkerInfo)
-from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.quarantine import STRIKES_FIELD
-from scheduler.redis_writes import DeleteRecord, SendPlan, SetRecordField, TellError
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.quarantine import STRIKES_FIELD
+from phaseserve.scheduler.redis_writes import DeleteRecord, SendPlan, SetRecordField, TellError
 
 KEYS = Keys("t")
 

@@ -31,13 +31,13 @@ from phaseserve.params import SamplingParams, finish_reason
 from phaseserve.settings import bundled_model_path
 from phaseserve.wire import (ERROR_REJECTED, PROTOCOL_VERSION, StepPlan, StepResult, SubmitRequest, TokenBatch,
                              TokenEvent, WorkerInfo)
-from scheduler.block_manager import BlockManager
+from phaseserve.scheduler.block_manager import BlockManager
 from phaseserve.kv_admission import KVCapacity
-from scheduler.budget import chunk_cost, max_chunk_tokens
-from scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
-from workers.loader import read_config
-from workers.attention_horizon import ATTENTION_EFFICIENCY
-from workers.attention_horizon import attention_horizon as runner_attention_horizon
+from phaseserve.scheduler.budget import chunk_cost, max_chunk_tokens
+from phaseserve.scheduler.policy import AdmissionError, SchedulerConfig, WorkerPolicy
+from phaseserve.workers.loader import read_config
+from phaseserve.workers.attention_horizon import ATTENTION_EFFICIENCY
+from phaseserve.workers.attention_horizon import attention_horizon as runner_attention_horizon
 
 VOCAB = 50_000
 

@@ -17,9 +17,9 @@ import runner_driver
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import ERROR_REJECTED, Keys, SubmitRequest, WorkerInfo
-from scheduler.service import PolicyLimits, SchedulerService
+from phaseserve.scheduler.service import PolicyLimits, SchedulerService
 from service_harness import MAX_TOKENS, WorkerThread, start, stats, stop
-from workers.runner import ModelRunner
+from phaseserve.workers.runner import ModelRunner
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]
 

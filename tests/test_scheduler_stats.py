@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgpack
 
-from gateway.metrics import GatewayMetrics
+from phaseserve.gateway.metrics import GatewayMetrics
 from phaseserve.scheduler_stats import HandoffStats, PrefixCacheStats, SchedulerStats, SpecDecodingStats
 
 # the published map's keys, in the order a scheduler before the typed stats wrote them

@@ -19,13 +19,13 @@ from phaseserve.params import SamplingParams
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 from phaseserve.stack.engine import Engine
 from phaseserve.wire import ScheduledChunk, StepResult, SubmitRequest, TokenEvent
-from scheduler.config import SchedulerConfig
-from scheduler.policy import WorkerPolicy
+from phaseserve.scheduler.config import SchedulerConfig
+from phaseserve.scheduler.policy import WorkerPolicy
 from phaseserve.scheduler_stats import SpecDecodingStats
-from scheduler.draft_rule import Acceptance, DraftCandidate, choose_drafts
-from scheduler.step_cost import StepCosts
-from workers.ngram_drafts import NgramProposer
-from workers.token_acceptance import accepted_run
+from phaseserve.scheduler.draft_rule import Acceptance, DraftCandidate, choose_drafts
+from phaseserve.scheduler.step_cost import StepCosts
+from phaseserve.workers.ngram_drafts import NgramProposer
+from phaseserve.workers.token_acceptance import accepted_run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 FIXED = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
@@ -395,7 +395,7 @@ def test_a_plain_decode_behind_drafts_in_flight_carries_their_slack():
 
 
 def test_the_worker_runs_a_plain_decode_behind_rejected_drafts_where_the_sequence_is(tmp_path):
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
     from phaseserve.wire import SeqStart, StepPlan
     runner = ModelRunner(make_model(tmp_path, "llama"), num_blocks=16, block_size=4, speculative=FIXED)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -412,7 +412,7 @@ def test_the_worker_runs_a_plain_decode_behind_rejected_drafts_where_the_sequenc
 
 
 def test_a_verifications_extra_cost_is_learned_from_measured_steps():
-    from scheduler.draft_rule import PRIOR_VERIFY_UNITS, VerifyCost
+    from phaseserve.scheduler.draft_rule import PRIOR_VERIFY_UNITS, VerifyCost
     v = VerifyCost()
     assert v.units == PRIOR_VERIFY_UNITS
     for i in range(40):  # the prediction runs 1 ms short on every step; each verification adds 0.5 ms

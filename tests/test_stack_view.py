@@ -9,14 +9,14 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, quantile
-from gateway.live_view import OTHERS, as_seen_by, frame
+from phaseserve.gateway.latency_window import Cumulative, LatencyWindow, bucket_counts, quantile
+from phaseserve.gateway.live_view import OTHERS, as_seen_by, frame
 from phaseserve.params import SamplingParams
 from phaseserve.redis_client import connect_async
 from phaseserve.stack_view import StackView, StepSample, TenantShare, WaitingSequence, WorkerView
 from phaseserve.wire import Keys, StepPlan, StepResult, SubmitRequest, TokenEvent, WorkerInfo
-from scheduler.cluster import Cluster, PolicyLimits
-from scheduler.service import SchedulerService
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.service import SchedulerService
 
 KEYS = Keys("t")
 BUDGET = 16

@@ -9,10 +9,10 @@ import pytest
 
 from phaseserve import settings
 from phaseserve.wire import Keys, ScheduledChunk, WorkerInfo
-from scheduler.budget import chunk_cost
-from scheduler.cluster import Cluster, PolicyLimits
+from phaseserve.scheduler.budget import chunk_cost
+from phaseserve.scheduler.cluster import Cluster, PolicyLimits
 from phaseserve.step_shape import chunk_keys, step_shape
-from scheduler.step_cost import ItlTarget, StepCostModel, StepCosts, parse_itl_target
+from phaseserve.scheduler.step_cost import ItlTarget, StepCostModel, StepCosts, parse_itl_target
 
 TRUE = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 1500, prefill_chunk_s=0.004)
 

@@ -7,7 +7,7 @@ import pytest
 
 from model_factory import make_model
 from phaseserve.wire import Keys
-from scheduler.step_cost import ItlTarget
+from phaseserve.scheduler.step_cost import ItlTarget
 from service_harness import WorkerThread, start, stats, stop
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21]]

@@ -12,7 +12,7 @@ spec.loader.exec_module(structure)
 def test_the_layers_read_by_module_name_today_and_under_one_namespace():
     layer = structure.layer_of_module
     assert layer("phaseserve.wire") == layer("phaseserve.models.model_source") == "ground"
-    assert layer("phaseserve.stack.cli") == layer("stack.launcher") == layer("phaseserve.benchmark.cli") == "composers"
+    assert layer("phaseserve.stack.cli") == layer("stack.launcher") == layer("phaseserve.stack.benchmark.cli") == "composers"
     assert layer("gateway.app") == layer("phaseserve.gateway.app") == "gateway"
     assert layer("phaseserve.kernels") == layer("kernels.cpu_isa") == "kernels"
     assert layer("numpy") is None
@@ -35,7 +35,7 @@ def test_a_small_repo_in_numbers(tmp_path):
     write("README.md", "# x\n")
     write("docs/a.md", "see [r](../bench/results/2026-01-01-x.md)\n")
     write("phaseserve/wire.py", "import gateway.app  # runs back up\n")
-    write("phaseserve/stack/cli.py", "import gateway.app\nimport scheduler.policy\n")  # composers may
+    write("stack/cli.py", "import gateway.app\nimport scheduler.policy\n")  # composers may
     write("gateway/app.py", "class A: pass\nclass B: pass\nclass C(A, B):\n    '''a step took 3 ms'''\n")
     write("scheduler/policy.py", "from gateway import app\nclass StepsMixin: pass\n" + "x = 1\n" * 401)
     write("workers/runner.py", "import kernels.quant\n")  # workers may use kernels

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_attention, triton_common, triton_sampling  # noqa: E402
-from kernels import triton_ops as tk  # noqa: E402
+from phaseserve import kernels  # noqa: E402
+from phaseserve.kernels import reference as ref  # noqa: E402
+from phaseserve.kernels import triton_attention, triton_common, triton_sampling  # noqa: E402
+from phaseserve.kernels import triton_ops as tk  # noqa: E402
 
 if not isinstance(tl.sum, InterpretedFunction):
     raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: set it in tests/conftest.py "
@@ -357,8 +357,8 @@ def test_sample_top_p_one_keeps_the_tail():
 def test_dispatch_keeps_cpu_tensors_on_reference_without_triton():
     script = textwrap.dedent("""
         import sys, torch
-        import kernels
-        from kernels import reference as ref
+        from phaseserve import kernels
+        from phaseserve.kernels import reference as ref
         x = torch.randn(3, 8)
         w = torch.randn(8)
         assert torch.equal(kernels.rms_norm(x, w, 1e-6, x)[0], ref.rms_norm(x, w, 1e-6, x)[0])
@@ -376,7 +376,7 @@ def test_dispatch_keeps_cpu_tensors_on_reference_without_triton():
         lg = torch.randn(2, 9)
         sargs = (lg, torch.tensor([0.0, 1.0]), torch.tensor([0, 3]), torch.ones(2), torch.zeros(2), torch.ones(2, 9))
         assert torch.equal(kernels.sample(*sargs), ref.sample(*sargs))
-        loaded = sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "kernels.triton_ops")))
+        loaded = sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "phaseserve.kernels.triton_ops")))
         assert not loaded, loaded
         print("ok")
     """)

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 import redis
 
-from kernels import native
+from phaseserve.kernels import native
 from model_factory import make_model
 from phaseserve.params import SamplingParams
 from phaseserve.wire import FIELD, Keys, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenBatch, WorkerInfo
-from workers.runner import ModelRunner
-from workers.service import WorkerService
+from phaseserve.workers.runner import ModelRunner
+from phaseserve.workers.service import WorkerService
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_worker_reads_plans_ahead_and_publishes_in_step_order(runner, redis_serv
 
 
 def test_keep_heap_memory_sets_glibc_malloc_options():
-    from workers.cpu_memory import keep_heap_memory
+    from phaseserve.workers.cpu_memory import keep_heap_memory
 
     assert keep_heap_memory() is True  # glibc (Linux): every mallopt accepted
 
@@ -198,7 +198,7 @@ def test_each_step_is_logged_at_debug_level_for_the_step_trace(runner, redis_ser
 def test_a_worker_whose_relay_dies_stops_with_an_error(runner, redis_server):
     """The relay is the worker's only way to Redis: if it dies, the model loop raises RelayError
     (main() exits 1, so the launcher sees it) instead of waiting for plans that cannot come."""
-    from workers.relay_link import RelayError
+    from phaseserve.workers.relay_link import RelayError
 
     keys = Keys("relay-dies")
     client = redis.Redis.from_url(redis_server)
@@ -245,7 +245,7 @@ def test_the_worker_drops_plans_of_an_older_epoch_and_forgets_everything_on_a_re
 def test_the_relay_judges_the_models_liveness_by_its_steps():
     """A plan is due when handed over or when the step before it is written back; past step_timeout the
     model is hung: its writes are void until a reset plan, and the incarnation counts the new life."""
-    from workers.model_liveness import ModelLiveness
+    from phaseserve.workers.model_liveness import ModelLiveness
 
     live = ModelLiveness(step_timeout=1.0)
     assert not live.check(100.0)  # idle: nothing due, never hung
@@ -270,7 +270,7 @@ def test_the_relay_judges_the_models_liveness_by_its_steps():
 
 
 def test_a_plan_carries_its_deadline_to_the_relay():
-    from workers.model_liveness import plan_timeout
+    from phaseserve.workers.model_liveness import plan_timeout
 
     assert plan_timeout(StepPlan(0, "w", timeout_s=42.0).to_wire()) == 42.0
     assert plan_timeout(b"\xc1 garbage") == 0.0  # the model acks an unreadable plan at once
@@ -279,7 +279,7 @@ def test_a_plan_carries_its_deadline_to_the_relay():
 def test_first_heartbeat_comes_after_every_kernel_is_loaded_and_says_which(tmp_path, redis_server, monkeypatch):
     """A worker compiles or loads its kernels before it announces itself (none compiles inside a step, where a
     compile overran the step deadline), and its heartbeat says the dtype, CPU level and implementations."""
-    from kernels import cpu_isa
+    from phaseserve.kernels import cpu_isa
     from service_harness import WorkerProcess
 
     extensions = tmp_path / "torch_extensions"  # empty: every native op this worker runs is compiled anew
@@ -327,7 +327,7 @@ def test_first_heartbeat_comes_after_every_kernel_is_loaded_and_says_which(tmp_p
 
 
 def test_the_kernels_reported_are_the_op_families_the_model_uses(tmp_path):
-    from kernels import cpu_isa
+    from phaseserve.kernels import cpu_isa
 
     for op in native.runnable():  # every op this CPU runs loaded in this process, bf16 ones included
         native.load(op)

@@ -1,8 +1,8 @@
-"""`python -m workers`: run the workers service (see workers/service.py)."""
+"""`python -m phaseserve.workers`: run the workers service (see workers/service.py)."""
 
 import sys
 
-from workers.service import main
+from phaseserve.workers.service import main
 
 if __name__ == "__main__":
     sys.exit(main())

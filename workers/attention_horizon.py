@@ -4,7 +4,7 @@ it has measured any step (scheduler/budget.py). Pure."""
 
 from __future__ import annotations
 
-from workers.loader import ModelConfig
+from phaseserve.workers.loader import ModelConfig
 
 # Attention runs at about this fraction of the linear layers' FLOP rate (small per-head matmuls, softmax,
 # gathering paged K/V). Fitted on how the bundled model's chunk steps grew across a long prompt

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from phaseserve import grammar
-from workers.preparation import Preparation
-from workers.sequence_state import SequenceState
+from phaseserve.workers.preparation import Preparation
+from phaseserve.workers.sequence_state import SequenceState
 
 DEFAULT_GRAMMAR_PREPARE_TIMEOUT_S = 10.0  # the worker's --grammar-prepare-timeout
 # threads building matchers: one request's long build does not hold every other constrained request's

@@ -12,9 +12,9 @@ import redis
 import structlog
 
 from phaseserve.wire import Keys, WorkerInfo
-from workers.model_liveness import ModelLiveness
+from phaseserve.workers.model_liveness import ModelLiveness
 
-log = structlog.get_logger("workers.relay")
+log = structlog.get_logger("phaseserve.workers.relay")
 
 
 class Heartbeat(threading.Thread):

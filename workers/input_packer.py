@@ -9,9 +9,9 @@ import itertools
 import torch
 
 from phaseserve.wire import ScheduledChunk
-from workers.lora import LoadedAdapters, LoraStep
-from workers.model import AttentionGroup, StepInputs
-from workers.sequence_state import SequenceState
+from phaseserve.workers.lora import LoadedAdapters, LoraStep
+from phaseserve.workers.model import AttentionGroup, StepInputs
+from phaseserve.workers.sequence_state import SequenceState
 
 # A decode bucket never splits below this many blocks: one more attention call per layer costs more
 # than padding short sequences to a common length.

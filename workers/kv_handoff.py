@@ -30,9 +30,9 @@ import structlog
 
 from phaseserve.redis_client import connect
 from phaseserve.wire import KVHandoffResult, KVReceive, KVSend, StepPlan
-from workers.kv_transfer import KVReceiver, KVSender, KVTransferError
-from workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
-from workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, private_dir, remove_stale_transfers
+from phaseserve.workers.kv_transfer import KVReceiver, KVSender, KVTransferError
+from phaseserve.workers.kv_transfer.redis_transport import RedisKVReceiver, RedisKVSender
+from phaseserve.workers.kv_transfer.shm_transport import ShmKVReceiver, ShmKVSender, private_dir, remove_stale_transfers
 
 log = structlog.get_logger(__name__)
 

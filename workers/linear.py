@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.quant import QuantizedWeight
+from phaseserve import kernels
+from phaseserve.kernels.quant import QuantizedWeight
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

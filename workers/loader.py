@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 from phaseserve.models.gguf_files import GGUFError, gguf_weights_path
 from phaseserve.models.model_files import config_eos_token_ids
 
@@ -189,7 +189,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str | torch.
         gguf_file = gguf_weights_path(model_dir)
         if gguf_file is not None and not (model_dir / "model.safetensors").is_file() \
                 and not (model_dir / "model.safetensors.index.json").is_file():
-            from workers.gguf_weights import load_gguf_weights  # gguf's numpy dequantizers only when needed
+            from phaseserve.workers.gguf_weights import load_gguf_weights  # gguf's numpy dequantizers only when needed
 
             return load_gguf_weights(gguf_file, dtype, device, keep_quantized=keep_quantized)
     except GGUFError as e:

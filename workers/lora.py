@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-import kernels
+from phaseserve import kernels
 from phaseserve.lora import TARGET_MODULES, WEIGHTS_FILE, LoraError, read_adapter_config
 from phaseserve.wire import LoraRef
-from workers.loader import ModelConfig
+from phaseserve.workers.loader import ModelConfig
 
 log = structlog.get_logger(__name__)
 

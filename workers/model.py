@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-import kernels
-from kernels.native_quant_i8 import PackedQuantI8Weight
-from workers.kv_cache import KVCache
-from workers.loader import ModelConfig, ModelLoadError
-from workers.lora import LoraStep
-from workers.quantization import Quantization, embed
+from phaseserve import kernels
+from phaseserve.kernels.native_quant_i8 import PackedQuantI8Weight
+from phaseserve.workers.kv_cache import KVCache
+from phaseserve.workers.loader import ModelConfig, ModelLoadError
+from phaseserve.workers.lora import LoraStep
+from phaseserve.workers.quantization import Quantization, embed
 
 log = structlog.get_logger(__name__)
 

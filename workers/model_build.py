@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from workers.cpu_memory import keep_heap_memory, release_free_heap
-from workers.linear import QuantizedLinear
-from workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
-from workers.model import LlamaFamilyModel
+from phaseserve import kernels
+from phaseserve.workers.cpu_memory import keep_heap_memory, release_free_heap
+from phaseserve.workers.linear import QuantizedLinear
+from phaseserve.workers.loader import ModelConfig, load_checkpoint, read_config, resolve_dtype
+from phaseserve.workers.model import LlamaFamilyModel
 
 
 @dataclass

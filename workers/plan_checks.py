@@ -11,8 +11,8 @@ import structlog
 
 from phaseserve.lora import LoraError
 from phaseserve.wire import ERROR_GRAMMAR, LoraRef, ScheduledChunk, SeqStart, StepPlan, TokenEvent
-from workers.lora import LoadedAdapters
-from workers.sequence_state import SequenceState
+from phaseserve.workers.lora import LoadedAdapters
+from phaseserve.workers.sequence_state import SequenceState
 
 log = structlog.get_logger(__name__)
 

@@ -35,9 +35,9 @@ from typing import Any
 import structlog
 import torch
 
-import kernels
-from kernels.quant import BLOCK, GGUF_TYPES, QuantizationError, QuantizedWeight, from_gguf, quantize
-from workers.linear import Linear, QuantizedLinear
+from phaseserve import kernels
+from phaseserve.kernels.quant import BLOCK, GGUF_TYPES, QuantizationError, QuantizedWeight, from_gguf, quantize
+from phaseserve.workers.linear import Linear, QuantizedLinear
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ def resolve_activations(requested: str, device: torch.device, dtype: torch.dtype
     if requested == "none" or device.type != "cpu":
         return "none"
     if requested == "auto":
-        from kernels import cpu_isa
+        from phaseserve.kernels import cpu_isa
 
         # int8 activations move perplexity less than the int4 weights they meet already do (docs/decisions.md)
         wanted = cpu_isa.level() == "avx2" and dtype == torch.float32

@@ -1,6 +1,6 @@
 """The worker's Redis side, in a process of its own: step plans in, step writes and heartbeats out.
 
-The model process (workers/service.py) starts it with `python -m workers.relay PLANS_FD WRITES_FD` and
+The model process (workers/service.py) starts it with `python -m phaseserve.workers.relay PLANS_FD WRITES_FD` and
 talks to it over two pipes (multiprocessing connections; the messages are defined in phaseserve/wire/relay_pipe.py):
 
 - `writes`, model -> relay. First the relay's configuration (`RelayConfig`), then one `StepWrites` per plan
@@ -45,10 +45,10 @@ from phaseserve.procs import child_setup, freeze_startup_heap
 from phaseserve.redis_client import CONNECTION_ERRORS, Backoff, connect, execute_through_outages
 from phaseserve.wire import (FIELD, FIELD_BYTES, STREAM_MAXLEN, Keys, PlanDelivery, RelayConfig, RelayNotice,
                              WorkerInfo, model_to_relay)
-from workers.heartbeat import Heartbeat
-from workers.model_liveness import ModelLiveness, plan_timeout
+from phaseserve.workers.heartbeat import Heartbeat
+from phaseserve.workers.model_liveness import ModelLiveness, plan_timeout
 
-log = structlog.get_logger("workers.relay")
+log = structlog.get_logger("phaseserve.workers.relay")
 
 READ_AHEAD = 8  # plans taken per XREADGROUP (the scheduler keeps two in flight)
 

@@ -13,7 +13,7 @@ import structlog
 from phaseserve.procs import stop_process
 from phaseserve.wire import PlanDelivery, RelayConfig, RelayNotice, relay_to_model
 
-log = structlog.get_logger("workers.service")
+log = structlog.get_logger("phaseserve.workers.service")
 
 
 class RelayError(RuntimeError):
@@ -35,7 +35,7 @@ class RelayLink:
         # vfork, not fork: a fork marks every page of this process copy-on-write, and each KV-cache and
         # heap page then faults once on its next write, for as long as the run keeps reaching new cache
         # blocks (docs/architecture.md).
-        self.process = subprocess.Popen([sys.executable, "-m", "workers.relay", *map(str, fds)], pass_fds=fds,
+        self.process = subprocess.Popen([sys.executable, "-m", "phaseserve.workers.relay", *map(str, fds)], pass_fds=fds,
                                         stdin=subprocess.DEVNULL)
         plans_write.close()  # the relay's ends: ours would keep the pipes open after it exits
         writes_read.close()

@@ -16,23 +16,23 @@ from pathlib import Path
 import structlog
 import torch
 
-import kernels
+from phaseserve import kernels
 from phaseserve.lora import DEFAULT_MAX_LORA_RANK
 from phaseserve.params import SamplingParams
 from phaseserve.speculative_config import SpeculativeConfig, parse_speculative_config
 from phaseserve.step_shape import step_shape
 from phaseserve.wire import ERROR_GRAMMAR, ScheduledChunk, SeqStart, StepPlan, StepResult, TokenEvent
-from workers.attention_horizon import attention_horizon
-from workers.grammar_masks import DEFAULT_GRAMMAR_PREPARE_TIMEOUT_S, GrammarMasks
-from workers.input_packer import InputPacker
-from workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
-from workers.lora import LoadedAdapters
-from workers.model_build import build_model, kernel_implementations
-from workers.ngram_drafts import NgramDrafts
-from workers.plan_checks import PlanChecks
-from workers.sampler import SampleRow, Sampler
-from workers.sequence_state import SequenceState
-from workers.token_acceptance import accept_draws
+from phaseserve.workers.attention_horizon import attention_horizon
+from phaseserve.workers.grammar_masks import DEFAULT_GRAMMAR_PREPARE_TIMEOUT_S, GrammarMasks
+from phaseserve.workers.input_packer import InputPacker
+from phaseserve.workers.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from phaseserve.workers.lora import LoadedAdapters
+from phaseserve.workers.model_build import build_model, kernel_implementations
+from phaseserve.workers.ngram_drafts import NgramDrafts
+from phaseserve.workers.plan_checks import PlanChecks
+from phaseserve.workers.sampler import SampleRow, Sampler
+from phaseserve.workers.sequence_state import SequenceState
+from phaseserve.workers.token_acceptance import accept_draws
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +94,7 @@ class ModelRunner:
             return None
         if spec.method == "ngram":
             return NgramDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        from workers.draft_model import DraftModelDrafts
+        from phaseserve.workers.draft_model import DraftModelDrafts
 
         # the draft is a runner of its own (its model, its KV cache) with the target's block ids: the
         # scheduler's accounting covers both caches

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from phaseserve import kernels
 from phaseserve.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

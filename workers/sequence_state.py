@@ -9,8 +9,8 @@ import torch
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import LoraRef, SeqStart
-from workers.preparation import Preparation
-from workers.sampler import logit_bias_tensors, stop_id_tensor
+from phaseserve.workers.preparation import Preparation
+from phaseserve.workers.sampler import logit_bias_tensors, stop_id_tensor
 
 
 @dataclass

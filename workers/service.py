@@ -28,16 +28,16 @@ from collections import defaultdict
 
 import structlog
 
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 from phaseserve.cpus import thread_choice, usable_cores
 from phaseserve.host_identity import default_host_id
 from phaseserve.procs import freeze_startup_heap, parse_cpus
 from phaseserve.wire import (GatewayBatch, Keys, RelayConfig, RelayNotice, StepPlan, StepResult, StepWrites, TokenBatch,
                              TokenEvent, WireError, WorkerInfo)
-from workers.kv_handoff import KVHandoffs
-from workers.relay_link import RelayError, RelayLink
+from phaseserve.workers.kv_handoff import KVHandoffs
+from phaseserve.workers.relay_link import RelayError, RelayLink
 
-log = structlog.get_logger("workers.service")
+log = structlog.get_logger("phaseserve.workers.service")
 
 # a draining worker no scheduler answers waits this much longer than the drain timeout before leaving: the
 # scheduler notices the drain a heartbeat late and sends its answer behind the plans already in flight
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM during the (long) model load must still stop us: raise out of the load
     signal.signal(signal.SIGTERM, _interrupt)
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     device = args.device
     if device == "auto":

@@ -1,5 +1,5 @@
 """How long one decode step of a model takes per torch thread count, in a process of its own: what
-phaseserve/cpus.py measures to choose a worker's threads (it runs `python -m workers.thread_probe MODEL_DIR
+phaseserve/cpus.py measures to choose a worker's threads (it runs `python -m phaseserve.workers.thread_probe MODEL_DIR
 OUT.json 1,2 BUDGET_S` and reads OUT.json)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def measure_step_times(model_dir: str, thread_counts: list[int], *, budget_s: fl
 
     from phaseserve.params import SamplingParams
     from phaseserve.wire import ScheduledChunk, SeqStart, StepPlan
-    from workers.runner import ModelRunner
+    from phaseserve.workers.runner import ModelRunner
 
     total_steps = max_rounds * len(thread_counts) * (steps + 1)
     block_size = 16
@@ -64,11 +64,11 @@ def measure_step_times(model_dir: str, thread_counts: list[int], *, budget_s: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.thread_probe MODEL_DIR OUT.json 1,2 [BUDGET_S]`: step seconds per thread count into
+    """`python -m phaseserve.workers.thread_probe MODEL_DIR OUT.json 1,2 [BUDGET_S]`: step seconds per thread count into
     OUT.json."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4):
-        print("usage: python -m workers.thread_probe MODEL_DIR OUT.json THREADS[,THREADS...] [BUDGET_S]",
+        print("usage: python -m phaseserve.workers.thread_probe MODEL_DIR OUT.json THREADS[,THREADS...] [BUDGET_S]",
               file=sys.stderr)
         return 2
     model_dir, out, counts = args[:3]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from phaseserve.params import finish_reason
 from phaseserve.wire import ERROR_GRAMMAR, TokenEvent
-from workers.sequence_state import SequenceState
+from phaseserve.workers.sequence_state import SequenceState
 
 
 def accepted_run(drafts: list[int], draws: list[int]) -> int:

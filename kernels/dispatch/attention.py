@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.dispatch.choices import CHOICES, Choice, dtype_name, load_native, triton_ops
+from phaseserve.kernels import reference
+from phaseserve.kernels.dispatch.choices import CHOICES, Choice, dtype_name, load_native, triton_ops
 
 # What the native attention ops (decode and prefill) handle; anything else takes the torch path.
 NATIVE_ATTENTION_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from kernels import native
+from phaseserve.kernels import native
 
 log = structlog.get_logger("kernels")
 
@@ -110,6 +110,6 @@ def torch_vector_floats() -> int:
 
 def triton_ops():
     """kernels/triton_ops.py, imported on first use: CPU-only installs never load triton."""
-    from kernels import triton_ops as ops
+    from phaseserve.kernels import triton_ops as ops
 
     return ops

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch.attention import unsupported_native_attention
-from kernels.dispatch.choices import CHOICES, Choice, load_native, torch_vector_floats
-from kernels.dispatch.layer_ops import native_layer_ops
-from kernels.dispatch.linears import int8_activations_available
-from kernels.native_quant_i8 import PackedQuantI8Weight
+from phaseserve.kernels.dispatch.attention import unsupported_native_attention
+from phaseserve.kernels.dispatch.choices import CHOICES, Choice, load_native, torch_vector_floats
+from phaseserve.kernels.dispatch.layer_ops import native_layer_ops
+from phaseserve.kernels.dispatch.linears import int8_activations_available
+from phaseserve.kernels.native_quant_i8 import PackedQuantI8Weight
 
 # decode_layer_f32's (decode_layer, decode_layers) overloads, or None
 DECODE_LAYER = Choice("decode layer", lambda _key: load_native(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.dispatch.choices import CHOICES, Choice, dtype_name, load_native, torch_vector_floats, triton_ops
+from phaseserve.kernels import reference
+from phaseserve.kernels.dispatch.choices import CHOICES, Choice, dtype_name, load_native, torch_vector_floats, triton_ops
 
 # the native file of the layer ops, per activation dtype
 LAYER_OPS_SOURCE = {torch.bfloat16: "layer_ops", torch.float32: "layer_ops_f32"}

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_isa, native_bf16, native_quant, native_quant_f32, native_quant_i8, reference
-from kernels.dispatch.choices import CHOICES, Choice, dtype_name, implementation, load_native, log, triton_ops
-from kernels.native_bf16 import PackedBf16Weight
-from kernels.native_quant_f32 import PackedQuantF32Weight
-from kernels.native_quant_i8 import PackedQuantI8Weight
-from kernels.quant import QuantizedWeight
+from phaseserve.kernels import cpu_isa, native_bf16, native_quant, native_quant_f32, native_quant_i8, reference
+from phaseserve.kernels.dispatch.choices import CHOICES, Choice, dtype_name, implementation, load_native, log, triton_ops
+from phaseserve.kernels.native_bf16 import PackedBf16Weight
+from phaseserve.kernels.native_quant_f32 import PackedQuantF32Weight
+from phaseserve.kernels.native_quant_i8 import PackedQuantI8Weight
+from phaseserve.kernels.quant import QuantizedWeight
 
 # activation dtype -> the native op file of quantized matmuls for it
 QUANT_SOURCE = {torch.bfloat16: "quant_gemm", torch.float32: "quant_gemm_f32"}

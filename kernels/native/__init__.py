@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels import cpu_isa
+from phaseserve.kernels import cpu_isa
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +76,7 @@ def names() -> list[str]:
 def runnable(dtype: torch.dtype | None = None) -> list[str]:
     """The native ops this process may run here: native ops on, a supported platform with a compiler, and a
     CPU at or above each op's level; with `dtype`, only the ops taking activations of that dtype. What an
-    image compiles ahead of use (`python -m kernels.native`), and a worker while it loads its model."""
+    image compiles ahead of use (`python -m phaseserve.kernels.native`), and a worker while it loads its model."""
     if not enabled() or _unsupported_platform() is not None:
         return []
     return [name for name in names() if _unsupported_cpu(name) is None

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from workers.kv_cache import KVCache
+from phaseserve.workers.kv_cache import KVCache
 
 # One stream entry (Redis) carries at most this much payload: no multi-megabyte message blocks Redis's
 # event loop or a reader's socket buffer.

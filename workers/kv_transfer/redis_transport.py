@@ -21,8 +21,8 @@ import structlog
 import torch
 
 from phaseserve.wire import Keys
-from workers.kv_cache import KVCache
-from workers.kv_transfer import (
+from phaseserve.workers.kv_cache import KVCache
+from phaseserve.workers.kv_transfer import (
     CHUNK_BYTES, DEFAULT_TIMEOUT_S, KVLayout, KVLayoutMismatch, KVReceiver, KVSender, KVTransferCorrupt,
     Digest, KVTransferError, KVTransferOutOfOrder, KVTransferTimeout, TransferSummary, apply_pieces, as_bytes,
     check_num_tokens, checksum,

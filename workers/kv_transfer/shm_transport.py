@@ -28,8 +28,8 @@ import msgpack
 import structlog
 import torch
 
-from workers.kv_cache import KVCache
-from workers.kv_transfer import (
+from phaseserve.workers.kv_cache import KVCache
+from phaseserve.workers.kv_transfer import (
     DEFAULT_TIMEOUT_S, KVLayout, KVLayoutMismatch, KVReceiver, KVSender, KVTransferCorrupt, KVTransferError,
     KVTransferTimeout, TransferSummary, apply_pieces, as_bytes, check_num_tokens, checksum,
 )

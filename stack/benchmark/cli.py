@@ -1,4 +1,4 @@
-"""`phaseserve bench` / `python -m phaseserve.benchmark`: benchmark an OpenAI-compatible server or the in-process engine.
+"""`phaseserve bench` / `python -m phaseserve.stack.benchmark`: benchmark an OpenAI-compatible server or the in-process engine.
 
   phaseserve bench --base-url http://127.0.0.1:8000 --model bundled --workload random \\
       --num-prompts 64 --input-len 128 --output-len 64 --concurrency 16 --json-out a.json --plot a.png
@@ -18,10 +18,10 @@ from pathlib import Path
 import structlog
 
 from phaseserve import event_loop
-from phaseserve.benchmark import workloads
-from phaseserve.benchmark.metrics import DEFAULT_PERCENTILES, calculate_metrics, format_report, parse_goodput
-from phaseserve.benchmark.models import NAMES as MODEL_NAMES
-from phaseserve.benchmark.models import resolve_model
+from phaseserve.stack.benchmark import workloads
+from phaseserve.stack.benchmark.metrics import DEFAULT_PERCENTILES, calculate_metrics, format_report, parse_goodput
+from phaseserve.stack.benchmark.models import NAMES as MODEL_NAMES
+from phaseserve.stack.benchmark.models import resolve_model
 from phaseserve.procs import parse_cpus
 
 log = structlog.get_logger("bench")
@@ -156,7 +156,7 @@ async def run_openai(args, specs, make_long, vocab) -> tuple[list, float, dict]:
     import aiohttp
     from tqdm import tqdm
 
-    from phaseserve.benchmark.loadgen import ClientConfig, OpenAIStreamClient, interference_injector, run_load
+    from phaseserve.stack.benchmark.loadgen import ClientConfig, OpenAIStreamClient, interference_injector, run_load
 
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     # one session for every request; no per-host cap (the benchmark's own semaphore limits concurrency)
@@ -225,7 +225,7 @@ def run_benchmark(args, cpu_probe=None) -> dict:
             raise ValueError("--backend engine needs --model to be a model folder (or bundled / small-200m)")
         if make_long is not None:
             raise ValueError("the engine backend has no streams to interfere with; use random or shared-prefix")
-        from phaseserve.benchmark.engine_backend import run_engine, throughput_only
+        from phaseserve.stack.benchmark.engine_backend import run_engine, throughput_only
 
         results, duration = run_engine(str(model_dir), specs, vocab, args.temperature, args.ignore_eos,
                                        _engine_settings(args.engine_setting), args.concurrency)
@@ -289,13 +289,13 @@ def print_result(result: dict) -> None:
         else:
             print(format_report(result["label"] + " - long prompts", result["groups"]["long"], pct))
     if result.get("cpu"):
-        from phaseserve.benchmark.proc_cpu import format_cpu
+        from phaseserve.stack.benchmark.proc_cpu import format_cpu
 
         print(format_cpu(result["cpu"]))
 
 
 def write_outputs(result_or_results, json_out: str | None, plot_out: str | None, compare=()) -> None:
-    from phaseserve.benchmark.plot import load_results, plot_results
+    from phaseserve.stack.benchmark.plot import load_results, plot_results
 
     runs = result_or_results if isinstance(result_or_results, list) else [result_or_results]
     if json_out:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 3:
             print("usage: phaseserve bench plot OUT.png RESULT.json [RESULT.json ...]", file=sys.stderr)
             return 2
-        from phaseserve.benchmark.plot import load_results, plot_results
+        from phaseserve.stack.benchmark.plot import load_results, plot_results
 
         plot_results(load_results(argv[2:]), argv[1])
         print(f"wrote {argv[1]}")

@@ -18,7 +18,7 @@ import structlog
 from phaseserve.models import model_source
 from phaseserve.models.model_source import bundled_model_path
 
-log = structlog.get_logger("phaseserve.benchmark.models")
+log = structlog.get_logger("phaseserve.stack.benchmark.models")
 
 SMALL_200M = dict(num_hidden_layers=16, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
                   num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,

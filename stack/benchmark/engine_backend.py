@@ -11,8 +11,8 @@ import time
 
 import structlog
 
-from phaseserve.benchmark.metrics import RequestResult
-from phaseserve.benchmark.workloads import RequestSpec, Vocab
+from phaseserve.stack.benchmark.metrics import RequestResult
+from phaseserve.stack.benchmark.workloads import RequestSpec, Vocab
 
 log = structlog.get_logger("bench.engine")
 

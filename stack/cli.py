@@ -23,11 +23,11 @@ from phaseserve import __version__
 # subcommand -> (module, function taking argv)
 COMMANDS = {
     "up": ("phaseserve.stack.launcher", "main"),
-    "gateway": ("gateway.__main__", "main"),
-    "scheduler": ("scheduler.service", "main"),
-    "worker": ("workers.service", "main"),
+    "gateway": ("phaseserve.gateway.__main__", "main"),
+    "scheduler": ("phaseserve.scheduler.service", "main"),
+    "worker": ("phaseserve.workers.service", "main"),
     "pull": ("phaseserve.models.pull", "main"),
-    "bench": ("phaseserve.benchmark.cli", "main"),
+    "bench": ("phaseserve.stack.benchmark.cli", "main"),
 }
 
 

@@ -3,7 +3,7 @@
 Fixed concurrency (a semaphore, as `vllm bench serve --max-concurrency`) and/or Poisson arrivals
 (`--request-rate`, gamma with `burstiness`; 1.0 is Poisson). The interference workload adds one long
 prompt every K seconds while the short streams run. Timing follows vLLM's request functions exactly
-(see phaseserve/benchmark/metrics.py).
+(see stack/benchmark/metrics.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import aiohttp
 import numpy as np
 import structlog
 
-from phaseserve.benchmark.metrics import RequestResult
-from phaseserve.benchmark.sse import sse_messages
-from phaseserve.benchmark.workloads import RequestSpec, Vocab
+from phaseserve.stack.benchmark.metrics import RequestResult
+from phaseserve.stack.benchmark.sse import sse_messages
+from phaseserve.stack.benchmark.workloads import RequestSpec, Vocab
 
-log = structlog.get_logger("phaseserve.benchmark.loadgen")
+log = structlog.get_logger("phaseserve.stack.benchmark.loadgen")
 
 
 class PromptFormatError(RuntimeError):

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import structlog
 
-log = structlog.get_logger("phaseserve.benchmark.proc_cpu")
+log = structlog.get_logger("phaseserve.stack.benchmark.proc_cpu")
 
 _TICK = os.sysconf("SC_CLK_TCK")
 CLIENT = "client"  # this process: the bench's own load generator
 # `python -m <module>` of the stack's processes -> the role reported (launcher.MODULE and the worker's relay)
-_MODULE_ROLES = {"gateway": "gateway", "scheduler": "scheduler", "workers": "worker", "workers.relay": "relay",
-                 "workers.thread_probe": "thread-probe", "phaseserve.stack.cli": "launcher"}
+_MODULE_ROLES = {"phaseserve.gateway": "gateway", "phaseserve.scheduler": "scheduler", "phaseserve.workers": "worker", "phaseserve.workers.relay": "relay",
+                 "phaseserve.workers.thread_probe": "thread-probe", "phaseserve.stack.cli": "launcher"}
 
 
 def _stat_fields(pid: int) -> list[str] | None:

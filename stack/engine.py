@@ -16,8 +16,8 @@ import structlog
 
 from phaseserve.params import SamplingParams
 from phaseserve.wire import GrammarSpec, LoraRef, SubmitRequest
-from scheduler.policy import SchedulerConfig, WorkerPolicy
-from workers.runner import ModelRunner
+from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.workers.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 

@@ -45,7 +45,7 @@ log = structlog.get_logger("phaseserve.up")
 
 # start order; stopped in reverse, so the gateway stops taking requests first
 SERVICES = ("scheduler", "worker", "gateway")
-MODULE = {"scheduler": "scheduler", "worker": "workers", "gateway": "gateway"}
+MODULE = {"scheduler": "phaseserve.scheduler", "worker": "phaseserve.workers", "gateway": "phaseserve.gateway"}
 
 
 class LaunchError(RuntimeError):

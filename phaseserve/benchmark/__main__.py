@@ -1,5 +1,0 @@
-import sys
-
-from phaseserve.benchmark.cli import main
-
-sys.exit(main())

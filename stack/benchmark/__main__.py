@@ -1,0 +1,5 @@
+import sys
+
+from phaseserve.stack.benchmark.cli import main
+
+sys.exit(main())
