@@ -22,11 +22,16 @@ class TenantPlanner:
         self.max_num_seqs = max_num_seqs
 
     def admission_order(self, waiting: list[Sequence], running: list[Sequence], step: StepDraft) -> list[Sequence]:
-        """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), without the
-        sequences a fair-share preemption sent back in this step."""
+        """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), the tenants
+        under their share of the worker before those at or over it, without the sequences a fair-share
+        preemption sent back in this step. A tenant that holds its share cannot be admitted past it while
+        another waits (admission stops at the first that does not fit), so its queue must not stand in
+        front of a tenant under its share until their virtual times cross."""
         waiting = [s for s in waiting if s not in step.held_back]
-        return fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _known_tokens,
-                          self.usage(running))
+        usage = self.usage(running)
+        order = fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _known_tokens, usage)
+        under = [s for s in order if usage.get(s.tenant, 0.0) < 1.0]
+        return under + [s for s in order if usage.get(s.tenant, 0.0) >= 1.0] if len(under) < len(order) else order
 
     @staticmethod
     def allow(step: StepDraft, seq: Sequence, budget: StepBudget) -> float:

@@ -121,6 +121,43 @@ def test_a_flood_of_one_tenant_does_not_hold_back_another_s_request():
     assert first["none"] > 40  # FCFS: behind A's queue
 
 
+def test_a_tenant_at_its_share_does_not_queue_ahead_of_one_under_it():
+    """A holds every slot and has more queued; B, ahead of A in virtual time (its streams were served more
+    tokens lately, as interactive chats beside a throttled flood are), sends a request: it starts on the next
+    plan, one of A's preempted for it. In fair order alone A's queue would come first until A's virtual time
+    caught up, and A's head cannot start (A holds its share of the slots): B's first token would wait for A's
+    tokens, not for its turn (bench/results/2026-11-29-tenants-ttft.md)."""
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+                          max_model_len=2048, watermark=0.0, long_prefill_threshold=0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    flood = [tenant_req(f"a{i}", 300, "a", max_tokens=40) for i in range(10)]
+    chat = tenant_req("b0", 20, "b", max_tokens=60)
+    b1 = tenant_req("b1", 20, "b", max_tokens=8)
+    starts: dict[str, int] = {}
+    plans: list[int] = []
+    add = sched.add_request
+
+    def arrive(req):
+        if req is b1:
+            # B ahead of A by more than A's queued prompts (weight 1: virtual time is tokens)
+            sched.shares.charge("b", sched.shares.vtime["a"] - sched.shares.vtime["b"] + 1000)
+            starts["arrived"] = len(plans)
+        add(req)
+
+    def on_plan(i, plan):
+        plans.append(i)
+        for s in plan.starts:
+            starts.setdefault(s.seq_id, i)
+
+    sched.add_request = arrive
+    drive(sched, worker, arrivals={0: flood + [chat], 12: [b1]}, on_plan=on_plan)
+    assert starts["b0"] == 0 and "a9" in starts
+    assert starts["b1"] == starts["arrived"]  # the first plan after it arrived
+    assert sched.stats().counters.num_fair_share_preemptions >= 1
+    assert_reference(worker, flood + [chat, b1], cfg.max_model_len)
+    assert_idle(sched)
+
+
 def test_prefill_tokens_are_shared_by_weight():
     cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
                           max_model_len=4096, watermark=0.0, long_prefill_threshold=0)
