@@ -199,8 +199,9 @@ class WorkerPolicy:
         - Speculation last (a worker that offers it): drafts for decodes in what prefill left of the budget,
           never a promised block, chosen as scheduler/draft_rule.py says (docs/speculative.md).
         - Tenants (only while more than one has work here; otherwise nothing above changes): the waiting queue
-          is admitted, and prefill chunks get the budget, in weighted fair order on tokens, each tenant's own
-          sequences in (priority, arrival) order; a preemption takes from the tenant furthest over its share
+          is admitted, and prefill chunks get the budget, in weighted fair order on tokens (the tenants at
+          their share of the worker after those under it), each tenant's own sequences in (priority, arrival)
+          order; a preemption takes from the tenant furthest over its share
           of the KV blocks and slots, and a head of the queue whose tenant is under its share preempts one
           that is over it before decodes are planned (scheduler/tenant_planner.py, docs/tenants.md).
         """
