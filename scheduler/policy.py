@@ -201,9 +201,9 @@ class WorkerPolicy:
         - Tenants (only while more than one has work here; otherwise nothing above changes): the waiting queue
           is admitted, and prefill chunks get the budget, in weighted fair order on tokens (the tenants at
           their share of the worker after those under it), each tenant's own sequences in (priority, arrival)
-          order; a preemption takes from the tenant furthest over its share
-          of the KV blocks and slots, and a head of the queue whose tenant is under its share preempts one
-          that is over it before decodes are planned (scheduler/tenant_planner.py, docs/tenants.md).
+          order; a preemption takes from the tenant furthest over its share of the KV blocks and slots, and a
+          head of the queue whose tenant is under its share preempts one that is over it before decodes are
+          planned (scheduler/tenant_planner.py, docs/tenants.md).
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)

@@ -30,8 +30,8 @@ class TenantPlanner:
         waiting = [s for s in waiting if s not in step.held_back]
         usage = self.usage(running)
         order = fair_order(waiting, _tenant_of, self.shares.vtime, self.shares.weight, _known_tokens, usage)
-        under = [s for s in order if usage.get(s.tenant, 0.0) < 1.0]
-        return under + [s for s in order if usage.get(s.tenant, 0.0) >= 1.0] if len(under) < len(order) else order
+        return ([s for s in order if usage.get(s.tenant, 0.0) < 1.0]
+                + [s for s in order if usage.get(s.tenant, 0.0) >= 1.0])
 
     @staticmethod
     def allow(step: StepDraft, seq: Sequence, budget: StepBudget) -> float:
