@@ -10,11 +10,11 @@ and the README's size.
 
 The layers, bottom to top: the shared ground (phaseserve/, except the composers) < the services (gateway/,
 scheduler/, workers/; kernels/ sits under workers/, which alone may use it) < the composers (the CLI, the
-launcher, the in-process engine and the benchmark client that drives it: stack/ and
-stack/benchmark/ today, or a top-level stack/ folder). An import runs back up when a shared module imports a
+launcher, the in-process engine and the benchmark client that drives it: stack/; in a tree from before the
+one import package, phaseserve/stack/ and phaseserve/benchmark/). An import runs back up when a shared module imports a
 service or a composer, or a service imports a composer or another service (workers/ may import kernels/).
 Imports are read by module name, so `phaseserve.gateway.x` (the folders mapped under one namespace) is the
-gateway as much as `gateway.x` is.
+gateway as much as `gateway.x` is in an older tree: the script reads a tree from before and after.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 SERVICES = ("gateway", "scheduler", "workers")
 PARTS = (*SERVICES, "kernels", "phaseserve", "composers")
-COMPOSER_FOLDERS = ("stack", "stack/benchmark", "stack")
+COMPOSER_FOLDERS = ("stack", "phaseserve/stack", "phaseserve/benchmark")  # today, and before the one package
 LONG_FILE = 400
 RANK = {"ground": 0, "kernels": 1, "gateway": 1, "scheduler": 1, "workers": 1, "composers": 2}
 # a number and a unit of time, rate or ratio: 3 ms, 1.7 s, 40 µs, 12 tok/s, 25 GB/s, 1.5x, 0.98×, 7%; not a
@@ -60,7 +60,7 @@ def part_of_path(root: Path, path: Path) -> str:
 def layer_of_module(module: str) -> str | None:
     """The layer of a dotted module name of this repo (None: not this repo's)."""
     parts = module.split(".")
-    if parts[0] == "phaseserve" and len(parts) > 1 and parts[1] in (*SERVICES, "kernels"):
+    if parts[0] == "phaseserve" and len(parts) > 1 and parts[1] in (*SERVICES, "kernels", "stack"):
         parts = parts[1:]  # the folders mapped under the phaseserve namespace
     top = parts[0]
     if top in ("stack",) or (top == "phaseserve" and len(parts) > 1 and parts[1] in ("stack", "benchmark")):

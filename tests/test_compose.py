@@ -4,6 +4,7 @@ environment, and runs a command the CLI really has with flags it really accepts.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -272,12 +273,15 @@ def test_commands_exist_in_cli(compose, service, tmp_path):
 
 
 def test_dockerfile_copies_every_package():
+    """Every folder setup.py installs (phaseserve/ and the folders it maps into it), and setup.py itself."""
     with open(os.path.join(ROOT, "docker", "Dockerfile")) as f:
         dockerfile = f.read()
-    with open(os.path.join(ROOT, "pyproject.toml")) as f:
-        include = re.search(r"include = \[(.*?)\]", f.read()).group(1)
-    for pkg in re.findall(r'"(\w+)\*"', include):
-        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        mapped = next(ast.literal_eval(node.value) for node in ast.walk(ast.parse(f.read()))
+                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MAPPED")
+    for folder in ("phaseserve", *mapped):
+        assert f"COPY {folder} ./{folder}" in dockerfile, folder
+    assert re.search(r"^COPY pyproject.toml setup.py ", dockerfile, re.M)
     assert "torch==2.13.0" in dockerfile
 
 

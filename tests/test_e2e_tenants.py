@@ -126,8 +126,9 @@ def test_limits_answer_429_naming_the_limit_while_another_tenant_streams_on(stac
                     bob_tokens.append(time.perf_counter())
 
     with client(stack, "quinn") as q:
+        # long enough to outlast the refusals below on a fast machine (its completion counts once it ends)
         long = q.completions.with_streaming_response.create(model=stack.model, prompt="Tell me a story",
-                                                            max_tokens=120, temperature=0.0, stream=True,
+                                                            max_tokens=1000, temperature=0.0, stream=True,
                                                             extra_body={"ignore_eos": True})
         with long as held:  # quinn's one allowed request in flight
             it = held.iter_lines()
@@ -153,7 +154,7 @@ def test_limits_answer_429_naming_the_limit_while_another_tenant_streams_on(stac
     assert len(bob_tokens) == 60
     gaps = [b - a for a, b in zip(bob_tokens, bob_tokens[1:])]
     assert max(gaps) < 2.0, max(gaps)
-    # quinn's 120 tokens (+ prompt) passed the 400 tokens a minute? not yet; two more requests do
+    # quinn's 1000 completion tokens spent the 400 tokens a minute: the next request is refused for it
     with client(stack, "quinn") as q:
         hit = None
         for _ in range(6):
