@@ -63,7 +63,6 @@ class WorkerPolicy:
         self.steps = StepPlanner(config, self.capacity, self.queues, self.kv, self.shares, self.tenants, self.drafts,
                                  self.handoffs, self.counters)
         self._inflight: dict[int, list[Sequence]] = {}  # step id -> sequences planned to sample in it
-        self._prefill_only: set[int] = set()  # in-flight steps with prefill and no decode
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         # the worker's learned step costs (the service sets them from measured steps; None: not yet)
         self.step_costs: StepCosts | None = None
@@ -204,11 +203,8 @@ class WorkerPolicy:
           their share of the worker after those under it), each tenant's own sequences in (priority, arrival)
           order; a preemption takes from the tenant furthest over its share of the KV blocks and slots, and a
           head of the queue whose tenant is under its share preempts one that is over it before decodes are
-          planned (scheduler/tenant_planner.py, docs/tenants.md). Once tenants have shared the worker, no plan
-          is drafted while a prefill-only step is in flight (`_behind_prefill_only_step`).
+          planned (scheduler/tenant_planner.py, docs/tenants.md).
         """
-        if self._behind_prefill_only_step():
-            return None
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
         if self.shares.is_shared:
@@ -225,14 +221,6 @@ class WorkerPolicy:
             self.steps.clock_s += budget.predicted_s
         return self._seal(step)
 
-    def _behind_prefill_only_step(self) -> bool:
-        """Hold the next plan back while a prefill-only step is in flight on a worker that tenants have shared
-        since it was last idle (more than one has a virtual time). No decode caps such a step, so it can be
-        long; a plan queued behind it would be drafted before another tenant's next request arrives, which
-        then waits for both (docs/tenants.md, "Plans in flight"). Without tenants nothing is held back."""
-        self._prefill_only &= self._inflight.keys()
-        return len(self.shares.vtime) > 1 and bool(self._prefill_only)
-
     def _seal(self, step: StepDraft) -> StepPlan | None:
         """The plan of a drafted step, with the pending releases; None when there is nothing to send."""
         if step.is_empty and not self.queues.releases:
@@ -240,8 +228,6 @@ class WorkerPolicy:
         step_id = self._next_step_id
         self._next_step_id += 1
         self._inflight[step_id] = step.sampled  # every plan gets a result, even one with nothing to sample
-        if step.prefills and not step.decodes:
-            self._prefill_only.add(step_id)
         releases = self.queues.take_releases()
         self.counters.num_decode_tokens += len(step.decodes)
         prefill_tokens = sum(c.num_tokens for c in step.prefills)

@@ -285,32 +285,3 @@ def test_random_load_of_three_tenants_keeps_every_invariant_and_matches_referenc
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
     assert not sched.shares.active and not sched.shares.vtime
-
-
-@pytest.mark.parametrize("tenants", [("a", "b"), ("", "")])
-def test_a_second_plan_waits_behind_a_prefill_only_step_once_tenants_shared_the_worker(tenants):
-    """A prefill-only step (no decode, so no ITL cap) in flight holds the next plan back while tenants have
-    shared the worker, even after the other tenant's work finished: its next request then waits for one
-    long step, not two. With one tenant, plans pipeline as before."""
-    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=256, max_model_len=4096,
-                          watermark=0.0)
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.add_request(tenant_req("a", 2000, tenants[0], max_tokens=2))
-    sched.add_request(tenant_req("b", 8, tenants[1], max_tokens=1))
-    first = sched.schedule()
-    assert first is not None and not any(c.num_tokens == 1 for c in first.chunks)  # prefill only
-    second = sched.schedule()
-    assert (second is None) == (tenants[0] != tenants[1])
-    finished = sched.update(worker.run(first))
-    if second is not None:
-        finished += sched.update(worker.run(second))
-    while "b" not in finished:  # one plan at a time until b is done
-        finished += sched.update(worker.run(sched.schedule()))
-    long_step = sched.schedule()
-    assert long_step is not None and [c.seq_id for c in long_step.chunks] == ["a"]
-    behind = sched.schedule()  # b is gone, a prefills alone: b's tenant may come back any moment
-    assert (behind is None) == (tenants[0] != tenants[1])
-    sched.update(worker.run(long_step))
-    if behind is not None:
-        sched.update(worker.run(behind))
-    assert sched.schedule() is not None  # the result came back: the next plan goes
