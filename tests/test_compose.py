@@ -282,10 +282,14 @@ def test_dockerfile_copies_every_package():
     for folder in ("phaseserve", *mapped):
         assert f"COPY {folder} ./{folder}" in dockerfile, folder
     assert re.search(r"^COPY pyproject.toml setup.py ", dockerfile, re.M)
+    # the services run away from the copied sources: from there `python -m phaseserve.workers.relay` would
+    # import ./phaseserve (the shared folder alone) instead of the installed package
+    workdirs = re.findall(r"^WORKDIR (\S+)", dockerfile, re.M)
+    assert workdirs[-1] == "/" and dockerfile.index("WORKDIR /\n") > dockerfile.index("RUN pip install ."), workdirs
     assert "torch==2.13.0" in dockerfile
 
 
-BUILD_OPS = "RUN cd / && python -m phaseserve.kernels.native"
+BUILD_OPS = "RUN python -m phaseserve.kernels.native"
 
 
 def test_the_image_builds_on_any_cpu_compiling_only_the_ops_its_cpu_runs():
