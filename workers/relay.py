@@ -36,7 +36,6 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-import msgpack
 import redis
 import structlog
 
