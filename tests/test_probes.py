@@ -99,8 +99,13 @@ def test_a_frozen_worker_and_a_dead_scheduler_turn_their_probes(e2e_model, tmp_p
         # a prefill + decode layout left with only its decode worker: degraded, not ok
         prefill.kill()
         prefill.wait(10)
-        assert wait_for(lambda: _get(stack.base_url + "/health")[1]["status"] == DEGRADED, 15, 0.5)
-        assert any("no prefill worker" in p for p in _get(stack.base_url + "/health")[1]["problems"])
+        # wait for this very state: the decode worker's own recovery can read DEGRADED a moment before the
+        # prefill worker's heartbeat has expired
+        def prefill_gone() -> bool:
+            body = _get(stack.base_url + "/health")[1]
+            return body["status"] == DEGRADED and any("no prefill worker" in p for p in body["problems"])
+
+        assert wait_for(prefill_gone, 15, 0.5), _get(stack.base_url + "/health")[1]
         assert _get(stack.base_url + "/health/ready")[0] == 200  # served all the same
 
         # the gauges an inference gateway reads
