@@ -55,7 +55,7 @@ class StepBudget:
     head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
     # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
     # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
-    # learned cost model, or in a step with no decode: no stream to stall)
+    # learned cost model, or in a step with no decode: no stream to stall, unless `hold_for_paused_stream`)
     target_base: float = math.inf
     target_slope: float = 0.0
     target_floor: float = 0.0
@@ -63,6 +63,7 @@ class StepBudget:
     prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
     unit_s: float = 0.0  # seconds a unit (0: no cost model)
     decode_units: float = 0.0
+    paused_stream_units: float = 0.0  # what the target counts for a stream paused between turns (0: none)
     prefill_units: float = 0.0
     prefill_chunks: int = 0
 
@@ -87,11 +88,21 @@ class StepBudget:
         budget.target_floor = chunk_cost(cfg.max_model_len - 1, 1, budget.horizon)
         return budget
 
+    def hold_for_paused_stream(self) -> None:
+        """Bound this step as if one stream decoded in it: another tenant's streams paused a moment ago, and
+        its next turn should not wait behind long prefill steps (scheduler/tenant_planner.py)."""
+        self.paused_stream_units = chunk_cost(0, 1, self.horizon)
+
+    @property
+    def _streaming_units(self) -> float:
+        """The decode units the ITL target bounds the step by (0: no stream to protect)."""
+        return self.decode_units or self.paused_stream_units
+
     @property
     def target_left(self) -> float:
-        if not self.decode_units or math.isinf(self.target_base):
+        if not self._streaming_units or math.isinf(self.target_base):
             return math.inf
-        room = (self.target_base + self.target_slope * self.decode_units
+        room = (self.target_base + self.target_slope * self._streaming_units
                 - self.prefill_chunk_units * (self.prefill_chunks + 1))
         return max(room, self.target_floor) - self.prefill_units
 
@@ -103,7 +114,7 @@ class StepBudget:
     def long_cap_left(self) -> float:
         """What long prefills' chunks may still take. The cap keeps a long prompt from stalling the streams
         decoding beside it; in a step with no decode there is none, and it would only cost the prompt's TTFT."""
-        return self.long_left if self.decode_units else math.inf
+        return self.long_left if self._streaming_units else math.inf
 
     @property
     def held_by_target(self) -> bool:
@@ -119,11 +130,11 @@ class StepBudget:
     @property
     def target_s(self) -> float:
         """The ITL target's bound on the step's predicted time (0: no bound: the target is off, no cost model
-        is learned, or no decode runs in the step): r x the pure-decode step's, or the milliseconds set."""
-        if not self.decode_units or math.isinf(self.target_base) or not self.unit_s:
+        is learned, or no stream to protect in the step): r x the pure-decode step's, or the milliseconds set."""
+        if not self._streaming_units or math.isinf(self.target_base) or not self.unit_s:
             return 0.0
-        return (self.overhead_units + self.decode_units + self.target_base
-                + self.target_slope * self.decode_units) * self.unit_s
+        streaming = self._streaming_units
+        return (self.overhead_units + streaming + self.target_base + self.target_slope * streaming) * self.unit_s
 
     def is_long(self, prefill_len: int) -> bool:
         """`prefill_len`: the positions a prefill computes, its cached prefix excluded (a resent history
@@ -132,8 +143,8 @@ class StepBudget:
 
     def targets(self, prefill_len: int) -> bool:
         """The ITL target would bound this prefill's chunks in this step: it is on, there are decodes beside
-        it, and the prefill is long (or every prefill is, with no long cap)."""
-        return (not math.isinf(self.target_base) and bool(self.decode_units)
+        it (or a paused stream), and the prefill is long (or every prefill is, with no long cap)."""
+        return (not math.isinf(self.target_base) and bool(self._streaming_units)
                 and (not self.long_threshold or self.is_long(prefill_len)))
 
     def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False) -> int:

@@ -47,6 +47,11 @@ class SchedulerConfig:
     # default progress timeout: beside few decodes the target's room is a few tokens a step, and long prompts
     # queued behind one another would otherwise go that timeout without a chunk
     itl_patience_s: float = 15.0
+    # tenants: for this much predicted step time after a tenant's streams stop decoding (a chat between its
+    # turns, an agent between its calls), steps with no decode keep the ITL target's bound of one stream
+    # while another tenant has work, so the next turn does not wait behind that tenant's long prefill steps
+    # planned in the pause (scheduler/tenant_planner.py). 0: off
+    paused_stream_s: float = 0.1
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
     # share the cached KV blocks of prompts' common prefixes (scheduler/kv_cache_manager.py)
@@ -71,7 +76,8 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
             raise ValueError(f"SchedulerConfig.long_prefill_threshold must be an integer >= 0, got "
                              f"{self.long_prefill_threshold!r}")
-        if not self.itl_patience_s >= 0:
-            raise ValueError(f"SchedulerConfig.itl_patience_s must be >= 0, got {self.itl_patience_s!r}")
+        for name in ("itl_patience_s", "paused_stream_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")

@@ -92,6 +92,14 @@ class StepPlanner:
             step.scheduled.add(seq)
             budget.charge_decode(pos)
 
+    def hold_for_paused_streams(self, step: StepDraft, budget: StepBudget) -> None:
+        """Step 1b (tenants): a step with no decode keeps the ITL target's bound of one stream while another
+        tenant's streams are paused between turns (`TenantPlanner.stream_paused`)."""
+        window = self.config.paused_stream_s
+        q = self.queues
+        if window and self.tenants.stream_paused(step, budget, q.running, q.waiting, self.clock_s, window):
+            budget.hold_for_paused_stream()
+
     def _preempt_for(self, seq: Sequence, num_tokens: int, step: StepDraft) -> bool:
         """Preempt the lowest-priority, latest-arrived running sequences (of the tenant furthest over its
         share, when tenants share the worker) until `seq`'s table can hold `num_tokens` positions. False if

@@ -20,6 +20,25 @@ class TenantPlanner:
         self.shares = shares
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        self.last_stream_s: dict[str, float] = {}  # tenant -> the planner's clock at its last planned decode
+
+    def stream_paused(self, step: StepDraft, budget: StepBudget, running: list[Sequence], waiting: list[Sequence],
+                      clock_s: float, window_s: float) -> bool:
+        """Whether a step should keep the ITL target's bound of one stream though no decode runs in it: a
+        tenant whose streams decoded within `window_s` of the planner's clock has none decoding now and no long
+        prompt of its own prefilling (a chat between turns, or its next turn's first step), while another
+        tenant has work. Its next turn would otherwise wait behind the other's long prefill steps, planned in
+        the pause. Asked after the step's decodes are planned, whether or not tenants share the worker now."""
+        decoding = {s.tenant for s in step.scheduled}
+        for tenant in decoding:
+            self.last_stream_s[tenant] = clock_s
+        self.last_stream_s = {t: c for t, c in self.last_stream_s.items() if clock_s - c <= window_s}
+        if decoding or not self.last_stream_s:
+            return False  # decodes bound the step themselves
+        prefilling_long = {s.tenant for s in running if s.is_prefilling and budget.is_long(s.num_prefill_computed)}
+        paused = self.last_stream_s.keys() - prefilling_long
+        busy = {s.tenant for s in running} | {s.tenant for s in waiting}
+        return bool(paused) and bool(busy - paused)
 
     def admission_order(self, waiting: list[Sequence], running: list[Sequence], step: StepDraft) -> list[Sequence]:
         """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), the tenants

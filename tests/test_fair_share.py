@@ -11,6 +11,7 @@ import pytest
 
 from phaseserve.scheduler.fair_share import TenantShares, fair_order, most_over_share, usage_over_share, weighted_split
 from phaseserve.scheduler.policy import SchedulerConfig, WorkerPolicy
+from phaseserve.scheduler.step_cost import ItlTarget, StepCosts
 from tests.test_scheduler_policy import FakeWorker, assert_idle, assert_reference, drive, make_req
 
 
@@ -156,6 +157,61 @@ def test_a_tenant_at_its_share_does_not_queue_ahead_of_one_under_it():
     assert sched.stats().counters.num_fair_share_preemptions >= 1
     assert_reference(worker, flood + [chat, b1], cfg.max_model_len)
     assert_idle(sched)
+
+
+def paused_chat_plans(window_s: float) -> list[tuple[float, int, int, int]]:
+    """A's flood of long prompts beside B's chat of two turns, the second sent when the first's last token
+    is applied, as a chat client does. Each plan: (planner clock, decode tokens, A's prefill tokens, B's)."""
+    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3),
+                          paused_stream_s=window_s)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    flood = [tenant_req(f"a{i}", 3000, "a", max_tokens=1) for i in range(4)]
+    turns = [tenant_req("b0", 24, "b", max_tokens=6), tenant_req("b1", 40, "b", max_tokens=6)]
+    plans: list[tuple[float, int, int, int]] = []
+    update = sched.update
+
+    def next_turn_when_done(result):
+        finished = update(result)
+        if "b0" in finished:
+            sched.add_request(turns[1])
+        return finished
+
+    def on_plan(i, plan):
+        prompt = {r.request_id: len(r.prompt_ids) for r in flood + turns}
+        tokens = {"decode": 0, "a": 0, "b": 0}
+        for c in plan.chunks:
+            kind = "decode" if c.start_pos >= prompt[c.seq_id] else c.seq_id[0]
+            tokens[kind] += c.num_tokens
+        plans.append((sched.steps.clock_s, tokens["decode"], tokens["a"], tokens["b"]))
+
+    sched.update = next_turn_when_done
+    drive(sched, worker, depth=2, arrivals={0: flood + turns[:1]}, on_plan=on_plan)
+    assert_reference(worker, flood + turns, cfg.max_model_len)
+    assert_idle(sched)
+    return plans
+
+
+def test_a_chat_paused_between_turns_keeps_the_other_tenant_s_steps_short():
+    """Between two turns of B's chat no stream decodes, so the ITL target would not bound the step, and A's
+    flood fills it with long prefill chunks, two plans in flight, that B's next turn waits behind
+    (bench/results/2026-11-29-tenants-paused-streams.md). For `paused_stream_s` of planned step time after B's
+    last decode, a step with no decode keeps the bound of one stream: B's next turn starts beside a short chunk
+    of A's, and past the window A's chunks grow back to what the budget allows."""
+    held, off = paused_chat_plans(0.05), paused_chat_plans(0.0)
+    b1_first = next(p for p in held if p[3] == 40)  # B's second prompt, whole in one chunk (it is short)
+    last_b_decode = max(i for i, p in enumerate(held) if p[1] and p[0] < b1_first[0])
+    paused = held[last_b_decode + 1:held.index(b1_first) + 1]
+    assert paused and all(p[1] == 0 for p in paused)  # the steps of the pause: nothing decodes
+    # one stream's room at 1.3x: 0.3 x (20 units of overhead + 1) = 6 tokens of A's a step
+    assert all(p[2] <= 8 for p in paused), paused
+    assert b1_first[2] <= 8
+    later = [p for p in held if p[0] > b1_first[0] + 0.06 and not p[1]]
+    assert later and max(p[2] for p in later) >= 256  # past the window, the step budget's chunks again
+    # without the rule, the pause's steps are A's long chunks, up to max_num_batched_tokens (no stream: no long cap)
+    b1_first_off = next(i for i, p in enumerate(off) if p[3] == 40)
+    assert off[b1_first_off - 1][2] >= 256
 
 
 def test_prefill_tokens_are_shared_by_weight():
