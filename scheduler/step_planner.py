@@ -120,7 +120,7 @@ class StepPlanner:
         step.head = next((s for s in self._admission_order(step) if self.startable(s)), None)
         if self.shares.is_shared:
             q = self.queues
-            self.tenants.split_prefill_budget(step, budget, q.waiting, q.running, self.startable)
+            self.tenants.split_prefill_budget(step, budget, q.waiting, q.running, self.startable, self._overdue)
         head = step.head
         step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if step.head_admitted:

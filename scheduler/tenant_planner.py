@@ -62,19 +62,27 @@ class TenantPlanner:
         return left
 
     def split_prefill_budget(self, step: StepDraft, budget: StepBudget, waiting: list[Sequence],
-                             running: list[Sequence], startable: Callable[[Sequence], bool]) -> None:
+                             running: list[Sequence], startable: Callable[[Sequence], bool],
+                             overdue: Callable[[Sequence], bool]) -> None:
         """What each tenant's prefill chunks may take of what decodes left this step: max-min fair shares by
-        weight of the cost of what each has to prefill (its partial prefills' rest, its startable waiting
-        prompts'), so a tenant with little to do gets all of it and the rest is split by weight."""
+        weight of what each can spend in it (its partial prefills' rest, its startable waiting prompts'; its
+        long prompts' no more than the long cap and the ITL target leave them), so a tenant with little to do
+        gets all of it and the rest is split by weight. A part a tenant could not spend would otherwise be
+        lost to the step: a chat's prompts beside a flood's held-back chunks would start a step apart."""
         horizon = budget.horizon
-        demand: dict[str, float] = {}
+        short: dict[str, float] = {}
+        long: dict[str, float] = {}
         for s in running:
             if s.is_prefilling and s not in step.scheduled:
-                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(s.num_computed_tokens,
-                                                                          s.num_prefill_remaining, horizon)
+                held = budget.is_long(s.num_prefill_computed) and not overdue(s)
+                _add(long if held else short, s.tenant, chunk_cost(s.num_computed_tokens, s.num_prefill_remaining,
+                                                                  horizon))
         for s in waiting:
             if s not in step.held_back and startable(s):
-                demand[s.tenant] = demand.get(s.tenant, 0.0) + chunk_cost(0, s.num_known_tokens, horizon)
+                _add(long if budget.is_long(s.num_known_tokens) else short, s.tenant,
+                     chunk_cost(0, s.num_known_tokens, horizon))
+        long_room = max(min(budget.long_cap_left, budget.target_left), 0.0)
+        demand = {t: short.get(t, 0.0) + min(long.get(t, 0.0), long_room) for t in short.keys() | long.keys()}
         if len(demand) > 1:
             step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
 
@@ -107,6 +115,10 @@ class TenantPlanner:
         over = {s.tenant for s in running if s.tenant != head.tenant and usage.get(s.tenant, 0.0) > 1.0}
         tenant = most_over_share(usage, over)
         return None if tenant is None else next(s for s in reversed(running) if s.tenant == tenant)
+
+
+def _add(totals: dict[str, float], tenant: str, cost: float) -> None:
+    totals[tenant] = totals.get(tenant, 0.0) + cost
 
 
 def _tenant_of(seq: Sequence) -> str:

@@ -214,6 +214,30 @@ def test_a_chat_paused_between_turns_keeps_the_other_tenant_s_steps_short():
     assert off[b1_first_off - 1][2] >= 256
 
 
+def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_spend():
+    """B's 8 prompts (480 tokens) arrive beside A's flood while one of A's streams decodes: the ITL target
+    holds A's long chunks to a few tokens, so B's prompts all start in the step they arrive in. Split by
+    weight over what A has to prefill, B would get half of the step and its prompts would start two steps
+    apart, A's half unspent."""
+    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    flood = [tenant_req("a-stream", 8, "a", max_tokens=300)] + [tenant_req(f"a{i}", 3000, "a", max_tokens=1)
+                                                                 for i in range(2)]
+    chats = [tenant_req(f"b{i}", 60, "b", max_tokens=2) for i in range(8)]
+    starts: dict[str, int] = {}
+
+    def on_plan(i, plan):
+        for s in plan.starts:
+            starts.setdefault(s.seq_id, i)
+
+    drive(sched, worker, depth=2, arrivals={0: flood, 10: chats}, on_plan=on_plan)
+    assert {starts[c.request_id] for c in chats} == {starts["b0"]}, starts
+    assert_reference(worker, flood + chats, cfg.max_model_len)
+    assert_idle(sched)
+
+
 def test_prefill_tokens_are_shared_by_weight():
     cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
                           max_model_len=4096, watermark=0.0, long_prefill_threshold=0)
