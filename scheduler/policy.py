@@ -208,7 +208,7 @@ class WorkerPolicy:
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
         if self.shares.is_shared:
-            self.steps.make_room_for_fair_head(step)
+            self.steps.make_room_for_fair_heads(step)
         self.steps.schedule_decodes(step, budget)
         self.steps.hold_for_paused_streams(step, budget)
         self.steps.reserve_head_of_queue(step, budget)

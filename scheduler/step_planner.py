@@ -47,25 +47,38 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ the steps, in plan order
 
-    def make_room_for_fair_head(self, step: StepDraft) -> None:
-        """Step 0 (tenants): when the first startable sequence in fair order cannot be admitted for want of a
-        slot or blocks, and its tenant would stay within its share with it, preempt the lowest-ranked
-        sequences of the tenants over their share, furthest first, until it can. They wait behind it, and
-        not for this step (`held_back`): a burst of one tenant cannot hold another's requests back."""
-        head = next((s for s in self._admission_order(step) if self.startable(s)), None)
-        if head is None or self._can_admit(head, step):
-            return
-        running = self.queues.running
-        need = self.kv.blocks_for(self._promised_len(head, head.num_known_tokens))
-        if self.tenants.usage(running, head, need).get(head.tenant, 0.0) > 1.0:
-            return  # its own tenant is at its share: it waits for its own sequences, not for another's
-        while not self._can_admit(head, step):
-            victim = self.tenants.victim_for(head, running)
-            if victim is None:
-                return
-            self.preempt(victim)
-            step.held_back.add(victim)
-            self.counters.num_fair_share_preemptions += 1
+    def make_room_for_fair_heads(self, step: StepDraft) -> None:
+        """Step 0 (tenants): the startable sequences at the front of the fair order get a slot and blocks for
+        this step's admission while their tenants stay within their shares with them: for each that would not
+        fit beside those before it, the lowest-ranked sequences of the tenants over their share are preempted,
+        furthest first. They wait behind it, and not for this step (`held_back`): a burst of one tenant cannot
+        hold another's requests back, and a chat's turn starts together, not one request a step."""
+        kv, running = self.kv, self.queues.running
+        admitted: list[tuple[Sequence, int]] = []  # (sequence, the blocks it will hold)
+        taken = 0  # of the free blocks (a cached prefix nobody holds counts as free until taken)
+        for head in self._admission_order(step):
+            if not self.startable(head):
+                continue
+            need = kv.blocks_for(self._promised_len(head, head.num_known_tokens))
+            admitted.append((head, need))
+            taken += kv.blocks_to_admit(head, need)
+            if self._room_for(len(admitted), taken):
+                continue
+            if self.tenants.usage(running, admitted).get(head.tenant, 0.0) > 1.0:
+                return  # its tenant would be over its share: it waits for its own sequences, not for another's
+            while not self._room_for(len(admitted), taken):
+                victim = self.tenants.victim_for(head, running)
+                if victim is None:
+                    return
+                self.preempt(victim)
+                step.held_back.add(victim)
+                self.counters.num_fair_share_preemptions += 1
+
+    def _room_for(self, num_seqs: int, num_blocks: int) -> bool:
+        """Slots for `num_seqs` more sequences and `num_blocks` free blocks above the watermark and the
+        promised ones."""
+        return (len(self.queues.running) + num_seqs <= self.config.max_num_seqs
+                and self.kv.can_allocate(num_blocks, reserved=self.promised_blocks()))
 
     def schedule_decodes(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 1: one token for every running sequence past its prefill, in rank order, preempting the

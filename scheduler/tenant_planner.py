@@ -86,18 +86,14 @@ class TenantPlanner:
         if len(demand) > 1:
             step.tenant_room = weighted_split(max(budget.left, 0.0), demand, self.shares.weight)
 
-    def usage(self, running: list[Sequence], extra: Sequence | None = None,
-              extra_blocks: int = 0) -> dict[str, float]:
+    def usage(self, running: list[Sequence], extra: list[tuple[Sequence, int]] = ()) -> dict[str, float]:
         """Each busy tenant's holding over its weighted share: the larger of its KV blocks' and its
-        sequence slots' (with `extra` counted as admitted with `extra_blocks` more)."""
+        sequence slots' (with each `extra` sequence counted as admitted with its blocks)."""
         blocks: dict[str, float] = {}
         slots: dict[str, float] = {}
-        for s in running:
-            blocks[s.tenant] = blocks.get(s.tenant, 0) + len(s.block_table)
+        for s, n in [(s, len(s.block_table)) for s in running] + list(extra):
+            blocks[s.tenant] = blocks.get(s.tenant, 0) + n
             slots[s.tenant] = slots.get(s.tenant, 0) + 1
-        if extra is not None:
-            blocks[extra.tenant] = blocks.get(extra.tenant, 0) + extra_blocks
-            slots[extra.tenant] = slots.get(extra.tenant, 0) + 1
         by_blocks = self.shares.usage(blocks, self.kv.num_blocks)
         by_slots = self.shares.usage(slots, self.max_num_seqs)
         return {t: max(by_blocks[t], by_slots[t]) for t in by_blocks}

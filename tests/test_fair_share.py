@@ -238,6 +238,32 @@ def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_s
     assert_idle(sched)
 
 
+def test_a_turn_of_several_chats_starts_together_when_a_flood_holds_every_slot():
+    """A holds all 8 slots; B's four chats send their next turns at once. Each needs a slot from A (over its
+    share of 4), and all four start in the plan after they arrive: made room for one at a time, the fourth
+    would start three steps after the first."""
+    cfg = SchedulerConfig(num_blocks=1000, block_size=16, max_num_seqs=8, max_num_batched_tokens=2048,
+                          max_model_len=2048, watermark=0.0, long_prefill_threshold=0)
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    flood = [tenant_req(f"a{i}", 600, "a", max_tokens=40) for i in range(12)]
+    chats = [tenant_req(f"b{i}", 20, "b", max_tokens=4) for i in range(4)]
+    starts: dict[str, int] = {}
+    running_at_arrival = []
+
+    def on_plan(i, plan):
+        for s in plan.starts:
+            starts.setdefault(s.seq_id, i)
+        if i == 5:
+            running_at_arrival.append(sched.num_running)
+
+    drive(sched, worker, arrivals={0: flood, 6: chats}, on_plan=on_plan)
+    assert running_at_arrival == [8]  # A holds every slot when B's turn arrives
+    assert {starts[c.request_id] for c in chats} == {6}, starts
+    assert sched.stats().counters.num_fair_share_preemptions >= 4
+    assert_reference(worker, flood + chats, cfg.max_model_len)
+    assert_idle(sched)
+
+
 def test_prefill_tokens_are_shared_by_weight():
     cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
                           max_model_len=4096, watermark=0.0, long_prefill_threshold=0)
