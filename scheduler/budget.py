@@ -64,6 +64,7 @@ class StepBudget:
     unit_s: float = 0.0  # seconds a unit (0: no cost model)
     decode_units: float = 0.0
     paused_stream_units: float = 0.0  # what the target counts for a stream paused between turns (0: none)
+    long_cap_always: bool = False  # the long cap holds in a step with no decode too (`hold_long_cap`)
     prefill_units: float = 0.0
     prefill_chunks: int = 0
 
@@ -93,6 +94,11 @@ class StepBudget:
         its next turn should not wait behind long prefill steps (scheduler/tenant_planner.py)."""
         self.paused_stream_units = chunk_cost(0, 1, self.horizon)
 
+    def hold_long_cap(self) -> None:
+        """Keep the long cap in this step even with no decode: another tenant's request arriving now waits for
+        the steps in flight, and a long prompt's chunks would otherwise make them as long as the budget."""
+        self.long_cap_always = True
+
     @property
     def _streaming_units(self) -> float:
         """The decode units the ITL target bounds the step by (0: no stream to protect)."""
@@ -113,8 +119,9 @@ class StepBudget:
     @property
     def long_cap_left(self) -> float:
         """What long prefills' chunks may still take. The cap keeps a long prompt from stalling the streams
-        decoding beside it; in a step with no decode there is none, and it would only cost the prompt's TTFT."""
-        return self.long_left if self._streaming_units else math.inf
+        decoding beside it; in a step with no decode there is none, and it would only cost the prompt's TTFT
+        (unless `hold_long_cap`)."""
+        return self.long_left if self._streaming_units or self.long_cap_always else math.inf
 
     @property
     def held_by_target(self) -> bool:

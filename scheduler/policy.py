@@ -210,7 +210,7 @@ class WorkerPolicy:
         if self.shares.is_shared:
             self.steps.make_room_for_fair_heads(step)
         self.steps.schedule_decodes(step, budget)
-        self.steps.hold_for_paused_streams(step, budget)
+        self.steps.bound_for_other_tenants(step, budget)
         self.steps.reserve_head_of_queue(step, budget)
         self.steps.schedule_prefill_chunks(step, budget)
         self.steps.admit_waiting(step, budget)

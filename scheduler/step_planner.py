@@ -105,9 +105,14 @@ class StepPlanner:
             step.scheduled.add(seq)
             budget.charge_decode(pos)
 
-    def hold_for_paused_streams(self, step: StepDraft, budget: StepBudget) -> None:
-        """Step 1b (tenants): a step with no decode keeps the ITL target's bound of one stream while another
-        tenant's streams are paused between turns (`TenantPlanner.stream_paused`)."""
+    def bound_for_other_tenants(self, step: StepDraft, budget: StepBudget) -> None:
+        """Step 1b (tenants): once two tenants have had work on this worker, the long cap holds in a step with
+        no decode too, so another tenant's request waits behind steps of at most that cap, not of the whole
+        budget; and while a tenant's streams are paused between turns, a step with no decode keeps the ITL
+        target's bound of one stream (`TenantPlanner.stream_paused`). One tenant alone: nothing changes."""
+        if len(self.shares.weight) < 2:
+            return
+        budget.hold_long_cap()
         window = self.config.paused_stream_s
         q = self.queues
         if window and self.tenants.stream_paused(step, budget, q.running, q.waiting, self.clock_s, window):

@@ -208,10 +208,24 @@ def test_a_chat_paused_between_turns_keeps_the_other_tenant_s_steps_short():
     assert all(p[2] <= 8 for p in paused), paused
     assert b1_first[2] <= 8
     later = [p for p in held if p[0] > b1_first[0] + 0.06 and not p[1]]
-    assert later and max(p[2] for p in later) >= 256  # past the window, the step budget's chunks again
-    # without the rule, the pause's steps are A's long chunks, up to max_num_batched_tokens (no stream: no long cap)
+    assert later and max(p[2] for p in later) == 256  # past the window, the long cap's chunks again
+    # without the rule, the pause's steps are A's long chunks
     b1_first_off = next(i for i, p in enumerate(off) if p[3] == 40)
-    assert off[b1_first_off - 1][2] >= 256
+    assert off[b1_first_off - 1][2] == 256
+
+
+def test_once_two_tenants_used_a_worker_the_long_cap_holds_in_steps_with_no_decode():
+    """A request of another tenant waits for the steps in flight: with two tenants known, a step with no
+    decode is held to the long cap (T = 256 units) instead of max_num_batched_tokens (512). A tenant alone
+    keeps the whole budget for its long prompts' TTFT."""
+    shared = [p for p in paused_chat_plans(0.0) if not p[1] and not p[3]]
+    assert shared and max(p[2] for p in shared) == 256
+    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    plans = drive(sched, worker, arrivals={0: [tenant_req("a0", 3000, "a", max_tokens=1)]})
+    assert max(c.num_tokens for p in plans for c in p.chunks) == 512
 
 
 def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_spend():
