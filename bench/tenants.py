@@ -11,9 +11,11 @@ own (so no run finds another's prefixes cached):
 - **no tenants**: the same, with A's and B's keys in one tenant (the keys file rewritten; the gateway
   reloads it), which is what a stack without tenants does.
 
-It prints B's TTFT and ITL (p50 / p99) and A's throughput (prompt + completion tokens a second, from its first
-request to its last token) for each run, and B's p99s under the flood over B's alone (the target: within
-1.5x with tenants).
+With `--rounds N` the four runs repeat N times in that order, each round on prompts of its own. It prints B's
+TTFT and ITL (p50 / p99 over every round's turns pooled) and A's throughput (prompt + completion tokens a
+second, from its first request to its last token; the mean of the rounds) for each run, B's p99s under the
+flood over B's alone (the target: within 1.5x with tenants), and each round's ratios: B alone's p99 over one
+round's few turns is close to its slowest turn, which moves from round to round on a shared machine.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4, help="turns of each chat")
     p.add_argument("--chat-tokens", type=int, default=24, help="tokens streamed in each turn")
     p.add_argument("--chat-delay", type=float, default=1.0, help="seconds after the flood starts that B starts")
+    p.add_argument("--rounds", type=int, default=1, help="times to repeat the four runs (figures pooled)")
     p.add_argument("--model", default="bundled", help="what `phaseserve up` serves (default: bundled)")
     p.add_argument("--up-arg", action="append", default=[], help="extra flag for `phaseserve up` (repeatable)")
     p.add_argument("--log", default="/tmp/phaseserve-tenants.log", help="where the started stack logs")
@@ -113,34 +116,76 @@ async def chat(http, url, model, run: str, i: int, args) -> list[dict]:
 async def chats(http, url, model, run: str, args, delay: float = 0.0) -> dict:
     await asyncio.sleep(delay)
     runs = await asyncio.gather(*(chat(http, url, model, run, i, args) for i in range(args.chats)))
-    ttft = [r["times"][0] - r["sent"] for turns in runs for r in turns]
-    itl = [b - a for turns in runs for r in turns for a, b in zip(r["times"], r["times"][1:])]
-    return {"ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
-            "turns": len(ttft)}
+    return {"ttft": [r["times"][0] - r["sent"] for turns in runs for r in turns],
+            "itl": [b - a for turns in runs for r in turns for a, b in zip(r["times"], r["times"][1:])],
+            "tokens": sum(r["usage"]["total_tokens"] for turns in runs for r in turns)}
+
+
+def percentiles(b: dict) -> dict:
+    """B's TTFT and ITL p50 / p99 (seconds) over the turns in `b`."""
+    return {f"{k}_p{q}": float(np.percentile(b[k], q)) for k in ("ttft", "itl") for q in (50, 99)}
+
+
+async def one_round(http, url, model, args, keys_path: Path, r: int) -> dict:
+    """B alone, A alone, then both with tenants and without (the keys file rewritten; the gateway reloads it)."""
+    out = {"b_alone": await chats(http, url, model, f"b-alone-{r}", args),
+           "a_alone": await flood(http, url, model, f"a-alone-{r}", args)}
+    for name, separate in (("tenants", True), ("no_tenants", False)):
+        keys_path.write_text(yaml.safe_dump(keys_file(separate)))
+        await asyncio.sleep(2.5)  # the gateway looks at the file every second
+        a, b = await asyncio.gather(flood(http, url, model, f"{name}-{r}", args),
+                                    chats(http, url, model, f"{name}-{r}", args, args.chat_delay))
+        out[name] = {"a": a, "b": b}
+    keys_path.write_text(yaml.safe_dump(keys_file(True)))
+    await asyncio.sleep(2.5)
+    return out
+
+
+def pooled(rounds: list[dict]) -> dict:
+    """Every round's B turns pooled per run, A's throughput the mean of the rounds."""
+    def b_of(r: dict, name: str) -> dict:
+        return r[name] if name == "b_alone" else r[name]["b"]
+
+    out: dict = {}
+    for name in ("b_alone", "tenants", "no_tenants"):
+        b = {k: [x for r in rounds for x in b_of(r, name)[k]] for k in ("ttft", "itl")}
+        out[name] = {**percentiles(b), "turns": len(b["ttft"])}
+    out["a_alone"] = {"tokens_per_s": float(np.mean([r["a_alone"]["tokens_per_s"] for r in rounds]))}
+    for name in ("tenants", "no_tenants"):
+        out[name] = {"b": out[name], "a": {"tokens_per_s": float(np.mean([r[name]["a"]["tokens_per_s"]
+                                                                         for r in rounds]))}}
+    out["tenants"]["a"]["floor"] = float(np.mean([a_floor(r) for r in rounds]))
+    return out
+
+
+def a_floor(r: dict) -> float:
+    """The issue's bar for A beside B: 0.9 x (A alone - B's share), B's share being B's tokens a second over
+    A's flood in the tenants run."""
+    b_share = r["tenants"]["b"]["tokens"] / r["tenants"]["a"]["seconds"]
+    return 0.9 * (r["a_alone"]["tokens_per_s"] - b_share)
 
 
 async def run_all(url: str, args, keys_path: Path) -> dict:
     timeout = aiohttp.ClientTimeout(total=3600)
-    out: dict = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
         async with http.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}) as r:
             model = (await r.json())["data"][0]["id"]
         await chats(http, url, model, "warmup", argparse.Namespace(**{**vars(args), "chats": 2, "turns": 1}))
-        out["b_alone"] = await chats(http, url, model, "b-alone", args)
-        out["a_alone"] = await flood(http, url, model, "a-alone", args)
-        for name, separate in (("tenants", True), ("no_tenants", False)):
-            keys_path.write_text(yaml.safe_dump(keys_file(separate)))
-            await asyncio.sleep(2.5)  # the gateway looks at the file every second
-            a, b = await asyncio.gather(flood(http, url, model, name, args),
-                                        chats(http, url, model, name, args, args.chat_delay))
-            out[name] = {"a": a, "b": b}
-    return out
+        rounds = [await one_round(http, url, model, args, keys_path, r) for r in range(args.rounds)]
+    return {**pooled(rounds), "rounds": rounds}
+
+
+def ratios(m: dict) -> str:
+    """B's TTFT p99, B's ITL p99 and A's throughput with tenants over alone, as text."""
+    alone, b, a = m["b_alone"], m["tenants"]["b"], m["tenants"]["a"]
+    return (f"{b['ttft_p99'] / alone['ttft_p99']:.2f}x, {b['itl_p99'] / alone['itl_p99']:.2f}x, "
+            f"{a['tokens_per_s'] / m['a_alone']['tokens_per_s']:.2f}x")
 
 
 def report(m: dict) -> str:
     alone = m["b_alone"]
-    lines = ["run          B TTFT p50/p99 (s)   B ITL p50/p99 (ms)   A tokens/s   B p99 vs alone (TTFT, ITL)"]
+    lines = [f"B's turns per run: {alone['turns']} ({len(m['rounds'])} rounds)",
+             "run          B TTFT p50/p99 (s)   B ITL p50/p99 (ms)   A tokens/s   B p99 vs alone (TTFT, ITL)"]
     lines.append(f"B alone      {alone['ttft_p50']:6.3f} / {alone['ttft_p99']:6.3f}     "
                  f"{alone['itl_p50'] * 1e3:6.1f} / {alone['itl_p99'] * 1e3:6.1f}")
     lines.append(f"A alone                                                 {m['a_alone']['tokens_per_s']:8.0f}")
@@ -149,6 +194,14 @@ def report(m: dict) -> str:
         lines.append(f"{name:<12} {b['ttft_p50']:6.3f} / {b['ttft_p99']:6.3f}     {b['itl_p50'] * 1e3:6.1f} / "
                      f"{b['itl_p99'] * 1e3:6.1f}      {a['tokens_per_s']:8.0f}     "
                      f"{b['ttft_p99'] / alone['ttft_p99']:5.2f}x, {b['itl_p99'] / alone['itl_p99']:5.2f}x")
+    lines.append(f"A beside B: {m['tenants']['a']['tokens_per_s']:.0f} tokens/s, the bar 0.9 x (A alone - B's share) "
+                 f"{m['tenants']['a']['floor']:.0f}")
+    if len(m["rounds"]) > 1:
+        lines.append("each round, tenants over alone (B TTFT p99, B ITL p99, A tokens/s):")
+        for i, r in enumerate(m["rounds"]):
+            one = {"b_alone": percentiles(r["b_alone"]), "a_alone": r["a_alone"],
+                   "tenants": {"b": percentiles(r["tenants"]["b"]), "a": r["tenants"]["a"]}}
+            lines.append(f"  round {i + 1}: {ratios(one)}")
     return "\n".join(lines)
 
 

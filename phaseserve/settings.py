@@ -214,7 +214,8 @@ SETTINGS: list[Setting] = [
     Setting("long_prefill_threshold", "PHASESERVE_LONG_PREFILL_THRESHOLD", 256, int,
             "prompts longer than this many tokens are long: in a step with decodes their prefill chunks take at "
             "most this many units of its budget together, so streams decoding beside a long prompt stall less "
-            "while short prompts still fill the budget (a step with no decode is not capped); 0 = no cap", ("scheduler", "up")),
+            "while short prompts still fill the budget (a step with no decode is not capped, unless two tenants "
+            "have used the worker: docs/tenants.md); 0 = no cap", ("scheduler", "up")),
     Setting("kv_transport", "PHASESERVE_KV_TRANSPORT", "auto", str,
             "how a prefill worker's KV reaches a decode worker: auto (shared memory when both run on one host, "
             "else Redis), shm, redis", ("scheduler", "up"), ("auto", "shm", "redis")),

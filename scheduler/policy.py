@@ -201,9 +201,11 @@ class WorkerPolicy:
         - Tenants (only while more than one has work here; otherwise nothing above changes): the waiting queue
           is admitted, and prefill chunks get the budget, in weighted fair order on tokens (the tenants at
           their share of the worker after those under it), each tenant's own sequences in (priority, arrival)
-          order; a preemption takes from the tenant furthest over its share of the KV blocks and slots, and a
-          head of the queue whose tenant is under its share preempts one that is over it before decodes are
-          planned (scheduler/tenant_planner.py, docs/tenants.md).
+          order; a preemption takes from the tenant furthest over its share of the KV blocks and slots, and the
+          requests at the front of that order whose tenants are under their share preempt ones over it before
+          decodes are planned (scheduler/tenant_planner.py, docs/tenants.md). Once two tenants have used the
+          worker, a step with no decode keeps the long cap, and the ITL target's bound of one stream while a
+          tenant's streams pause between turns.
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs)
