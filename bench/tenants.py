@@ -118,7 +118,13 @@ async def chats(http, url, model, run: str, args, delay: float = 0.0) -> dict:
     runs = await asyncio.gather(*(chat(http, url, model, run, i, args) for i in range(args.chats)))
     return {"ttft": [r["times"][0] - r["sent"] for turns in runs for r in turns],
             "itl": [b - a for turns in runs for r in turns for a, b in zip(r["times"], r["times"][1:])],
-            "tokens": sum(r["usage"]["total_tokens"] for turns in runs for r in turns)}
+            "tokens": sum(computed_tokens(r["usage"]) for turns in runs for r in turns)}
+
+
+def computed_tokens(usage: dict) -> int:
+    """The tokens a request cost the worker: its prompt's less the cached ones, and its completion's."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return usage["prompt_tokens"] - cached + usage["completion_tokens"]
 
 
 def percentiles(b: dict) -> dict:
@@ -159,8 +165,8 @@ def pooled(rounds: list[dict]) -> dict:
 
 
 def a_floor(r: dict) -> float:
-    """The issue's bar for A beside B: 0.9 x (A alone - B's share), B's share being B's tokens a second over
-    A's flood in the tenants run."""
+    """The bar for A beside B: 0.9 x (A alone - B's share), B's share being the tokens B's turns cost the
+    worker (cached prompt tokens are not computed) a second over A's flood in the tenants run."""
     b_share = r["tenants"]["b"]["tokens"] / r["tenants"]["a"]["seconds"]
     return 0.9 * (r["a_alone"]["tokens_per_s"] - b_share)
 
