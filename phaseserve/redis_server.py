@@ -21,6 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from urllib.parse import quote
 
 import redis
@@ -61,10 +62,15 @@ def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free now on `host`, not one of `avoid` (ports promised to another server that is not listening
+    yet: the kernel may hand out a port that was just probed and closed)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 class EmbeddedRedis:

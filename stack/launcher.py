@@ -39,7 +39,7 @@ from phaseserve import logs, settings
 from phaseserve.cpus import usable_cores, worker_threads
 from phaseserve.procs import child_setup
 from phaseserve.redis_client import redacted
-from phaseserve.redis_server import EmbeddedRedis
+from phaseserve.redis_server import EmbeddedRedis, free_port
 
 log = structlog.get_logger("phaseserve.up")
 
@@ -211,7 +211,9 @@ class Stack:
             # unpinned workers each choosing threads for the whole machine would oversubscribe it
             self.values["num_threads"] = max(1, len(usable_cores()) // num_workers)
         if not self.values.get("redis_url"):
-            self.redis = EmbeddedRedis(cpus=placement["redis"] if placement else None).start()
+            # not the gateway's port: it is free until the gateway starts, and may be what the kernel offers
+            self.redis = EmbeddedRedis(port=free_port(avoid={self.values.get("port")}),
+                                       cpus=placement["redis"] if placement else None).start()
             self.values["redis_url"] = self.redis.url
             log.info("embedded redis started", url=redacted(self.redis.url))
         for service in SERVICES:

@@ -10,7 +10,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from phaseserve.redis_server import EmbeddedRedis
+from phaseserve import redis_server
+from phaseserve.redis_server import EmbeddedRedis, free_port
 
 ONCE = Retry(NoBackoff(), 0)  # a refusal is the answer: no retries
 
@@ -49,3 +50,28 @@ def test_a_given_password_with_any_characters_works_and_survives_a_restart():
         assert redis.Redis.from_url(server.url).ping()
     finally:
         server.stop()
+
+
+def test_free_port_skips_a_port_promised_to_another_server(monkeypatch):
+    """`phaseserve up --port P` picks its Redis's port before the gateway listens on P, and the kernel may offer
+    P again (a bench probed it free and closed it): the Redis then took the gateway's port."""
+    offered = iter([41001, 41001, 41002])
+
+    class Probe:
+        def __init__(self, *args):
+            self.port = next(offered)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(redis_server.socket, "socket", Probe)
+    assert free_port(avoid={41001}) == 41002
