@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -188,9 +189,18 @@ def ratios(m: dict) -> str:
             f"{a['tokens_per_s'] / m['a_alone']['tokens_per_s']:.2f}x")
 
 
+def machine() -> str:
+    """The CPU the stack and this client share, and how busy the machine was (the ratios move with both)."""
+    try:
+        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":")[1].strip()
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f}"
+
+
 def report(m: dict) -> str:
     alone = m["b_alone"]
-    lines = [f"B's turns per run: {alone['turns']} ({len(m['rounds'])} rounds)",
+    lines = [f"machine: {m['machine']}; B's turns per run: {alone['turns']} ({len(m['rounds'])} rounds)",
              "run          B TTFT p50/p99 (s)   B ITL p50/p99 (ms)   A tokens/s   B p99 vs alone (TTFT, ITL)"]
     lines.append(f"B alone      {alone['ttft_p50']:6.3f} / {alone['ttft_p99']:6.3f}     "
                  f"{alone['itl_p50'] * 1e3:6.1f} / {alone['itl_p99'] * 1e3:6.1f}")
@@ -225,6 +235,7 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     m["args"] = {k: v for k, v in vars(args).items() if k not in ("json_out", "log")}
+    m["machine"] = machine()
     print(report(m))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(m, indent=1))
