@@ -26,11 +26,11 @@ from phaseserve.gateway.errors import APIError, bad_request, read_body
 from phaseserve.gateway.endpoints import ChatEndpoint
 from phaseserve.gateway.generate import check_request, client_of, plan_chat
 from phaseserve.gateway.generation import Generation, Prompt
-from phaseserve.gateway.sse_writer import SSE_JSON
+from phaseserve.gateway.sse_writer import SSEWriter
 from phaseserve.gateway.output import Delta
 from phaseserve.gateway.responses_events import ResponseBuilder, usage
 from phaseserve.gateway.responses_protocol import ResponsesRequest, chat_messages, chat_request, responses_error
-from phaseserve.gateway.slow_client import SlowClient, drop, write_within
+from phaseserve.gateway.slow_client import SlowClient, drop
 from phaseserve.gateway.state import GATEWAY, Gateway
 
 log = structlog.get_logger("gateway.responses")
@@ -164,11 +164,12 @@ class ResponseRun:
         self.gen.stream.max_events = settings.stream_buffer_events
         self.gen.stream.on_overflow = lambda: drop(self.request)
 
+        writer = SSEWriter(resp, self.request, settings.client_write_timeout)
+
         async def send(events: list[dict], eof: bool = False) -> None:
-            data = b"".join(f"event: {ev['type']}\ndata: ".encode() + SSE_JSON.encode(ev).encode() + b"\n\n"
-                            for ev in events)
+            data = b"".join(writer.event(ev, name=ev["type"]) for ev in events)
             if data or eof:
-                await write_within(resp, self.request, data, settings.client_write_timeout, eof)
+                await writer.write(data, eof)
 
         try:
             await send(self.builder.start())

@@ -23,8 +23,11 @@ class SSEWriter:
         self.resp, self.request, self.write_timeout = resp, request, write_timeout
         self.event_id = event_id  # the id of the next event, for a client that may resume (None: no ids)
 
-    def event(self, obj: dict, with_id: bool = False) -> bytes:
+    def event(self, obj: dict, with_id: bool = False, name: str | None = None) -> bytes:
+        """One event's bytes; `name`: its `event:` line (the Responses API names every event by its type)."""
         head = f"id: {self.event_id()}\n".encode() if with_id and self.event_id is not None else b""
+        if name is not None:
+            head += f"event: {name}\n".encode()
         return head + b"data: " + SSE_JSON.encode(obj).encode() + b"\n\n"
 
     async def write(self, data: bytes, eof: bool = False) -> None:

@@ -131,18 +131,20 @@ def test_a_two_turn_conversation_streams_into_the_page(page, ui_stack):
 
 
 def stream_in_background(client, model: str, stop: threading.Event, errors: list) -> threading.Thread:
-    """A long greedy stream read in a thread until `stop`; returns once its first token came."""
+    """Long greedy streams read in a thread until `stop`, one after another (on a fast machine one ends before
+    the test is done with it); returns once the first token came."""
     started = threading.Event()
 
     def run():
         try:
-            stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1500, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True})
-            with stream:
-                for _ in stream:
-                    started.set()
-                    if stop.is_set():
-                        break
+            while not stop.is_set():
+                stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=2000,
+                                                   stream=True, temperature=0, extra_body={"ignore_eos": True})
+                with stream:
+                    for _ in stream:
+                        started.set()
+                        if stop.is_set():
+                            break
         except Exception as e:  # noqa: BLE001 -- reported by the test
             errors.append(e)
             started.set()
