@@ -56,29 +56,31 @@ class StepPlanner:
         kv, running = self.kv, self.queues.running
         admitted: list[tuple[Sequence, int]] = []  # (sequence, the blocks it will hold)
         taken = 0  # of the free blocks (a cached prefix nobody holds counts as free until taken)
+        promised = self.promised_blocks()  # changes only when a preemption sends a prefill back
         for head in self._admission_order(step):
             if not self.startable(head):
                 continue
             need = kv.blocks_for(self._promised_len(head, head.num_known_tokens))
             admitted.append((head, need))
             taken += kv.blocks_to_admit(head, need)
-            if self._room_for(len(admitted), taken):
+            if self._room_for(len(admitted), taken, promised):
                 continue
             if self.tenants.usage(running, admitted).get(head.tenant, 0.0) > 1.0:
                 return  # its tenant would be over its share: it waits for its own sequences, not for another's
-            while not self._room_for(len(admitted), taken):
+            while not self._room_for(len(admitted), taken, promised):
                 victim = self.tenants.victim_for(head, running)
                 if victim is None:
                     return
                 self.preempt(victim)
                 step.held_back.add(victim)
                 self.counters.num_fair_share_preemptions += 1
+                promised = self.promised_blocks()
 
-    def _room_for(self, num_seqs: int, num_blocks: int) -> bool:
+    def _room_for(self, num_seqs: int, num_blocks: int, promised: int) -> bool:
         """Slots for `num_seqs` more sequences and `num_blocks` free blocks above the watermark and the
-        promised ones."""
+        `promised` ones (`promised_blocks`)."""
         return (len(self.queues.running) + num_seqs <= self.config.max_num_seqs
-                and self.kv.can_allocate(num_blocks, reserved=self.promised_blocks()))
+                and self.kv.can_allocate(num_blocks, reserved=promised))
 
     def schedule_decodes(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 1: one token for every running sequence past its prefill, in rank order, preempting the
@@ -225,10 +227,8 @@ class StepPlanner:
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
         first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
-        kv = self.kv
-        need = kv.blocks_for(self._promised_len(seq, seq.num_known_tokens))
-        return (not step.preempted and len(self.queues.running) < self.config.max_num_seqs
-                and kv.can_allocate(kv.blocks_to_admit(seq, need), reserved=self.promised_blocks()))
+        need = self.kv.blocks_for(self._promised_len(seq, seq.num_known_tokens))
+        return not step.preempted and self._room_for(1, self.kv.blocks_to_admit(seq, need), self.promised_blocks())
 
     def _plan_prefill(self, step: StepDraft, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
