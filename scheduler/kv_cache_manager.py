@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.scheduler_stats import PrefixCacheStats
 from phaseserve.scheduler.block_manager import BlockManager
 from phaseserve.scheduler.prefix_index import block_hashes
@@ -58,6 +59,13 @@ class KVCacheManager:
 
     def num_new_blocks(self, block_table: list[int], num_tokens: int) -> int:
         return self.block_manager.num_new_blocks(block_table, num_tokens)
+
+    def num_promised_blocks(self, seq: Sequence, capacity: KVCapacity) -> int:
+        """Blocks a partially-prefilled `seq` will still take: the rest of its prefill and its first decode
+        (0 for one that is not prefilling)."""
+        if not seq.is_prefilling:
+            return 0
+        return self.num_new_blocks(seq.block_table, seq.promised_len(capacity, seq.prefill_len))
 
     def can_allocate(self, num_blocks: int, *, reserved: int = 0) -> bool:
         """Whether `num_blocks` more can be taken for new work, leaving `reserved` and the watermark free."""

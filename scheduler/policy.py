@@ -57,7 +57,7 @@ class WorkerPolicy:
         self.drafts = DraftPlanner(config)
         self.handoffs = HandoffBook(transfer_prefix)
         self.shares = TenantShares()  # tenants' virtual times and weights (scheduler/fair_share.py)
-        self.tenants = TenantPlanner(self.shares, self.kv, config.max_num_seqs)
+        self.tenants = TenantPlanner(self.shares, self.kv, self.capacity, config.max_num_seqs)
         self.counters = PolicyCounters()
         self.queues = SequenceQueues(self.kv, self.shares)
         self.steps = StepPlanner(config, self.capacity, self.queues, self.kv, self.shares, self.tenants, self.drafts,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from phaseserve.kv_admission import KVCapacity, promised_len
 from phaseserve.wire import KVReceive, KVSend, SeqStart, SubmitRequest
 from phaseserve.scheduler.prefix_index import request_seed
 from phaseserve.scheduler.draft_rule import Acceptance
@@ -106,6 +107,11 @@ class Sequence:
     def num_prefill_computed(self) -> int:
         """The positions its prefill computes: its cached prefix is read, not computed."""
         return self.prefill_len - self.num_cached_tokens
+
+    def promised_len(self, capacity: KVCapacity, prefill_len: int) -> int:
+        """Positions a prefill of `prefill_len` positions is promised blocks for: itself plus the first decode
+        (if there is one)."""
+        return promised_len(prefill_len, capacity.final_len(self.num_prompt_tokens, self.request.params.max_tokens))
 
     def reaches_limit(self, max_model_len: int) -> bool:
         """True once the planned outputs already include the last token the worker will sample

@@ -9,7 +9,7 @@ import math
 
 import structlog
 
-from phaseserve.kv_admission import KVCapacity, promised_len
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.wire import ScheduledChunk
 from phaseserve.scheduler.budget import StepBudget, StepDraft, chunk_cost
 from phaseserve.scheduler.config import SchedulerConfig
@@ -60,7 +60,7 @@ class StepPlanner:
         for head in self._admission_order(step):
             if not self.startable(head):
                 continue
-            need = kv.blocks_for(self._promised_len(head, head.num_known_tokens))
+            need = kv.blocks_for(head.promised_len(self.capacity, head.num_known_tokens))
             admitted.append((head, need))
             taken += kv.blocks_to_admit(head, need)
             if self._room_for(len(admitted), taken, promised):
@@ -227,7 +227,7 @@ class StepPlanner:
     def _can_admit(self, seq: Sequence, step: StepDraft) -> bool:
         """A free max_num_seqs slot, no preemption in this step, and blocks for the whole prefill (+ the
         first decode) above the watermark and the blocks promised to partially-prefilled sequences."""
-        need = self.kv.blocks_for(self._promised_len(seq, seq.num_known_tokens))
+        need = self.kv.blocks_for(seq.promised_len(self.capacity, seq.num_known_tokens))
         return not step.preempted and self._room_for(1, self.kv.blocks_to_admit(seq, need), self.promised_blocks())
 
     def _plan_prefill(self, step: StepDraft, seq: Sequence, n: int) -> None:
@@ -270,13 +270,6 @@ class StepPlanner:
         timeout. One that has prefilled for `itl_patience_s` of predicted step time is no longer held by it."""
         return self.clock_s - seq.prefill_started_s >= self.config.itl_patience_s
 
-    def _promised_len(self, seq: Sequence, prefill_len: int) -> int:
-        """Positions a prefill is promised blocks for: itself plus the first decode (if there is one)."""
-        return promised_len(prefill_len, self.capacity.final_len(seq.num_prompt_tokens,
-                                                                 seq.request.params.max_tokens))
-
     def promised_blocks(self) -> int:
         """Blocks partially-prefilled sequences will still take to finish their prefill."""
-        kv = self.kv
-        return sum(kv.num_new_blocks(s.block_table, self._promised_len(s, s.prefill_len))
-                   for s in self.queues.running if s.is_prefilling)
+        return sum(self.kv.num_promised_blocks(s, self.capacity) for s in self.queues.running)

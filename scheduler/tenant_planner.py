@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.scheduler.budget import StepBudget, StepDraft, chunk_cost
 from phaseserve.scheduler.fair_share import TenantShares, fair_order, most_over_share, weighted_split
 from phaseserve.scheduler.kv_cache_manager import KVCacheManager
@@ -16,9 +17,10 @@ from phaseserve.scheduler.sequence import Sequence
 class TenantPlanner:
     """Fair-share decisions over one worker's queues (passed in: the policy owns them)."""
 
-    def __init__(self, shares: TenantShares, kv: KVCacheManager, max_num_seqs: int):
+    def __init__(self, shares: TenantShares, kv: KVCacheManager, capacity: KVCapacity, max_num_seqs: int):
         self.shares = shares
         self.kv = kv
+        self.capacity = capacity
         self.max_num_seqs = max_num_seqs
         self.last_stream_s: dict[str, float] = {}  # tenant -> the planner's clock at its last planned decode
 
@@ -88,10 +90,14 @@ class TenantPlanner:
 
     def usage(self, running: list[Sequence], extra: list[tuple[Sequence, int]] = ()) -> dict[str, float]:
         """Each busy tenant's holding over its weighted share: the larger of its KV blocks' and its
-        sequence slots' (with each `extra` sequence counted as admitted with its blocks)."""
+        sequence slots' (with each `extra` sequence counted as admitted with its blocks). A partial prefill's
+        blocks are those it holds and those promised to finish it: admission keeps them free for it, so a
+        flood of long prompts prefilling a few tokens a step holds the cache before it fills it."""
         blocks: dict[str, float] = {}
         slots: dict[str, float] = {}
-        for s, n in [(s, len(s.block_table)) for s in running] + list(extra):
+        kv, capacity = self.kv, self.capacity
+        held = [(s, len(s.block_table) + kv.num_promised_blocks(s, capacity)) for s in running]
+        for s, n in held + list(extra):
             blocks[s.tenant] = blocks.get(s.tenant, 0) + n
             slots[s.tenant] = slots.get(s.tenant, 0) + 1
         by_blocks = self.shares.usage(blocks, self.kv.num_blocks)

@@ -405,3 +405,32 @@ def test_random_load_of_three_tenants_keeps_every_invariant_and_matches_referenc
     assert_reference(worker, reqs, cfg.max_model_len)
     assert_idle(sched)
     assert not sched.shares.active and not sched.shares.vtime
+
+
+def test_a_flood_s_promised_blocks_count_as_its_holding():
+    """A's long prompts prefill a few tokens a step beside A's stream (the ITL target) and hold few blocks,
+    but each is promised the blocks to finish, and the promises fill the cache. Those count as A's: A is over
+    its share, so B's four chats preempt A's latest prompts and start in the plan they arrive in. Counted by
+    the blocks held alone, A looks under its share and B's chats wait for A's prompts to finish."""
+    cfg = SchedulerConfig(num_blocks=380, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    flood = [tenant_req("a-stream", 8, "a", max_tokens=200)] + [tenant_req(f"a{i}", 1000, "a", max_tokens=1)
+                                                                 for i in range(8)]
+    chats = [tenant_req(f"b{i}", 40, "b", max_tokens=4) for i in range(4)]
+    starts: dict[str, int] = {}
+    promised_full = []
+
+    def on_plan(i, plan):
+        for s in plan.starts:
+            starts.setdefault(s.seq_id, i)
+        if i == 9:
+            promised_full.append(sched.kv.num_free_blocks - sched.steps.promised_blocks() < 3)
+
+    drive(sched, worker, depth=2, arrivals={0: flood, 10: chats}, on_plan=on_plan)
+    assert promised_full == [True]  # A's promises hold the cache when B's turn arrives
+    assert {starts[c.request_id] for c in chats} == {10}, starts
+    assert sched.stats().counters.num_fair_share_preemptions >= 1
+    assert_reference(worker, flood + chats, cfg.max_model_len)
+    assert_idle(sched)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from phaseserve.kv_admission import KVCapacity
 from phaseserve.params import SamplingParams
 from phaseserve.scheduler_stats import PrefixCacheStats, SpecDecodingStats
 from phaseserve.wire import ScheduledChunk, StepResult, SubmitRequest, TokenEvent
@@ -203,7 +204,7 @@ def test_tenant_planner_takes_from_the_tenant_furthest_over_its_share():
     kv = KVCacheManager(num_blocks=8, block_size=4, watermark=0.0, enable_prefix_caching=False)
     shares = TenantShares()
     q = SequenceQueues(kv, shares)
-    tenants = TenantPlanner(shares, kv, max_num_seqs=4)
+    tenants = TenantPlanner(shares, kv, KVCapacity(8, 4, 64, watermark=0.0), max_num_seqs=4)
     hog = [q.new(req(f"a{i}", [1] * 8, tenant="a"), []) for i in range(3)]
     for s in hog:
         q.start(s)
