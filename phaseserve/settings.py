@@ -230,6 +230,11 @@ SETTINGS: list[Setting] = [
             "seconds of predicted step time the ITL target may hold a long prompt's prefill back; past it only "
             "the token budget and the long cap bound its chunks, so no prompt starves beside a few streams; keep "
             "it well under --request-progress-timeout", ("scheduler", "up")),
+    Setting("plan_ahead", "PHASESERVE_PLAN_AHEAD", 0.1, nonnegative_float,
+            "seconds of predicted step time a worker's plans in flight may add up to before the scheduler "
+            "plans another behind them: a second plan in flight hides the round trip between a step's result "
+            "and the next plan, but behind a long step (a long prompt's chunks on a slow CPU) a request "
+            "arriving now would wait for both; 0 = one plan at a time", ("scheduler", "up")),
     Setting("speculative_config", "PHASESERVE_SPECULATIVE_CONFIG", None, parse_speculative_config_arg,
             "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
             "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}, or {\"method\": \"draft_model\", \"model\": "

@@ -16,6 +16,7 @@ only chooses between them. It is composed of one part per job, each given the pa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from phaseserve.stack_view import StackView
@@ -114,9 +115,9 @@ class Cluster:
 
     # ------------------------------------------------------------------ steps
 
-    def plan_steps(self, now: float, epoch: int, plans_in_flight: int, timeout_of: Callable, deadline_margin: float
-                   ) -> list[tuple[str, StepPlan]]:
-        return self.steps.plan(now, epoch, plans_in_flight, timeout_of, deadline_margin)
+    def plan_steps(self, now: float, epoch: int, plans_in_flight: int, timeout_of: Callable, deadline_margin: float,
+                   plan_ahead_s: float = math.inf) -> list[tuple[str, StepPlan]]:
+        return self.steps.plan(now, epoch, plans_in_flight, timeout_of, deadline_margin, plan_ahead_s)
 
     def apply_result(self, result: StepResult, epoch: int, now: float) -> None:
         self.steps.apply_result(result, epoch, now)

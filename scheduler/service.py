@@ -47,9 +47,10 @@ log = structlog.get_logger("phaseserve.scheduler.service")
 
 class SchedulerService:
     def __init__(self, client: aioredis.Redis, keys: Keys, limits: PolicyLimits, *, consumer: str | None = None,
-                 heartbeat_interval: float = 1.0, plans_in_flight: int = 2, step_timeout: float = 30.0,
-                 lease_ttl: float = 5.0, resume_grace: float = 10.0, drain_timeout: float = 30.0,
-                 step_timeout_floor: float = 3.0, step_timeout_factor: float = 10.0, quarantine_after: int = 2):
+                 heartbeat_interval: float = 1.0, plans_in_flight: int = 2, plan_ahead_s: float = 0.1,
+                 step_timeout: float = 30.0, lease_ttl: float = 5.0, resume_grace: float = 10.0,
+                 drain_timeout: float = 30.0, step_timeout_floor: float = 3.0, step_timeout_factor: float = 10.0,
+                 quarantine_after: int = 2):
         self.client = client
         self.keys = keys
         self.limits = limits
@@ -57,6 +58,7 @@ class SchedulerService:
         self.consumer = consumer or f"scheduler-{socket.gethostname()}-{os.getpid()}"
         self.refresh_interval = max(0.05, heartbeat_interval)
         self.plans_in_flight = max(1, plans_in_flight)
+        self.plan_ahead_s = plan_ahead_s  # see WorkerSteps.plan
         # the margin: a refresh longer than the relay waits, so a hung model's heartbeat is withdrawn first
         self.timeouts = StepTimeouts(step_timeout, step_timeout_floor, step_timeout_factor,
                                      limits.max_num_batched_tokens, margin_s=max(1.0, self.refresh_interval))
@@ -135,7 +137,7 @@ class SchedulerService:
         """Fill every worker's pipeline of plans; returns how many plans were queued."""
         now = time.monotonic() if now is None else now
         plans = self.cluster.plan_steps(now, self.epoch, self.plans_in_flight, self.timeouts.plan_timeout,
-                                        self.timeouts.margin_s)
+                                        self.timeouts.margin_s, self.plan_ahead_s)
         for wid, plan in plans:
             pipe.xadd(self.keys.steps(wid), {FIELD: plan.to_wire()}, maxlen=STREAM_MAXLEN, approximate=True)
         return len(plans)
@@ -254,9 +256,9 @@ async def serve(args) -> None:
                           itl_target=args.itl_target, itl_patience_s=args.itl_patience,
                           enable_prefix_caching=args.enable_prefix_caching)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
-                               step_timeout=args.step_timeout, lease_ttl=args.scheduler_lease_ttl,
-                               resume_grace=args.resume_grace, drain_timeout=args.drain_timeout,
-                               step_timeout_floor=args.step_timeout_floor,
+                               plan_ahead_s=args.plan_ahead, step_timeout=args.step_timeout,
+                               lease_ttl=args.scheduler_lease_ttl, resume_grace=args.resume_grace,
+                               drain_timeout=args.drain_timeout, step_timeout_floor=args.step_timeout_floor,
                                step_timeout_factor=args.step_timeout_factor,
                                quarantine_after=args.quarantine_after)
     loop = asyncio.get_running_loop()

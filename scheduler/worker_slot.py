@@ -49,6 +49,15 @@ class WorkerSlot:
     def role(self) -> str:
         return self.info.role
 
+    def predicted_ahead_s(self) -> float:
+        """How long the plans in flight are predicted to keep the worker busy (0 while no fit of its step
+        costs is known)."""
+        costs = self.step_costs.costs
+        if costs is None:
+            return 0.0
+        return sum(costs.predict(*self.plan_features[step_id]) for step_id, _sent, _timeout in self.in_flight
+                   if step_id in self.plan_features)
+
     def head_deadline(self) -> float | None:
         """When the oldest in-flight step is given up if no result came; None with nothing in flight."""
         if not self.in_flight:

@@ -5,6 +5,7 @@ while someone watches."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,15 +35,20 @@ class WorkerSteps:
     itl_target: ItlTarget  # for the step-cost log line
     watched: bool = False  # a live view is open (the service says): steps are sampled for it
 
-    def plan(self, now: float, epoch: int, plans_in_flight: int, timeout_of: Callable, deadline_margin: float
-             ) -> list[tuple[str, StepPlan]]:
+    def plan(self, now: float, epoch: int, plans_in_flight: int, timeout_of: Callable, deadline_margin: float,
+             plan_ahead_s: float = math.inf) -> list[tuple[str, StepPlan]]:
         """The next plans, filling every worker's pipeline to `plans_in_flight`, as (worker id, plan) for the
-        caller to send; each is in flight from now. `timeout_of(plan, expected_s)` is a plan's deadline."""
+        caller to send; each is in flight from now. `timeout_of(plan, expected_s)` is a plan's deadline.
+        A worker whose plans in flight are predicted to keep it busy for `plan_ahead_s` gets no more: the next
+        is planned when a result comes, with the requests that arrived meanwhile. The pipeline hides the
+        round trip between a result and the next plan, a small part of so long a step, while every plan
+        queued behind it is one more step a new request waits for."""
         plans = []
         for wid, slot in self.membership.workers.items():
             if not slot.takes_plans:  # a draining worker past its deadline, or told to go
                 continue
-            while len(slot.in_flight) < plans_in_flight and (slot.policy.has_unfinished() or slot.needs_plan):
+            while (len(slot.in_flight) < plans_in_flight and slot.predicted_ahead_s() < plan_ahead_s
+                   and (slot.policy.has_unfinished() or slot.needs_plan)):
                 plan = slot.policy.schedule()
                 slot.needs_plan = False
                 if plan is None or not (plan.chunks or plan.starts or plan.releases):

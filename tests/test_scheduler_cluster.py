@@ -3,12 +3,15 @@ workers, given-up steps and quarantined requests, as plain data in and the write
 
 from __future__ import annotations
 
+import math
+
 from phaseserve.params import SamplingParams
 from phaseserve.wire import (ERROR_QUARANTINED, ERROR_REJECTED, Keys, StepPlan, StepResult, SubmitRequest, TokenBatch,
                              TokenEvent, WorkerInfo)
 from phaseserve.scheduler.cluster import Cluster, PolicyLimits
 from phaseserve.scheduler.quarantine import STRIKES_FIELD
 from phaseserve.scheduler.redis_writes import DeleteRecord, SendPlan, SetRecordField, TellError
+from phaseserve.scheduler.step_cost import StepCostModel
 
 KEYS = Keys("t")
 
@@ -103,6 +106,34 @@ def test_steps_past_their_deadline_are_given_up_and_stale_results_ignored():
     assert c.give_up_overdue_steps(now=2.0) is None
     assert c.num_steps_given_up == 1 and not c.workers["a"].in_flight
     assert c.owner == {"r1": "a"} and c.workers["a"].policy.num_waiting == 1  # recomputed, not lost
+
+
+def learned(overhead_s: float, token_s: float) -> StepCostModel:
+    """A step cost model fitted to steps that cost `overhead_s` plus `token_s` a token."""
+    model = StepCostModel(min_samples=1, warmup=0, refit_every=1)
+    for i in range(1, 64):
+        tokens, keys, chunks = 8 * i, (37 * i) % 50 * 100, i % 3
+        model.observe(tokens, keys, overhead_s + token_s * tokens + 1e-7 * keys + 1e-4 * chunks, chunks)
+    assert model.costs is not None
+    return model
+
+
+def test_no_plan_is_queued_behind_plans_predicted_to_run_for_plan_ahead_s():
+    """Two plans in flight hide the round trip between a result and the next plan; behind a long step (a
+    long prompt's 512-token chunk, half a second here) a second plan only makes a request arriving now wait
+    for both. Short steps still get their second plan."""
+    def planned(prompt_len: int, plan_ahead_s: float) -> int:
+        c = cluster(info("a"))
+        c.workers["a"].step_costs = learned(overhead_s=0.002, token_s=0.001)
+        c.admit(req("r1", prompt_len=prompt_len))
+        return len(c.plan_steps(0.0, 3, 2, lambda plan, expected: 1.0, 0.5, plan_ahead_s=plan_ahead_s))
+
+    assert planned(600, plan_ahead_s=0.1) == 1  # one 512-token chunk, about 0.5 s: the next waits for its result
+    assert planned(600, plan_ahead_s=math.inf) == 2
+    assert planned(10, plan_ahead_s=0.1) == 2  # a 10-token prefill, then its first decode behind it
+    c = cluster(info("a"))  # no learned costs yet: pipelined as always
+    c.admit(req("r1", prompt_len=600))
+    assert len(c.plan_steps(0.0, 3, 2, lambda plan, expected: 1.0, 0.5, plan_ahead_s=0.1)) == 2
 
 
 def run_plans(c: Cluster) -> list[tuple[str, StepPlan]]:
