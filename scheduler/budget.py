@@ -106,11 +106,17 @@ class StepBudget:
 
     @property
     def target_left(self) -> float:
+        return self.target_room()
+
+    def target_room(self, floor: bool = True) -> float:
+        """What the ITL target leaves the step's prefill (inf: no bound). `floor`: at least the deepest token's
+        cost, so a long prompt beside streams always moves; without it (beside another tenant's streams only)
+        the room may be none: a chunk's own cost would stretch those streams' steps past the target."""
         if not self._streaming_units or math.isinf(self.target_base):
             return math.inf
         room = (self.target_base + self.target_slope * self._streaming_units
                 - self.prefill_chunk_units * (self.prefill_chunks + 1))
-        return max(room, self.target_floor) - self.prefill_units
+        return (max(room, self.target_floor) if floor else room) - self.prefill_units
 
     @property
     def left(self) -> float:
@@ -154,11 +160,13 @@ class StepBudget:
         return (not math.isinf(self.target_base) and bool(self._streaming_units)
                 and (not self.long_threshold or self.is_long(prefill_len)))
 
-    def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False) -> int:
+    def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False,
+                     floor: bool = True) -> int:
         """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and for a long prompt
         the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
-        `overdue`: the target has held this prefill back for its patience; the target no longer bounds it."""
-        target_left = math.inf if overdue else self.target_left
+        `overdue`: the target has held this prefill back for its patience; the target no longer bounds it.
+        `floor`: a long prompt moves at least a token beside the streams (`target_room`)."""
+        target_left = math.inf if overdue else self.target_room(floor)
         if not self.long_threshold:
             return max_chunk_tokens(start, min(budget, target_left), self.horizon)
         if not self.is_long(prefill_len):
@@ -166,7 +174,7 @@ class StepBudget:
         n = max_chunk_tokens(start, min(budget, self.long_cap_left, target_left), self.horizon)
         # the step's first long chunk always moves, and so does an overdue one (behind others overdue too, it
         # shows progress every step while they take the long cap in turn)
-        if n == 0 and (overdue or self.long_left == self.long_threshold):
+        if n == 0 and (overdue or (floor and self.long_left == self.long_threshold)):
             n = min(1, max_chunk_tokens(start, budget, self.horizon))
         return n
 

@@ -153,6 +153,7 @@ class StepPlanner:
         in rank order), in what is left of the budget after the head's reserve (none exist with chunking
         off)."""
         allow = budget.left - budget.head_reserve
+        streaming = self._streaming(step)
         # short first: under a tight ITL target a long prompt would otherwise take a short one's room
         prefilling = [s for s in self.queues.running if s.is_prefilling and s not in step.scheduled]
         for seq in sorted(prefilling, key=lambda s: budget.is_long(s.num_prefill_computed)):
@@ -161,7 +162,8 @@ class StepPlanner:
             overdue = self._overdue(seq)
             mine = min(allow, self.tenants.allow(step, seq, budget))  # `allow` with one tenant
             n = min(seq.num_prefill_remaining, room,
-                    budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue))
+                    budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue,
+                                        self._floor_for(seq, streaming)))
             if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
@@ -175,6 +177,7 @@ class StepPlanner:
     def admit_waiting(self, step: StepDraft, budget: StepBudget) -> None:
         """Step 2b: start waiting sequences FCFS by rank; the first that does not fit stops admission."""
         chunking = self.config.enable_chunked_prefill
+        streaming = self._streaming(step)
         for seq in self._admission_order(step):
             if not self.startable(seq):
                 continue
@@ -184,7 +187,8 @@ class StepPlanner:
             cached = 0 if seq.on_worker else len(self.kv.computed_blocks(seq)) * self.config.block_size
             if chunking:
                 n = min(need - cached, budget.chunk_tokens(need - cached, cached,
-                                                           min(budget.left, step.tenant_left(seq))))
+                                                           min(budget.left, step.tenant_left(seq)),
+                                                           floor=self._floor_for(seq, streaming)))
                 if n <= 0:
                     if step.tenant_left(seq) <= 0:
                         continue  # its tenant used its part of this step; another tenant's may still start
@@ -263,6 +267,18 @@ class StepPlanner:
         # once it is confirmed (scheduler/kv_cache_manager.py)
         return (seq.num_inflight_samples == 0 and seq.seq_id not in self.queues.releases
                 and not self.kv.waits_for_prefix(seq, self.queues.running))
+
+    def _streaming(self, step: StepDraft) -> set[str]:
+        """The tenants whose streams decode in this step."""
+        seqs = self.queues.seqs
+        return {seqs[c.seq_id].tenant for c in step.decodes}
+
+    def _floor_for(self, seq: Sequence, streaming: set[str]) -> bool:
+        """Whether `seq`'s long prompt moves at least a token beside the step's streams whatever the ITL target
+        (`StepBudget.target_room`): always with one tenant, so its streams cannot starve its own prompts; with
+        several, only beside streams of its own tenant. Beside another's, it gets what the target leaves: its
+        tenant's share of the worker comes back when those streams pause, and its patience still runs."""
+        return not self.shares.is_shared or seq.tenant in streaming
 
     def _overdue(self, seq: Sequence) -> bool:
         """The ITL target protects streams, it must not starve a prompt: beside few decodes its room is a few

@@ -434,3 +434,38 @@ def test_a_flood_s_promised_blocks_count_as_its_holding():
     assert sched.stats().counters.num_fair_share_preemptions >= 1
     assert_reference(worker, flood + chats, cfg.max_model_len)
     assert_idle(sched)
+
+
+def long_prompt_beside_streams(chat_tenant: str) -> list[tuple[int, int]]:
+    """A's long prompt beside four chat streams of `chat_tenant`, under an ITL target that leaves no room for a
+    prefill chunk (a chunk's own cost is more than 0.3 x the decode step). Each plan with decodes: (decode
+    tokens, the long prompt's tokens)."""
+    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
+    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0, prefill_chunk_s=0.002)
+    chats = [tenant_req(f"chat{i}", 24, chat_tenant, max_tokens=30) for i in range(4)]
+    flood = [tenant_req("long", 3000, "a", max_tokens=1)]
+    plans: list[tuple[int, int]] = []
+
+    def on_plan(i, plan):
+        decodes = sum(c.num_tokens for c in plan.chunks if c.seq_id != "long" and c.start_pos >= 24)
+        if decodes:
+            plans.append((decodes, sum(c.num_tokens for c in plan.chunks if c.seq_id == "long")))
+
+    drive(sched, worker, depth=2, arrivals={0: chats, 2: flood}, on_plan=on_plan)
+    assert_reference(worker, chats + flood, cfg.max_model_len)
+    assert_idle(sched)
+    return plans
+
+
+def test_a_long_prompt_beside_another_tenant_s_streams_gets_only_the_itl_target_s_room():
+    """The floor (a long prompt moves at least a token a step beside streams) exists so one tenant's streams
+    cannot starve its own long prompts. Beside another tenant's streams it would stretch every one of their
+    steps by a chunk's cost, past the target: there the long prompt gets what the target leaves, here none,
+    and its tokens wait for the streams to end. With one tenant it still moves every step."""
+    other = long_prompt_beside_streams("b")
+    # one token as it starts (the head of the queue starts on the next plan), then nothing beside the streams
+    assert len(other) >= 25 and sum(long for _, long in other) == 1, other
+    own = long_prompt_beside_streams("a")
+    assert len(own) >= 25 and all(long >= 1 for _, long in own[1:]), own
