@@ -192,7 +192,8 @@ class WorkerPolicy:
           lowest-ranked running sequence. Prefill takes what is left of the budget, partial prefills'
           chunks (short prompts first) before new sequences, admitted FCFS.
         - The head of the waiting queue starts on the next plan when a slot and its blocks are free, and a
-          long prompt (or a step that would be empty) moves at least one token.
+          long prompt (or a step that would be empty) moves at least one token; with tenants, a long prompt
+          beside only another tenant's streams gets what the ITL target leaves, which may be none.
         - A sequence is admitted only with blocks for its whole prefill above the watermark and the blocks
           promised to partial prefills, never in a step that preempted, and never restarted while a sample
           of it is in flight (its SeqStart carries every token the worker published).
