@@ -111,7 +111,8 @@ class ModelRunner:
     def warm_up(self) -> dict[str, str]:
         """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
         kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
-        not inside the first step a scheduler plans. Call it before the worker announces itself: nothing else
+        not inside the first step a scheduler plans, and the background builds of the other native ops this CPU
+        runs have finished (no compiler competes with the first steps). Call it before the worker announces itself: nothing else
         holds blocks yet (it writes the first one or two). Also starts building the grammar engine's index of
         the vocabulary, so the first constrained request does not wait for it. Returns kernel_implementations()."""
         seq = "warm-up"
@@ -121,6 +122,7 @@ class ModelRunner:
         self.execute(StepPlan(0, "warm-up", starts=[SeqStart(seq, "", prompt, params)],
                               chunks=[ScheduledChunk(seq, 0, len(prompt), blocks)]))
         self.execute(StepPlan(0, "warm-up", chunks=[ScheduledChunk(seq, len(prompt), 1, blocks)]))
+        kernels.native.finish_prebuilds()
         self.reset()
         self.checks.forget_written()  # scratch: no prefix of anyone's
         if self.proposer is not None:

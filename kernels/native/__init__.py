@@ -95,6 +95,16 @@ def prebuild(ops: list[str]) -> None:
                 _prebuilds[name].start()
 
 
+def finish_prebuilds() -> None:
+    """Wait for every background build `prebuild` started: a worker announces itself only after, so no
+    compiler competes with its first steps for the CPU (an op its warm-up did not load is still built and
+    cached for the steps that will)."""
+    with _lock:
+        threads = list(_prebuilds.values())
+    for thread in threads:
+        thread.join()
+
+
 def _build_in_background(name: str) -> None:
     t0 = time.perf_counter()
     try:
