@@ -159,14 +159,20 @@ def test_a_tenant_at_its_share_does_not_queue_ahead_of_one_under_it():
     assert_idle(sched)
 
 
+def under_itl_target(num_blocks: int = 2000, prefill_chunk_s: float = 0.0, **config):
+    """(config, policy, fake worker) of a worker with 16 slots and a 512-token budget under a 1.3x ITL target,
+    its step costs learned: 2 ms a step, 0.1 ms a token, `prefill_chunk_s` a prefill chunk."""
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3), **config)
+    sched = WorkerPolicy(cfg)
+    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0, prefill_chunk_s=prefill_chunk_s)
+    return cfg, sched, FakeWorker(cfg)
+
+
 def paused_chat_plans(window_s: float) -> list[tuple[float, int, int, int]]:
     """A's flood of long prompts beside B's chat of two turns, the second sent when the first's last token
     is applied, as a chat client does. Each plan: (planner clock, decode tokens, A's prefill tokens, B's)."""
-    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3),
-                          paused_stream_s=window_s)
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    cfg, sched, worker = under_itl_target(paused_stream_s=window_s)
     flood = [tenant_req(f"a{i}", 3000, "a", max_tokens=1) for i in range(4)]
     turns = [tenant_req("b0", 24, "b", max_tokens=6), tenant_req("b1", 40, "b", max_tokens=6)]
     plans: list[tuple[float, int, int, int]] = []
@@ -220,10 +226,7 @@ def test_once_two_tenants_used_a_worker_the_long_cap_holds_in_steps_with_no_deco
     keeps the whole budget for its long prompts' TTFT."""
     shared = [p for p in paused_chat_plans(0.0) if not p[1] and not p[3]]
     assert shared and max(p[2] for p in shared) == 256
-    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    cfg, sched, worker = under_itl_target()
     plans = drive(sched, worker, arrivals={0: [tenant_req("a0", 3000, "a", max_tokens=1)]})
     assert max(c.num_tokens for p in plans for c in p.chunks) == 512
 
@@ -233,10 +236,7 @@ def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_s
     holds A's long chunks to a few tokens, so B's prompts all start in the step they arrive in. Split by
     weight over what A has to prefill, B would get half of the step and its prompts would start two steps
     apart, A's half unspent."""
-    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    cfg, sched, worker = under_itl_target()
     flood = [tenant_req("a-stream", 8, "a", max_tokens=300)] + [tenant_req(f"a{i}", 3000, "a", max_tokens=1)
                                                                  for i in range(2)]
     chats = [tenant_req(f"b{i}", 60, "b", max_tokens=2) for i in range(8)]
@@ -412,10 +412,7 @@ def test_a_flood_s_promised_blocks_count_as_its_holding():
     but each is promised the blocks to finish, and the promises fill the cache. Those count as A's: A is over
     its share, so B's four chats preempt A's latest prompts and start in the plan they arrive in. Counted by
     the blocks held alone, A looks under its share and B's chats wait for A's prompts to finish."""
-    cfg = SchedulerConfig(num_blocks=380, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0)
+    cfg, sched, worker = under_itl_target(num_blocks=380)
     flood = [tenant_req("a-stream", 8, "a", max_tokens=200)] + [tenant_req(f"a{i}", 1000, "a", max_tokens=1)
                                                                  for i in range(8)]
     chats = [tenant_req(f"b{i}", 40, "b", max_tokens=4) for i in range(4)]
@@ -440,10 +437,7 @@ def long_prompt_beside_streams(chat_tenant: str) -> list[tuple[int, int]]:
     """A's long prompt beside four chat streams of `chat_tenant`, under an ITL target that leaves no room for a
     prefill chunk (a chunk's own cost is more than 0.3 x the decode step). Each plan with decodes: (decode
     tokens, the long prompt's tokens)."""
-    cfg = SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
-                          max_model_len=4096, watermark=0.0, itl_target=ItlTarget(ratio=1.3))
-    sched, worker = WorkerPolicy(cfg), FakeWorker(cfg)
-    sched.step_costs = StepCosts(overhead_s=0.002, token_s=1e-4, key_s=0.0, prefill_chunk_s=0.002)
+    cfg, sched, worker = under_itl_target(prefill_chunk_s=0.002)
     chats = [tenant_req(f"chat{i}", 24, chat_tenant, max_tokens=30) for i in range(4)]
     flood = [tenant_req("long", 3000, "a", max_tokens=1)]
     plans: list[tuple[int, int]] = []

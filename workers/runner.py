@@ -111,10 +111,11 @@ class ModelRunner:
     def warm_up(self) -> dict[str, str]:
         """Run one tiny prefill chunk and one decode of a scratch sequence in block 0, then forget it: every
         kernel the model's steps use is compiled or loaded now (kernels loads a native op on its first call),
-        not inside the first step a scheduler plans, and the background builds of the other native ops this CPU
-        runs have finished (no compiler competes with the first steps). Call it before the worker announces itself: nothing else
-        holds blocks yet (it writes the first one or two). Also starts building the grammar engine's index of
-        the vocabulary, so the first constrained request does not wait for it. Returns kernel_implementations()."""
+        not inside the first step a scheduler plans, and the background builds of the other native ops this
+        CPU runs have finished (no compiler competes with the first steps). Call it before the worker announces
+        itself: nothing else holds blocks yet (it writes the first one or two). Also starts building the grammar
+        engine's index of the vocabulary, so the first constrained request does not wait for it. Returns
+        kernel_implementations()."""
         seq = "warm-up"
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         prompt = [0, min(1, self.vocab_size - 1)]
