@@ -269,7 +269,9 @@ class StepPlanner:
                 and not self.kv.waits_for_prefix(seq, self.queues.running))
 
     def _streaming(self, step: StepDraft) -> set[str]:
-        """The tenants whose streams decode in this step."""
+        """The tenants whose streams decode in this step (with one tenant, `_floor_for` does not ask)."""
+        if not self.shares.is_shared:
+            return set()
         seqs = self.queues.seqs
         return {seqs[c.seq_id].tenant for c in step.decodes}
 
