@@ -53,23 +53,31 @@ class StepBudget:
     long_threshold: int  # T; 0: no cap on long prefills
     long_left: float  # what the chunks of long prefills may still take; inf with no cap
     head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
-    # the ITL target, in units: prefill may take max(base + slope * decode units - what its chunks add
-    # beyond their tokens (counting the next one), floor) - prefill units (inf without a target or a
-    # learned cost model, or in a step with no decode: no stream to stall, unless `hold_for_paused_stream`)
-    target_base: float = math.inf
-    target_slope: float = 0.0
+    # the ITL target: the step's predicted time may reach `target_ratio` x the decode-only step at its batch
+    # (`decode_costs`' prediction, the main fit's without one), or `target_ms_units`; prefill may take what
+    # that leaves beside the fixed cost, the decodes and what its chunks add beyond their tokens (counting
+    # the next one), at least `target_floor` (inf without a target or a learned cost model, or in a step with
+    # no decode: no stream to stall, unless `hold_for_paused_stream`)
+    target_ratio: float | None = None
+    target_ms_units: float = math.inf
     target_floor: float = 0.0
+    decode_costs: StepCosts | None = None  # the fit of decode-only steps (StepCostModel.decode_only)
+    decode_tokens: int = 0
+    decode_keys: int = 0
     overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
     prefill_chunk_units: float = 0.0  # what a prefill chunk costs beyond its tokens
     unit_s: float = 0.0  # seconds a unit (0: no cost model)
     decode_units: float = 0.0
-    paused_stream_units: float = 0.0  # what the target counts for a stream paused between turns (0: none)
+    paused_stream: bool = False  # the target counts one stream paused between turns (`hold_for_paused_stream`)
     long_cap_always: bool = False  # the long cap holds in a step with no decode too (`hold_long_cap`)
     prefill_units: float = 0.0
     prefill_chunks: int = 0
 
     @classmethod
-    def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None) -> StepBudget:
+    def for_step(cls, cfg: SchedulerConfig, costs: StepCosts | None = None,
+                 decode_costs: StepCosts | None = None) -> StepBudget:
+        """`costs`: the worker's learned step costs; `decode_costs`: those of its decode-only steps, the ratio
+        target's baseline (the steps a prefill chunk stretches)."""
         threshold = cfg.long_prefill_threshold if cfg.enable_chunked_prefill else 0
         budget = cls(cfg.max_num_batched_tokens, cfg.attention_horizon, threshold,
                      float(threshold) if threshold else math.inf)
@@ -79,12 +87,12 @@ class StepBudget:
         # the learned model in the policy's units: a unit is token_s seconds, K = token_s / key_s
         budget.horizon, budget.unit_s, budget.overhead_units = costs.horizon, costs.token_s, costs.overhead_units
         budget.prefill_chunk_units = costs.prefill_chunk_units
-        if target.ratio is not None:  # r * (fixed + decodes) - (fixed + decodes)
-            budget.target_base = (target.ratio - 1.0) * budget.overhead_units
-            budget.target_slope = target.ratio - 1.0
-        else:  # ms / unit - (fixed + decodes)
-            budget.target_base = target.ms / 1e3 / costs.token_s - budget.overhead_units
-            budget.target_slope = -1.0
+        if target.ratio is not None:
+            budget.target_ratio = target.ratio
+            if decode_costs is not None and decode_costs.is_plausible:
+                budget.decode_costs = decode_costs
+        else:
+            budget.target_ms_units = target.ms / 1e3 / costs.token_s
         # the deepest token's cost: whatever the target, every step may prefill at least one token
         budget.target_floor = chunk_cost(cfg.max_model_len - 1, 1, budget.horizon)
         return budget
@@ -92,7 +100,7 @@ class StepBudget:
     def hold_for_paused_stream(self) -> None:
         """Bound this step as if one stream decoded in it: another tenant's streams paused a moment ago, and
         its next turn should not wait behind long prefill steps (scheduler/tenant_planner.py)."""
-        self.paused_stream_units = chunk_cost(0, 1, self.horizon)
+        self.paused_stream = True
 
     def hold_long_cap(self) -> None:
         """Keep the long cap in this step even with no decode: another tenant's request arriving now waits for
@@ -100,9 +108,33 @@ class StepBudget:
         self.long_cap_always = True
 
     @property
+    def _streaming(self) -> tuple[int, int]:
+        """(tokens, keys) of the decodes the ITL target bounds the step by ((0, 0): no stream to protect):
+        the step's, or one stream's at its first position while one is paused."""
+        if self.decode_tokens:
+            return self.decode_tokens, self.decode_keys
+        return (1, 1) if self.paused_stream else (0, 0)
+
+    @property
     def _streaming_units(self) -> float:
-        """The decode units the ITL target bounds the step by (0: no stream to protect)."""
-        return self.decode_units or self.paused_stream_units
+        if self.decode_tokens:
+            return self.decode_units
+        return chunk_cost(0, 1, self.horizon) if self.paused_stream else 0.0
+
+    @property
+    def _bound_units(self) -> float:
+        """The ITL target's bound on the step's predicted time, in units (inf: none): r x the decode-only step
+        at this batch, or the milliseconds set. The decode-only step comes from the fit of decode-only steps:
+        the main fit, made of steps that carry prefill while long prompts run, overestimates it where a
+        step with any prefill pays a fixed cost a decode-only one does not (another path through the model)."""
+        tokens, keys = self._streaming
+        if not tokens:
+            return math.inf
+        if self.target_ratio is None:
+            return self.target_ms_units
+        if self.decode_costs is not None:
+            return self.target_ratio * self.decode_costs.predict(tokens, keys) / self.unit_s
+        return self.target_ratio * (self.overhead_units + self._streaming_units)
 
     @property
     def target_left(self) -> float:
@@ -112,9 +144,10 @@ class StepBudget:
         """What the ITL target leaves the step's prefill (inf: no bound). `floor`: at least the deepest token's
         cost, so a long prompt beside streams always moves; without it (beside another tenant's streams only)
         the room may be none: a chunk's own cost would stretch those streams' steps past the target."""
-        if not self._streaming_units or math.isinf(self.target_base):
+        bound = self._bound_units
+        if math.isinf(bound):
             return math.inf
-        room = (self.target_base + self.target_slope * self._streaming_units
+        room = (bound - self.overhead_units - self._streaming_units
                 - self.prefill_chunk_units * (self.prefill_chunks + 1))
         return (max(room, self.target_floor) if floor else room) - self.prefill_units
 
@@ -144,10 +177,8 @@ class StepBudget:
     def target_s(self) -> float:
         """The ITL target's bound on the step's predicted time (0: no bound: the target is off, no cost model
         is learned, or no stream to protect in the step): r x the pure-decode step's, or the milliseconds set."""
-        if not self._streaming_units or math.isinf(self.target_base) or not self.unit_s:
-            return 0.0
-        streaming = self._streaming_units
-        return (self.overhead_units + streaming + self.target_base + self.target_slope * streaming) * self.unit_s
+        bound = self._bound_units
+        return 0.0 if math.isinf(bound) or not self.unit_s else bound * self.unit_s
 
     def is_long(self, prefill_len: int) -> bool:
         """`prefill_len`: the positions a prefill computes, its cached prefix excluded (a resent history
@@ -157,7 +188,7 @@ class StepBudget:
     def targets(self, prefill_len: int) -> bool:
         """The ITL target would bound this prefill's chunks in this step: it is on, there are decodes beside
         it (or a paused stream), and the prefill is long (or every prefill is, with no long cap)."""
-        return (not math.isinf(self.target_base) and bool(self._streaming_units)
+        return (not math.isinf(self._bound_units)
                 and (not self.long_threshold or self.is_long(prefill_len)))
 
     def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False,
@@ -182,6 +213,8 @@ class StepBudget:
         cost = chunk_cost(pos, 1, self.horizon)
         self.cap_left -= cost
         self.decode_units += cost
+        self.decode_tokens += 1
+        self.decode_keys += pos + 1
 
     def charge_prefill(self, prefill_len: int, start: int, n: int) -> float:
         """Spend a prefill chunk's cost (from the long cap too if it is long); returns the cost."""

@@ -66,6 +66,7 @@ class WorkerPolicy:
         self._next_step_id = first_step_id  # unique per adoption: a late result of an earlier one matches nothing
         # the worker's learned step costs (the service sets them from measured steps; None: not yet)
         self.step_costs: StepCosts | None = None
+        self.decode_step_costs: StepCosts | None = None  # of its decode-only steps: the ITL target's baseline
         self.last_budget: StepBudget | None = None  # the last plan's budget (its predicted time)
         self.last_split = (0, 0, 0)  # the last plan's (decode tokens with drafts, prefill tokens, prefill chunks)
 
@@ -206,10 +207,10 @@ class WorkerPolicy:
           requests at the front of that order whose tenants are under their share preempt ones over it before
           decodes are planned (scheduler/tenant_planner.py, docs/tenants.md). Once two tenants have used the
           worker, a step with no decode keeps the long cap, and the ITL target's bound of one stream while a
-          tenant's streams pause between turns.
+          tenant's streams pause between turns or its short prompt starts beside another tenant's long ones.
         """
         step = StepDraft()
-        budget = StepBudget.for_step(self.config, self.step_costs)
+        budget = StepBudget.for_step(self.config, self.step_costs, self.decode_step_costs)
         if self.shares.is_shared:
             self.steps.make_room_for_fair_heads(step)
         self.steps.schedule_decodes(step, budget)

@@ -23,7 +23,8 @@ in the first 4 x `refit_every`; a few small numpy solves), so the per-step cost 
 write.
 
 `ItlTarget` is the operator's bound (`--itl-target`): a ratio of the predicted pure-decode step at the
-current batch (`1.3x`, the default) or milliseconds (`80ms`); `off` turns it off.
+current batch (`1.3x`, the default) or milliseconds (`80ms`); `off` turns it off. The service keeps a second
+`StepCostModel` of a worker's decode-only steps alone for that ratio's baseline (scheduler/budget.py).
 """
 
 from __future__ import annotations

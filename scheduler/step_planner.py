@@ -136,13 +136,16 @@ class StepPlanner:
 
     def reserve_head_of_queue(self, step: StepDraft, budget: StepBudget) -> None:
         """The starvation rule: if the head of the waiting queue can be admitted now, reserve it
-        min(its prefill's cost, max(half of what decodes left, one token's cost))."""
-        step.head = next((s for s in self._admission_order(step) if self.startable(s)), None)
+        min(its prefill's cost, max(half of what decodes left, one token's cost)). With tenants, a short prompt
+        heading the queue beside another tenant's long prompts keeps the ITL target's bound of one stream on
+        the step it starts in (`TenantPlanner.starts_beside_long_prompts`), and the prefill budget is split."""
+        step.head = head = next((s for s in self._admission_order(step) if self.startable(s)), None)
+        step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if self.shares.is_shared:
             q = self.queues
+            if step.head_admitted and self.tenants.starts_beside_long_prompts(head, budget, q.running):
+                budget.hold_for_paused_stream()
             self.tenants.split_prefill_budget(step, budget, q.waiting, q.running, self.startable, self._overdue)
-        head = step.head
-        step.head_admitted = self.config.enable_chunked_prefill and head is not None and self._can_admit(head, step)
         if step.head_admitted:
             horizon = budget.horizon
             whole = chunk_cost(0, head.num_known_tokens, horizon)

@@ -42,6 +42,15 @@ class TenantPlanner:
         busy = {s.tenant for s in running} | {s.tenant for s in waiting}
         return bool(paused) and bool(busy - paused)
 
+    @staticmethod
+    def starts_beside_long_prompts(head: Sequence, budget: StepBudget, running: list[Sequence]) -> bool:
+        """Whether the step `head` starts in should keep the ITL target's bound of one stream, as for a stream
+        paused between turns: `head` is a short prompt, and another tenant's long prompt is prefilling, whose
+        chunks would otherwise stretch the step to the long cap. Its first token is a chat's next one after a
+        pause; the long prompts lose one step's chunk, not their share (they take it in the steps after)."""
+        return not budget.is_long(head.num_known_tokens) and any(
+            s.tenant != head.tenant and s.is_prefilling and budget.is_long(s.num_prefill_computed) for s in running)
+
     def admission_order(self, waiting: list[Sequence], running: list[Sequence], step: StepDraft) -> list[Sequence]:
         """Weighted fair order on prefill tokens (each tenant's own in (priority, arrival) order), the tenants
         under their share of the worker before those at or over it, without the sequences a fair-share

@@ -26,8 +26,10 @@ class WorkerSlot:
     handing_back: bool = False  # the deadline passed: no more plans; the rest moves once none is in flight
     drained: bool = False  # told it holds nothing and may exit
     loras: AdapterRecency = field(default_factory=AdapterRecency)  # the LoRA adapters it holds (lora_routing.py)
-    # the worker's step time learned from its results, and (tokens, keys, prefill chunks) of each plan in flight
+    # the worker's step time learned from its results (all steps; its decode-only steps apart, the ITL target's
+    # baseline), and (tokens, keys, prefill chunks) of each plan in flight
     step_costs: StepCostModel = field(default_factory=StepCostModel)
+    decode_step_costs: StepCostModel = field(default_factory=StepCostModel)
     plan_features: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     # the live view (phaseserve/stack_view.py): each plan in flight as a StepSample without its time, and
     # the last steps that answered

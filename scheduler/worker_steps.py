@@ -122,13 +122,19 @@ class WorkerSteps:
         model = slot.step_costs
         model.observe(tokens, keys, result.step_time_s, prefill_chunks)
         slot.policy.step_costs = costs = model.costs
+        if not prefill_chunks:
+            slot.decode_step_costs.observe(tokens, keys, result.step_time_s)
+            slot.policy.decode_step_costs = slot.decode_step_costs.costs
         if costs is not None and model.num_samples % STEP_COST_LOG_EVERY == model.min_samples % STEP_COST_LOG_EVERY:
+            decode_only = slot.decode_step_costs.costs
             log.info("step costs learned", worker_id=slot.info.worker_id, steps=model.num_samples,
                      overhead_ms=round(costs.overhead_s * 1e3, 3), token_ms=round(costs.token_s * 1e3, 4),
                      key_us=round(costs.key_s * 1e6, 5), prefill_chunk_ms=round(costs.prefill_chunk_s * 1e3, 3),
                      horizon=round(costs.horizon),
                      measured_over_predicted_prefill=round(model.prefill_ratio, 3),
                      measured_over_predicted_decode=round(model.decode_ratio, 3),
+                     decode_only_overhead_ms=decode_only and round(decode_only.overhead_s * 1e3, 3),
+                     decode_only_token_ms=decode_only and round(decode_only.token_s * 1e3, 4),
                      itl_target=str(self.itl_target),
                      verify_units=(round(slot.policy.drafts.verify_cost.units, 2) if slot.info.speculative_tokens
                                    else None))

@@ -252,6 +252,32 @@ def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_s
     assert_idle(sched)
 
 
+def test_a_chat_s_first_turn_starts_whole_in_a_short_step_beside_a_flood():
+    """B's 8 prompts (480 tokens) arrive while nothing of B's decodes and A's long prompts prefill. The step
+    they start in keeps the ITL target's bound of one stream, as for a chat paused between turns: A's long
+    chunks get what it leaves (a few tokens, no floor: the step is not for A's streams), so B's whole turn
+    starts in that step and its first tokens come from a step not stretched by A's chunk. Split by weight, B
+    would get half of the step and its prompts would start two steps apart, each beside 256 units of A's."""
+    cfg, sched, worker = under_itl_target()
+    flood = [tenant_req(f"a{i}", 3000, "a", max_tokens=1) for i in range(2)]
+    chats = [tenant_req(f"b{i}", 60, "b", max_tokens=2) for i in range(8)]
+    starts: dict[str, int] = {}
+    a_tokens: dict[int, int] = {}
+
+    def on_plan(i, plan):
+        for s in plan.starts:
+            starts.setdefault(s.seq_id, i)
+        a_tokens[i] = sum(c.num_tokens for c in plan.chunks if c.seq_id.startswith("a"))
+
+    drive(sched, worker, depth=2, arrivals={0: flood, 10: chats}, on_plan=on_plan)
+    first = starts["b0"]
+    assert {starts[c.request_id] for c in chats} == {first}, starts
+    # one stream's room at 1.3x: 0.3 x (20 units of overhead + 1) = 6 tokens of A's
+    assert a_tokens[first] <= 6 and a_tokens[first - 1] == 512, a_tokens  # before: A alone, the whole budget
+    assert_reference(worker, flood + chats, cfg.max_model_len)
+    assert_idle(sched)
+
+
 def test_a_turn_of_several_chats_starts_together_when_a_flood_holds_every_slot():
     """A holds all 8 slots; B's four chats send their next turns at once. Each needs a slot from A (over its
     share of 4), and all four start in the plan after they arrive: made room for one at a time, the fourth

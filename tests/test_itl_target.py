@@ -133,6 +133,29 @@ def test_no_target_without_costs_or_decodes():
     assert plan.chunks[0].num_tokens > 200
 
 
+def test_a_ratio_target_is_of_the_decode_only_step_as_fitted_apart():
+    """The main fit, made of steps that carry prefill while long prompts run, can put a fixed cost that only
+    steps with prefill pay on every step; the fit of decode-only steps says what the streams' steps take
+    without it, and the ratio is of that. Without a plausible one, of the main fit's prediction."""
+    cfg = config(ItlTarget(ratio=1.5))
+    decode_only = StepCosts(overhead_s=0.008, token_s=0.0008, key_s=0.0008 / 2000)  # 12 ms less fixed cost
+    budget = StepBudget.for_step(cfg, COSTS, decode_only)
+    for pos in range(16):
+        budget.charge_decode(1000 + pos)
+    keys = sum(1001 + pos for pos in range(16))
+    bound_s = 1.5 * decode_only.predict(16, keys)
+    assert budget.target_s == pytest.approx(bound_s)
+    room = bound_s / COSTS.token_s - COSTS.overhead_units - budget.decode_units - COSTS.prefill_chunk_units
+    assert budget.target_room(floor=False) == pytest.approx(room)
+    # here the fixed cost the main fit adds is more than the 0.5x leaves: a long prompt gets only the floor
+    assert room < 0 and budget.target_left == pytest.approx(budget.target_floor)
+    for implausible in (None, StepCosts(0.0, 0.0, 6e-4)):
+        fallback = StepBudget.for_step(cfg, COSTS, implausible)
+        for pos in range(16):
+            fallback.charge_decode(1000 + pos)
+        assert fallback.target_s == pytest.approx(1.5 * COSTS.predict(16, keys))
+
+
 def test_short_prompts_are_not_held_by_the_target():
     """The target bounds long prompts (longer than the long-prompt threshold): a burst of chat prompts beside
     the decoding streams is prefilled as fast as with the target off, so their TTFT (and a workload of

@@ -46,6 +46,11 @@ async def test_the_service_learns_step_costs_from_measured_steps(model_dir, redi
         predicted = np.array([fit.predict(t, k, 0) for t, k in x[decode, 1:3]])
         assert 0.5 < float(np.median(y[decode] / predicted)) < 2, (fit, np.median(y[decode]))
         assert 0.25 < model.decode_ratio < 4
+        # the decode-only steps are fitted apart too (the ITL target's baseline), and only they
+        decode_model = slot.decode_step_costs
+        m = min(decode_model.num_samples, decode_model.window)
+        assert decode_model.num_samples >= int(decode.sum()) - 8 and not decode_model._x[:m, 3].any()
+        assert slot.policy.decode_step_costs is decode_model.costs
         s = await stats(client, keys)
         assert s["num_steps_held_by_itl_target"] >= 0
     finally:
