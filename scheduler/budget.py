@@ -61,7 +61,7 @@ class StepBudget:
     target_ratio: float | None = None
     target_ms_units: float = math.inf
     target_floor: float = 0.0
-    decode_costs: StepCosts | None = None  # the fit of decode-only steps (StepCostModel.decode_only)
+    decode_costs: StepCosts | None = None  # the fit of the worker's decode-only steps (WorkerSlot.decode_step_costs)
     decode_tokens: int = 0
     decode_keys: int = 0
     overhead_units: float = 0.0  # the step's fixed cost, for `predicted_s`
@@ -117,6 +117,7 @@ class StepBudget:
 
     @property
     def _streaming_units(self) -> float:
+        """The same decodes in budget units (0: no stream to protect)."""
         if self.decode_tokens:
             return self.decode_units
         return chunk_cost(0, 1, self.horizon) if self.paused_stream else 0.0
@@ -193,8 +194,8 @@ class StepBudget:
 
     def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False,
                      floor: bool = True) -> int:
-        """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and for a long prompt
-        the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
+        """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and
+        for a long prompt the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
         `overdue`: the target has held this prefill back for its patience; the target no longer bounds it.
         `floor`: a long prompt moves at least a token beside the streams (`target_room`)."""
         target_left = math.inf if overdue else self.target_room(floor)
