@@ -125,17 +125,21 @@ class StepBudget:
     @property
     def _bound_units(self) -> float:
         """The ITL target's bound on the step's predicted time, in units (inf: none): r x the decode-only step
-        at this batch, or the milliseconds set. The decode-only step comes from the fit of decode-only steps:
-        the main fit, made of steps that carry prefill while long prompts run, overestimates it where a
-        step with any prefill pays a fixed cost a decode-only one does not (another path through the model)."""
+        at this batch, or the milliseconds set. The decode-only step is the lower of the main fit's prediction
+        and that of the fit of decode-only steps: the main fit, made of steps that carry prefill while long
+        prompts run, overestimates it where a step with any prefill pays a fixed cost a decode-only one does
+        not (another path through the model)."""
         tokens, keys = self._streaming
         if not tokens:
             return math.inf
         if self.target_ratio is None:
             return self.target_ms_units
-        if self.decode_costs is not None:
-            return self.target_ratio * self.decode_costs.predict(tokens, keys) / self.unit_s
-        return self.target_ratio * (self.overhead_units + self._streaming_units)
+        main_fit = self.overhead_units + self._streaming_units
+        if self.decode_costs is None:
+            return self.target_ratio * main_fit
+        # the tighter of the two: the decode-only fit corrects a main fit that puts the prefill path's fixed
+        # cost on every step, but extrapolated to a batch its steps did not have it may also loosen the bound
+        return self.target_ratio * min(self.decode_costs.predict(tokens, keys) / self.unit_s, main_fit)
 
     @property
     def target_left(self) -> float:

@@ -136,7 +136,8 @@ def test_no_target_without_costs_or_decodes():
 def test_a_ratio_target_is_of_the_decode_only_step_as_fitted_apart():
     """The main fit, made of steps that carry prefill while long prompts run, can put a fixed cost that only
     steps with prefill pay on every step; the fit of decode-only steps says what the streams' steps take
-    without it, and the ratio is of that. Without a plausible one, of the main fit's prediction."""
+    without it, and the ratio is of that. Without a plausible one, or where it predicts a longer step than the
+    main fit, of the main fit's prediction."""
     cfg = config(ItlTarget(ratio=1.5))
     decode_only = StepCosts(overhead_s=0.008, token_s=0.0008, key_s=0.0008 / 2000)  # 12 ms less fixed cost
     budget = StepBudget.for_step(cfg, COSTS, decode_only)
@@ -149,7 +150,9 @@ def test_a_ratio_target_is_of_the_decode_only_step_as_fitted_apart():
     assert budget.target_room(floor=False) == pytest.approx(room)
     # here the fixed cost the main fit adds is more than the 0.5x leaves: a long prompt gets only the floor
     assert room < 0 and budget.target_left == pytest.approx(budget.target_floor)
-    for implausible in (None, StepCosts(0.0, 0.0, 6e-4)):
+    # a decode-only fit that predicts a longer step than the main fit does not loosen the bound
+    slower = StepCosts(overhead_s=0.030, token_s=0.0008, key_s=0.0008 / 2000)
+    for implausible in (None, StepCosts(0.0, 0.0, 6e-4), slower):
         fallback = StepBudget.for_step(cfg, COSTS, implausible)
         for pos in range(16):
             fallback.charge_decode(1000 + pos)
