@@ -54,7 +54,7 @@ class StepBudget:
     long_left: float  # what the chunks of long prefills may still take; inf with no cap
     head_reserve: float = 0  # kept for the head of the waiting queue while partial prefills take theirs
     # the ITL target: the step's predicted time may reach `target_ratio` x the decode-only step at its batch
-    # (`decode_costs`' prediction, the main fit's without one), or `target_ms_units`; prefill may take what
+    # (the lower of the main fit's prediction and `decode_costs`'), or `target_ms_units`; prefill may take what
     # that leaves beside the fixed cost, the decodes and what its chunks add beyond their tokens (counting
     # the next one), at least `target_floor` (inf without a target or a learned cost model, or in a step with
     # no decode: no stream to stall, unless `hold_for_paused_stream`)
@@ -199,7 +199,8 @@ class StepBudget:
     def chunk_tokens(self, prefill_len: int, start: int, budget: float, overdue: bool = False,
                      floor: bool = True) -> int:
         """The most tokens of a prefill computing `prefill_len` positions, from `start`, that fit `budget`, and
-        for a long prompt the long cap and the ITL target's room (with no long cap, T = 0, the target bounds every prefill).
+        for a long prompt the long cap and the ITL target's room (with no long cap, T = 0, the target bounds
+        every prefill).
         `overdue`: the target has held this prefill back for its patience; the target no longer bounds it.
         `floor`: a long prompt moves at least a token beside the streams (`target_room`)."""
         target_left = math.inf if overdue else self.target_room(floor)
