@@ -152,7 +152,9 @@ class StepCostModel:
         self._since_fit += 1
         # early on every few steps: the first fit sees the warm-up steps, and the costs matter from the start
         every = self.refit_every if self._n >= 4 * self.refit_every else min(4, self.refit_every)
-        if self._n >= self.min_samples and (self._costs is None or self._since_fit >= every):
+        # at the cadence even while no fit is plausible: steps that all look alike (decode-only steps at one
+        # batch) stay implausible, and refitting each of them would put the fit on every result's path
+        if self._n == self.min_samples or (self._n > self.min_samples and self._since_fit >= every):
             fit = self.fit()
             self._since_fit = 0
             if fit.is_plausible:  # else keep the last plausible fit (or none: the token budget alone)

@@ -173,3 +173,16 @@ def test_an_implausible_fit_is_not_believed():
     assert model.costs is not None and model.costs.is_plausible
     assert model.costs.token_s > 0 and model.costs.overhead_s > 0
     assert good.is_plausible
+
+
+def test_a_fit_that_stays_implausible_is_retried_at_the_cadence_not_on_every_step():
+    """Decode-only steps at one batch all look alike, so their fit stays implausible; refitting on each of
+    them put the numpy solves on every result's path (the scheduler's CPU a step rose by half)."""
+    model = StepCostModel(refit_every=32, min_samples=48, warmup=0)
+    fits = []
+    implausible = StepCosts(0.0, 0.0, 6e-4)  # all on the keys: what such steps can give
+    model.fit = lambda: fits.append(model.num_samples) or implausible
+    for _ in range(400):
+        model.observe(8, 800, 0.016)
+    assert model.costs is None
+    assert fits[0] == 48 and len(fits) < 400 // 4, fits
