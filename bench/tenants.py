@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-tokens", type=int, default=24, help="tokens streamed in each turn")
     p.add_argument("--chat-delay", type=float, default=1.0, help="seconds after the flood starts that B starts")
     p.add_argument("--rounds", type=int, default=3, help="times to repeat the four runs (figures pooled)")
+    p.add_argument("--flood-only", action="store_true",
+                   help="run only A alone, --rounds times (after B's warm-up chats: the worker has seen two "
+                        "tenants), to measure what the tenant rules cost a flood (compare --up-arg settings)")
     p.add_argument("--model", default="bundled", help="what `phaseserve up` serves (default: bundled)")
     p.add_argument("--up-arg", action="append", default=[], help="extra flag for `phaseserve up` (repeatable)")
     p.add_argument("--log", default="/tmp/phaseserve-tenants.log", help="where the started stack logs")
@@ -140,6 +143,8 @@ def percentiles(b: dict, turns: int) -> dict:
 
 async def one_round(http, url, model, args, keys_path: Path, r: int) -> dict:
     """B alone, A alone, then both with tenants and without (the keys file rewritten; the gateway reloads it)."""
+    if args.flood_only:
+        return {"a_alone": await flood(http, url, model, f"a-alone-{r}", args)}
     out = {"b_alone": await chats(http, url, model, f"b-alone-{r}", args),
            "a_alone": await flood(http, url, model, f"a-alone-{r}", args)}
     for name, separate in (("tenants", True), ("no_tenants", False)):
@@ -184,6 +189,8 @@ async def run_all(url: str, args, keys_path: Path) -> dict:
             model = (await r.json())["data"][0]["id"]
         await chats(http, url, model, "warmup", argparse.Namespace(**{**vars(args), "chats": 2, "turns": 1}))
         rounds = [await one_round(http, url, model, args, keys_path, r) for r in range(args.rounds)]
+    if args.flood_only:
+        return {"rounds": rounds}
     return {**pooled(rounds, args.turns), "rounds": rounds}
 
 
@@ -204,6 +211,10 @@ def machine() -> str:
 
 
 def report(m: dict) -> str:
+    if m["args"]["flood_only"]:
+        rates = [r["a_alone"]["tokens_per_s"] for r in m["rounds"]]
+        return (f"machine: {m['machine']}\nA alone (flood only): {np.mean(rates):.0f} tokens/s, each round "
+                + ", ".join(f"{x:.0f}" for x in rates))
     alone = m["b_alone"]
     lines = [f"machine: {m['machine']}; B's turns per run: {alone['turns']} ({len(m['rounds'])} rounds)",
              "run          B TTFT p50/p99 (s)   B ITL p50/p99 (ms)   A tokens/s   B p99 vs alone (TTFT, ITL)"]

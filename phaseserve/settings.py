@@ -230,6 +230,12 @@ SETTINGS: list[Setting] = [
             "seconds of predicted step time the ITL target may hold a long prompt's prefill back; past it only "
             "the token budget and the long cap bound its chunks, so no prompt starves beside a few streams; keep "
             "it well under --request-progress-timeout", ("scheduler", "up")),
+    Setting("tenant_wait", "PHASESERVE_TENANT_WAIT", 0.1, nonnegative_float,
+            "seconds of predicted step time a request may wait for another tenant's work already sent to a "
+            "worker: once two tenants (--api-keys-file) have used a worker, the long prompts' chunks of a step with "
+            "no decode keep it within this and are not pipelined behind another plan; shorter costs a flood of "
+            "long prompts more steps' fixed cost (docs/tenants.md); 0 = only the long cap bounds them",
+            ("scheduler", "up")),
     Setting("plan_ahead", "PHASESERVE_PLAN_AHEAD", 0.1, nonnegative_float,
             "seconds of predicted step time a worker's plans in flight may add up to before the scheduler "
             "plans another behind them: a second plan in flight hides the round trip between a step's result "

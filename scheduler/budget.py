@@ -70,6 +70,10 @@ class StepBudget:
     decode_units: float = 0.0
     paused_stream: bool = False  # the target counts one stream paused between turns (`hold_for_paused_stream`)
     long_cap_always: bool = False  # the long cap holds in a step with no decode too (`hold_long_cap`)
+    # with `hold_long_cap`: the predicted time, in units, long chunks keep a step with no decode within (inf:
+    # none), and whether a plan is in flight ahead of this one (then they wait for the next plan)
+    wait_units: float = math.inf
+    behind_plans: bool = False
     prefill_units: float = 0.0
     prefill_chunks: int = 0
 
@@ -102,10 +106,16 @@ class StepBudget:
         its next turn should not wait behind long prefill steps (scheduler/tenant_planner.py)."""
         self.paused_stream = True
 
-    def hold_long_cap(self) -> None:
+    def hold_long_cap(self, wait_s: float = math.inf, behind_plans: bool = False) -> None:
         """Keep the long cap in this step even with no decode: another tenant's request arriving now waits for
-        the steps in flight, and a long prompt's chunks would otherwise make them as long as the budget."""
+        the steps in flight, and a long prompt's chunks would otherwise make them as long as the budget. With
+        learned costs, a step with no decode is also kept within `wait_s` by its long chunks, and those wait
+        for the next plan while one is in flight (`behind_plans`): on a CPU a step of the long cap can take
+        most of a short request's own first step, and a second one pipelined behind it would double the wait."""
         self.long_cap_always = True
+        if self.unit_s and not math.isinf(wait_s):
+            self.wait_units = wait_s / self.unit_s
+            self.behind_plans = behind_plans
 
     @property
     def _streaming(self) -> tuple[int, int]:
@@ -165,7 +175,23 @@ class StepBudget:
         """What long prefills' chunks may still take. The cap keeps a long prompt from stalling the streams
         decoding beside it; in a step with no decode there is none, and it would only cost the prompt's TTFT
         (unless `hold_long_cap`)."""
-        return self.long_left if self._streaming_units or self.long_cap_always else math.inf
+        if not (self._streaming_units or self.long_cap_always):
+            return math.inf
+        return min(self.long_left, self._wait_left)
+
+    @property
+    def _wait_left(self) -> float:
+        """What long chunks may take under `wait_units` (inf: no such bound here), the next chunk's fixed cost
+        counted."""
+        if math.isinf(self.wait_units) or self.decode_tokens:
+            return math.inf
+        return 0.0 if self.behind_plans else self.wait_units - self._planned_units - self.prefill_chunk_units
+
+    @property
+    def long_waits_for_plans(self) -> bool:
+        """A long prompt's chunk waits for the next plan, even the token it otherwise always moves: the step
+        has no decode, tenants' wait applies and a plan is in flight (the worker is not idle)."""
+        return self.behind_plans and not math.isinf(self._wait_left)
 
     @property
     def held_by_target(self) -> bool:
@@ -173,10 +199,14 @@ class StepBudget:
         return self.target_left < min(self.cap_left, self.long_cap_left)
 
     @property
+    def _planned_units(self) -> float:
+        return (self.overhead_units + self.decode_units + self.prefill_units
+                + self.prefill_chunk_units * self.prefill_chunks)
+
+    @property
     def predicted_s(self) -> float:
         """The step's predicted time as planned so far (0 without a cost model)."""
-        return (self.overhead_units + self.decode_units + self.prefill_units
-                + self.prefill_chunk_units * self.prefill_chunks) * self.unit_s
+        return self._planned_units * self.unit_s
 
     @property
     def target_s(self) -> float:
@@ -211,7 +241,8 @@ class StepBudget:
         n = max_chunk_tokens(start, min(budget, self.long_cap_left, target_left), self.horizon)
         # the step's first long chunk always moves, and so does an overdue one (behind others overdue too, it
         # shows progress every step while they take the long cap in turn)
-        if n == 0 and (overdue or (floor and self.long_left == self.long_threshold)):
+        forced = overdue or (floor and self.long_left == self.long_threshold)
+        if n == 0 and forced and not self.long_waits_for_plans:
             n = min(1, max_chunk_tokens(start, budget, self.horizon))
         return n
 

@@ -52,6 +52,10 @@ class SchedulerConfig:
     # while another tenant has work, so the next turn does not wait behind that tenant's long prefill steps
     # planned in the pause (scheduler/tenant_planner.py). 0: off
     paused_stream_s: float = 0.1
+    # tenants: once two tenants have used the worker, long prompts' chunks keep a step with no decode within
+    # this much predicted time and are not pipelined behind another plan, so another tenant's new request
+    # waits about this at most for work already sent (StepBudget.hold_long_cap). 0: the long cap alone
+    tenant_wait_s: float = 0.1
     # token ids a prompt may hold: [0, vocab_size) (WorkerInfo.vocab_size); 0 = unknown, not checked
     vocab_size: int = 0
     # share the cached KV blocks of prompts' common prefixes (scheduler/kv_cache_manager.py)
@@ -76,7 +80,7 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
             raise ValueError(f"SchedulerConfig.long_prefill_threshold must be an integer >= 0, got "
                              f"{self.long_prefill_threshold!r}")
-        for name in ("itl_patience_s", "paused_stream_s"):
+        for name in ("itl_patience_s", "paused_stream_s", "tenant_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.watermark < 1.0:

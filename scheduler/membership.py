@@ -33,6 +33,7 @@ class PolicyLimits:
     kv_transport: str = "auto"
     itl_target: ItlTarget = field(default_factory=ItlTarget)  # see SchedulerConfig; off: no bound
     itl_patience_s: float = 15.0  # see SchedulerConfig
+    tenant_wait_s: float = 0.1  # see SchedulerConfig
     enable_prefix_caching: bool = True  # see SchedulerConfig
 
 
@@ -44,7 +45,7 @@ def policy_config(limits: PolicyLimits, info: WorkerInfo) -> SchedulerConfig:
         enable_chunked_prefill=limits.enable_chunked_prefill,
         attention_horizon=info.attention_horizon if limits.attention_horizon is None else limits.attention_horizon,
         long_prefill_threshold=limits.long_prefill_threshold,
-        itl_target=limits.itl_target, itl_patience_s=limits.itl_patience_s,
+        itl_target=limits.itl_target, itl_patience_s=limits.itl_patience_s, tenant_wait_s=limits.tenant_wait_s,
         vocab_size=info.vocab_size,
         enable_prefix_caching=limits.enable_prefix_caching,
         speculative_tokens=info.speculative_tokens, speculative_adaptive=not info.speculative_fixed,

@@ -206,15 +206,17 @@ class WorkerPolicy:
           order; a preemption takes from the tenant furthest over its share of the KV blocks and slots, and the
           requests at the front of that order whose tenants are under their share preempt ones over it before
           decodes are planned (scheduler/tenant_planner.py, docs/tenants.md). Once two tenants have used the
-          worker, a step with no decode keeps the long cap, and the ITL target's bound of one stream while a
-          tenant's streams pause between turns or its short prompt starts beside another tenant's long ones.
+          worker, a step with no decode keeps the long cap and `tenant_wait_s` (its long chunks wait for the next
+          plan while one is in flight, the one exception to a long prompt's token a step), and the ITL target's
+          bound of one stream while a tenant's streams pause between turns or its short prompt starts beside
+          another tenant's long ones.
         """
         step = StepDraft()
         budget = StepBudget.for_step(self.config, self.step_costs, self.decode_step_costs)
         if self.shares.is_shared:
             self.steps.make_room_for_fair_heads(step)
         self.steps.schedule_decodes(step, budget)
-        self.steps.bound_for_other_tenants(step, budget)
+        self.steps.bound_for_other_tenants(step, budget, behind_plans=bool(self._inflight))
         self.steps.reserve_head_of_queue(step, budget)
         self.steps.schedule_prefill_chunks(step, budget)
         self.steps.admit_waiting(step, budget)

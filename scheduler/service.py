@@ -254,7 +254,7 @@ async def serve(args) -> None:
     limits = PolicyLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill,
                           args.attention_horizon, args.long_prefill_threshold, kv_transport=args.kv_transport,
                           itl_target=args.itl_target, itl_patience_s=args.itl_patience,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          tenant_wait_s=args.tenant_wait, enable_prefix_caching=args.enable_prefix_caching)
     service = SchedulerService(client, Keys(args.key_prefix), limits, heartbeat_interval=args.heartbeat_interval,
                                plan_ahead_s=args.plan_ahead, step_timeout=args.step_timeout,
                                lease_ttl=args.scheduler_lease_ttl, resume_grace=args.resume_grace,

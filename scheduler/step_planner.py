@@ -107,14 +107,16 @@ class StepPlanner:
             step.scheduled.add(seq)
             budget.charge_decode(pos)
 
-    def bound_for_other_tenants(self, step: StepDraft, budget: StepBudget) -> None:
-        """Step 1b (tenants): once two tenants have had work on this worker, the long cap holds in a step with
-        no decode too, so another tenant's request waits behind steps of at most that cap, not of the whole
-        budget; and while a tenant's streams are paused between turns, a step with no decode keeps the ITL
-        target's bound of one stream (`TenantPlanner.stream_paused`). One tenant alone: nothing changes."""
+    def bound_for_other_tenants(self, step: StepDraft, budget: StepBudget, behind_plans: bool) -> None:
+        """Step 1b (tenants): once two tenants have had work on this worker, a step with no decode keeps the
+        long cap, and its long chunks keep it within `tenant_wait_s` of predicted time, or wait for the next
+        plan while one is in flight (`behind_plans`): another tenant's request waits behind at most that, not
+        behind steps of the whole budget, two pipelined. While a tenant's streams are paused between turns, a
+        step with no decode keeps the ITL target's bound of one stream (`TenantPlanner.stream_paused`). One
+        tenant alone: nothing changes."""
         if len(self.shares.weight) < 2:
             return
-        budget.hold_long_cap()
+        budget.hold_long_cap(self.config.tenant_wait_s or math.inf, behind_plans)
         window = self.config.paused_stream_s
         q = self.queues
         if window and self.tenants.stream_paused(step, budget, q.running, q.waiting, self.clock_s, window):
@@ -167,7 +169,8 @@ class StepPlanner:
             n = min(seq.num_prefill_remaining, room,
                     budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue,
                                         self._floor_for(seq, streaming)))
-            if n <= 0 and step.is_empty and not step.head_admitted and room > 0:
+            if n <= 0 and step.is_empty and not step.head_admitted and room > 0 and not (
+                    budget.is_long(seq.num_prefill_computed) and budget.long_waits_for_plans):
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
@@ -195,7 +198,8 @@ class StepPlanner:
                 if n <= 0:
                     if step.tenant_left(seq) <= 0:
                         continue  # its tenant used its part of this step; another tenant's may still start
-                    if seq is not step.head or not step.head_admitted:
+                    if seq is not step.head or not step.head_admitted or (
+                            budget.is_long(need - cached) and budget.long_waits_for_plans):
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
             else:

@@ -169,10 +169,10 @@ def under_itl_target(num_blocks: int = 2000, prefill_chunk_s: float = 0.0, **con
     return cfg, sched, FakeWorker(cfg)
 
 
-def paused_chat_plans(window_s: float) -> list[tuple[float, int, int, int]]:
+def paused_chat_plans(window_s: float, **config) -> list[tuple[float, int, int, int]]:
     """A's flood of long prompts beside B's chat of two turns, the second sent when the first's last token
     is applied, as a chat client does. Each plan: (planner clock, decode tokens, A's prefill tokens, B's)."""
-    cfg, sched, worker = under_itl_target(paused_stream_s=window_s)
+    cfg, sched, worker = under_itl_target(paused_stream_s=window_s, **config)
     flood = [tenant_req(f"a{i}", 3000, "a", max_tokens=1) for i in range(4)]
     turns = [tenant_req("b0", 24, "b", max_tokens=6), tenant_req("b1", 40, "b", max_tokens=6)]
     plans: list[tuple[float, int, int, int]] = []
@@ -205,7 +205,7 @@ def test_a_chat_paused_between_turns_keeps_the_other_tenant_s_steps_short():
     (bench/results/2026-11-29-tenants-paused-streams.md). For `paused_stream_s` of planned step time after B's
     last decode, a step with no decode keeps the bound of one stream: B's next turn starts beside a short chunk
     of A's, and past the window A's chunks grow back to what the budget allows."""
-    held, off = paused_chat_plans(0.05), paused_chat_plans(0.0)
+    held, off = paused_chat_plans(0.05), paused_chat_plans(0.0, tenant_wait_s=0.0)
     b1_first = next(p for p in held if p[3] == 40)  # B's second prompt, whole in one chunk (it is short)
     last_b_decode = max(i for i, p in enumerate(held) if p[1] and p[0] < b1_first[0])
     paused = held[last_b_decode + 1:held.index(b1_first) + 1]
@@ -215,7 +215,8 @@ def test_a_chat_paused_between_turns_keeps_the_other_tenant_s_steps_short():
     assert b1_first[2] <= 8
     later = [p for p in held if p[0] > b1_first[0] + 0.06 and not p[1]]
     assert later and max(p[2] for p in later) == 256  # past the window, the long cap's chunks again
-    # without the rule, the pause's steps are A's long chunks
+    # without it (nor the tenants' wait, which keeps A's long chunks out of a plan pipelined behind B's last
+    # decode), the pause's steps are A's long chunks
     b1_first_off = next(i for i, p in enumerate(off) if p[3] == 40)
     assert off[b1_first_off - 1][2] == 256
 
@@ -229,6 +230,46 @@ def test_once_two_tenants_used_a_worker_the_long_cap_holds_in_steps_with_no_deco
     cfg, sched, worker = under_itl_target()
     plans = drive(sched, worker, arrivals={0: [tenant_req("a0", 3000, "a", max_tokens=1)]})
     assert max(c.num_tokens for p in plans for c in p.chunks) == 512
+
+
+def flood_plans(b_first: bool) -> list[tuple[int, int, float, int]]:
+    """A's flood of long prompts, two plans in flight, with a 20 ms wait for other tenants (a 512-token step
+    is ~53 ms here), after B's one request if `b_first`. Each plan with A's tokens: (A's tokens, B's, its
+    predicted time, plans in flight with it)."""
+    cfg, sched, worker = under_itl_target(tenant_wait_s=0.02)
+    flood = [tenant_req(f"a{i}", 3000, "a", max_tokens=1) for i in range(2)]
+    earlier = [tenant_req("b0", 20, "b", max_tokens=1)] if b_first else []
+    later = [tenant_req("b1", 40, "b", max_tokens=1)]
+    plans: list[tuple[int, int, float, int]] = []
+
+    def on_plan(i, plan):
+        tokens = {"a": 0, "b": 0}
+        for c in plan.chunks:
+            tokens[c.seq_id[0]] += c.num_tokens
+        plans.append((tokens["a"], tokens["b"], sched.last_budget.predicted_s, sched.stats().num_steps_in_flight))
+
+    drive(sched, worker, depth=2, arrivals={0: earlier, 4: flood, 30: later}, on_plan=on_plan)
+    assert_reference(worker, earlier + flood + later, cfg.max_model_len)
+    assert_idle(sched)
+    return plans
+
+
+def test_once_two_tenants_used_a_worker_long_chunks_keep_the_plans_in_flight_within_the_wait():
+    """A request of another tenant waits for the plans in flight. Once two tenants have used the worker, A's
+    long chunks in a step with no decode keep it within `tenant_wait_s` of predicted time and are not
+    pipelined behind another plan: one plan of A's at a time, each within the wait, and B's request starts in
+    the plan after the one in flight when it arrives. A tenant alone keeps whole budgets, two plans in
+    flight."""
+    shared = flood_plans(b_first=True)
+    a_only = [p for p in shared if p[0] and not p[1]]
+    # (20 ms - 2 ms of fixed cost) / 0.1 ms a token; a prompt at the head of the queue starts with a token
+    # even past the bound, as it does past the budget
+    assert a_only and all(p[0] <= 181 and p[2] <= 0.0201 + 1e-9 and p[3] == 1 for p in a_only), a_only
+    assert max(p[0] for p in a_only) == 181 and sum(p[0] == 180 for p in a_only) > len(a_only) / 2
+    b1 = next(i for i, p in enumerate(shared) if p[1] == 40)
+    assert shared[b1][3] <= 2 and shared[b1 - 1][2] <= 0.0201 + 1e-9
+    alone = [p for p in flood_plans(b_first=False) if p[0] and not p[1]]
+    assert max(p[0] for p in alone) == 512 and max(p[3] for p in alone) == 2
 
 
 def test_a_chat_s_prompts_take_the_part_of_the_budget_a_held_back_flood_cannot_spend():

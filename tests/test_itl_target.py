@@ -159,6 +159,39 @@ def test_a_ratio_target_is_of_the_decode_only_step_as_fitted_apart():
         assert fallback.target_s == pytest.approx(1.5 * COSTS.predict(16, keys))
 
 
+def test_beside_another_tenant_long_chunks_keep_the_plans_in_flight_within_the_wait():
+    """`hold_long_cap(wait_s, behind_plans)`: in a step with no decode, long chunks keep the step within the
+    wait (a 256-unit chunk here is ~0.24 s); behind a plan in flight, a long prompt moves nothing, not even the
+    token it otherwise always moves. Beside decodes the ITL target bounds the step instead, and without
+    learned costs only the long cap holds."""
+    cfg = config(ItlTarget(ratio=1.3))
+    alone = StepBudget.for_step(cfg, COSTS)
+    alone.hold_long_cap()
+    assert alone.chunk_tokens(3000, 0, alone.left) == max_chunk_tokens(0, 256, 2000)  # the long cap
+
+    first = StepBudget.for_step(cfg, COSTS)
+    first.hold_long_cap(0.1)
+    n = first.chunk_tokens(3000, 0, first.left)
+    first.charge_prefill(3000, 0, n)
+    assert 0 < n < max_chunk_tokens(0, 256, 2000) and first.predicted_s <= 0.1
+    assert first.predicted_s + COSTS.token_s * chunk_cost(n, 2, 2000) > 0.1  # the most that fits
+
+    behind = StepBudget.for_step(cfg, COSTS)
+    behind.hold_long_cap(0.1, behind_plans=True)
+    assert behind.long_waits_for_plans and behind.chunk_tokens(3000, n, behind.left) == 0
+    assert behind.chunk_tokens(40, 0, behind.left) >= 40  # a short prompt is not held
+
+    beside_decodes = StepBudget.for_step(cfg, COSTS)
+    beside_decodes.charge_decode(100)
+    beside_decodes.hold_long_cap(0.1, behind_plans=True)
+    assert not beside_decodes.long_waits_for_plans
+    assert beside_decodes.chunk_tokens(3000, n, beside_decodes.left) >= 1  # the ITL target's room, its floor
+
+    unlearned = StepBudget.for_step(cfg)
+    unlearned.hold_long_cap(0.1, behind_plans=True)
+    assert unlearned.chunk_tokens(3000, 0, unlearned.left) == max_chunk_tokens(0, 256, 2000)
+
+
 def test_short_prompts_are_not_held_by_the_target():
     """The target bounds long prompts (longer than the long-prompt threshold): a burst of chat prompts beside
     the decoding streams is prefilled as fast as with the target off, so their TTFT (and a workload of

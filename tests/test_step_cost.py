@@ -148,13 +148,15 @@ def scheduler_usage_error(capsys, *argv: str) -> str:
     return capsys.readouterr().err
 
 
-def test_itl_patience_setting_reaches_the_policy_and_rejects_a_negative(capsys):
-    assert settings.parse("scheduler", []).itl_patience == 15.0
-    args = settings.parse("up", ["--itl-patience", "4.5"])
-    cluster = Cluster(Keys("t"), PolicyLimits(itl_patience_s=args.itl_patience))
+@pytest.mark.parametrize("name, default", [("itl_patience", 15.0), ("tenant_wait", 0.1)])
+def test_a_seconds_setting_reaches_the_policy_and_rejects_a_negative(capsys, name, default):
+    flag = "--" + name.replace("_", "-")
+    assert getattr(settings.parse("scheduler", []), name) == default
+    args = settings.parse("up", [flag, "4.5"])
+    cluster = Cluster(Keys("t"), PolicyLimits(**{name + "_s": getattr(args, name)}))
     slot = cluster.add_worker(WorkerInfo("w0", "mixed", "m", 64, 16, 2048), epoch=1)
-    assert slot.policy.config.itl_patience_s == 4.5
-    err = scheduler_usage_error(capsys, "--itl-patience", "-1")
+    assert getattr(slot.policy.config, name + "_s") == 4.5
+    err = scheduler_usage_error(capsys, flag, "-1")
     assert "must be >= 0" in err and "Traceback" not in err
 
 
