@@ -187,11 +187,10 @@ class StepBudget:
             return math.inf
         return 0.0 if self.behind_plans else self.wait_units - self._planned_units - self.prefill_chunk_units
 
-    @property
-    def long_waits_for_plans(self) -> bool:
+    def waits_for_plans(self, prefill_len: int) -> bool:
         """A long prompt's chunk waits for the next plan, even the token it otherwise always moves: the step
-        has no decode, tenants' wait applies and a plan is in flight (the worker is not idle)."""
-        return self.behind_plans and not math.isinf(self._wait_left)
+        has no decode and a plan is in flight under tenants' wait (`behind_plans`; the worker is not idle)."""
+        return self.behind_plans and not self.decode_tokens and self.is_long(prefill_len)
 
     @property
     def held_by_target(self) -> bool:
@@ -242,7 +241,7 @@ class StepBudget:
         # the step's first long chunk always moves, and so does an overdue one (behind others overdue too, it
         # shows progress every step while they take the long cap in turn)
         forced = overdue or (floor and self.long_left == self.long_threshold)
-        if n == 0 and forced and not self.long_waits_for_plans:
+        if n == 0 and forced and not self.waits_for_plans(prefill_len):
             n = min(1, max_chunk_tokens(start, budget, self.horizon))
         return n
 

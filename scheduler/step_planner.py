@@ -169,8 +169,8 @@ class StepPlanner:
             n = min(seq.num_prefill_remaining, room,
                     budget.chunk_tokens(seq.num_prefill_computed, start, mine, overdue,
                                         self._floor_for(seq, streaming)))
-            if n <= 0 and step.is_empty and not step.head_admitted and room > 0 and not (
-                    budget.is_long(seq.num_prefill_computed) and budget.long_waits_for_plans):
+            if (n <= 0 and step.is_empty and not step.head_admitted and room > 0
+                    and not budget.waits_for_plans(seq.num_prefill_computed)):
                 n = 1  # the step would be empty: progress even if one token costs more than the budget
             if n <= 0:
                 continue  # no budget left, or decodes took its promised blocks (they will finish or preempt)
@@ -198,8 +198,7 @@ class StepPlanner:
                 if n <= 0:
                     if step.tenant_left(seq) <= 0:
                         continue  # its tenant used its part of this step; another tenant's may still start
-                    if seq is not step.head or not step.head_admitted or (
-                            budget.is_long(need - cached) and budget.long_waits_for_plans):
+                    if seq is not step.head or not step.head_admitted or budget.waits_for_plans(need - cached):
                         break
                     n = 1  # the head starts on this plan even when decodes used up the budget
             else:

@@ -178,13 +178,13 @@ def test_beside_another_tenant_long_chunks_keep_the_plans_in_flight_within_the_w
 
     behind = StepBudget.for_step(cfg, COSTS)
     behind.hold_long_cap(0.1, behind_plans=True)
-    assert behind.long_waits_for_plans and behind.chunk_tokens(3000, n, behind.left) == 0
+    assert behind.waits_for_plans(3000) and behind.chunk_tokens(3000, n, behind.left) == 0
     assert behind.chunk_tokens(40, 0, behind.left) >= 40  # a short prompt is not held
 
     beside_decodes = StepBudget.for_step(cfg, COSTS)
     beside_decodes.charge_decode(100)
     beside_decodes.hold_long_cap(0.1, behind_plans=True)
-    assert not beside_decodes.long_waits_for_plans
+    assert not beside_decodes.waits_for_plans(3000)
     assert beside_decodes.chunk_tokens(3000, n, beside_decodes.left) >= 1  # the ITL target's room, its floor
 
     unlearned = StepBudget.for_step(cfg)
